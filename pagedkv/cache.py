@@ -1,0 +1,517 @@
+"""`PagedKVCache`: page tensors per layer, sequences and their block tables, write/trim/fork/free, stats.
+
+Every layer shares one block table per sequence: block `b` of a sequence is row `b` of every layer's
+page tensors, and a token at logical position `p` lives at slot
+`table[p // block_size] * block_size + p % block_size`.
+
+A forward pass is planned once (`begin_step`): blocks are reserved for the new tokens of each
+sequence (all or nothing) and an `AttentionMetadata` is built; every layer's `update` then writes its
+keys/values to those slots and the attention function reads the pages through the same metadata.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache
+
+from . import ops
+from .config import CacheConfig
+from .errors import CacheCapacityError, CacheMismatchError, ConfigError
+from .formats import PageFormat, make_format
+from .ops.metadata import AttentionMetadata
+from .pool import BlockPool
+
+GROWTH_FACTOR = 1.5
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class PagedKVCache(Cache):
+    """A paged (optionally quantized) KV cache that transformers models accept as their `Cache`.
+
+    Options (see `CacheConfig.build`): block_size=16, num_blocks=1024, dynamic, context_window_tokens,
+    kv_format ("off", "q8", "turboquant", ...), turboquant_config, kv_quant_config, boundary_layers, dtype,
+    device, kernels ("auto" | "triton" | "reference"), num_layers.
+    """
+
+    def __init__(self, config: CacheConfig | None = None, **options):
+        if config is not None and options:
+            raise ConfigError("pass either a CacheConfig or keyword options to PagedKVCache, not both")
+        self.config = config or CacheConfig.build(**options)
+        self.layers = []  # transformers' per-layer objects are not used: the pages live here
+        self.layer_class_to_replicate = None
+        self.offloading = False
+        self.pool = BlockPool(0)
+        self.seqs: dict[int, Sequence] = {}
+        self.pages: list[dict[str, torch.Tensor] | None] = []
+        self.formats: list[PageFormat | None] = []
+        self.counters = ops.OpCounters()
+        self.grow_events = 0
+        self.batch_seq_ids: list[int] | None = None  # sequence of each batch row in transformers calls
+        self.plan: AttentionMetadata | None = None  # the metadata of the forward in flight
+        self.planned_by_model = False  # set while a switched model's forward owns the plan
+        self._plan_is_implicit = False
+        self._last_layer_written = -1
+        self._columns = 0  # positions transformers has fed per row (padding included)
+        self._next_seq_id = 0
+        self._warned_dense = False
+
+    # ------------------------------------------------------------------------------------------
+    # capacity
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks backed by page tensors (after the first write), else the configured pool size."""
+        return self.pool.num_blocks if self.pool.num_blocks else self.config.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _growth_cap(self, num_live_seqs: int) -> int | None:
+        ctx = self.config.context_window_tokens
+        if ctx is None:
+            return None
+        return max(1, num_live_seqs) * self.blocks_for(ctx)
+
+    def _ensure_free(self, needed: int, num_live_seqs: int) -> None:
+        """Make `needed` blocks free, growing the pool if allowed; raise CacheCapacityError otherwise."""
+        if self.pool.num_blocks == 0:  # first write: size the pool
+            if self.config.dynamic:
+                initial = max(needed, 1)
+                cap = self._growth_cap(num_live_seqs)
+                if cap is not None and initial > cap:
+                    raise CacheCapacityError(needed, cap, f"context window of {self.config.context_window_tokens} "
+                                             f"tokens caps the pool at {cap} blocks for {num_live_seqs} sequences")
+                self._resize(initial)
+            else:
+                if needed > self.config.num_blocks:
+                    raise CacheCapacityError(needed, self.config.num_blocks,
+                                             "raise num_blocks or turn on dynamic growth (dynamic=True / PAGEDKV_DYNAMIC=1)")
+                self._resize(self.config.num_blocks)
+            return
+        free = self.pool.num_free
+        if needed <= free:
+            return
+        if not self.config.dynamic:
+            raise CacheCapacityError(needed, free, "raise num_blocks or turn on dynamic growth (dynamic=True / PAGEDKV_DYNAMIC=1)")
+        target = max(math.ceil(self.pool.num_blocks * GROWTH_FACTOR), self.pool.num_used + needed)
+        cap = self._growth_cap(num_live_seqs)
+        if cap is not None:
+            target = min(target, max(cap, self.pool.num_blocks))
+            if target - self.pool.num_used < needed:
+                raise CacheCapacityError(needed, target - self.pool.num_used,
+                                         f"growth is capped at {cap} blocks by context_window_tokens="
+                                         f"{self.config.context_window_tokens} for {num_live_seqs} live sequences")
+        self._resize(target)
+        self.grow_events += 1
+
+    def _resize(self, new_num_blocks: int) -> None:
+        old = self.pool.num_blocks
+        self.pool.grow(new_num_blocks)
+        for layer_pages in self.pages:
+            if layer_pages is None:
+                continue
+            for name, page in layer_pages.items():
+                extra = page.new_empty((new_num_blocks - old, *page.shape[1:]))
+                layer_pages[name] = torch.cat([page, extra], dim=0)
+
+    # ------------------------------------------------------------------------------------------
+    # sequences
+    def add_sequence(self, seq_id: int | None = None) -> int:
+        if seq_id is None:
+            seq_id = self._next_seq_id
+        if seq_id in self.seqs:
+            raise ConfigError(f"sequence {seq_id} already exists in this cache")
+        self.seqs[seq_id] = Sequence(seq_id)
+        self._next_seq_id = max(self._next_seq_id, seq_id + 1)
+        return seq_id
+
+    def seq_len(self, seq_id: int) -> int:
+        return self.seqs[seq_id].num_tokens
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self.seqs[seq_id].block_ids)
+
+    def _seq(self, seq_id: int) -> Sequence:
+        try:
+            return self.seqs[seq_id]
+        except KeyError:
+            raise ConfigError(f"no sequence {seq_id} in this cache (live: {sorted(self.seqs)})") from None
+
+    def reserve(self, seq_ids: list[int], num_new_tokens: list[int]) -> list[list[int]]:
+        """Reserve slots for new tokens of each sequence; all or nothing.
+
+        Returns, per sequence, the slot of each new token. Raises CacheCapacityError (cache untouched)
+        when the blocks do not fit.
+        """
+        seqs = [self._seq(s) for s in seq_ids]
+        new_blocks = 0
+        for seq, n in zip(seqs, num_new_tokens):
+            if n == 0:
+                continue
+            new_blocks += self.blocks_for(seq.num_tokens + n) - len(seq.block_ids)
+            if seq.num_tokens % self.block_size and self.pool.ref_cnt[seq.block_ids[-1]] > 1:
+                new_blocks += 1  # copy-on-write of a shared partial last block
+        live = len(self.seqs)
+        self._ensure_free(new_blocks, live)
+        slots_per_seq = []
+        for seq, n in zip(seqs, num_new_tokens):
+            if n and seq.num_tokens % self.block_size and self.pool.ref_cnt[seq.block_ids[-1]] > 1:
+                self._copy_on_write(seq)
+            need = self.blocks_for(seq.num_tokens + n) - len(seq.block_ids)
+            if need > 0:
+                seq.block_ids.extend(self.pool.allocate(need))
+            bs = self.block_size
+            slots = [seq.block_ids[p // bs] * bs + p % bs for p in range(seq.num_tokens, seq.num_tokens + n)]
+            seq.num_tokens += n
+            slots_per_seq.append(slots)
+        return slots_per_seq
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        old = seq.block_ids[-1]
+        (new,) = self.pool.allocate(1)
+        for layer_pages in self.pages:
+            if layer_pages is not None:
+                for page in layer_pages.values():
+                    page[new].copy_(page[old])
+        self.pool.decref([old])
+        seq.block_ids[-1] = new
+
+    def trim(self, num_tokens: int, seq_id: int | None = None) -> int:
+        """Remove the last `num_tokens` tokens (speculative rollback), freeing whole blocks.
+
+        Without `seq_id`, trims every sequence of the current batch. Returns the tokens removed (per sequence).
+        """
+        if num_tokens < 0:
+            raise ConfigError(f"trim({num_tokens}): the number of tokens to remove must be >= 0")
+        targets = [seq_id] if seq_id is not None else (self.batch_seq_ids or list(self.seqs))
+        removed = 0
+        for sid in targets:
+            seq = self._seq(sid)
+            n = min(num_tokens, seq.num_tokens)
+            seq.num_tokens -= n
+            keep = self.blocks_for(seq.num_tokens)
+            self.pool.decref(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
+            removed = max(removed, n)
+        if seq_id is None:
+            self._columns = max(0, self._columns - removed)
+        return removed
+
+    def crop(self, max_length: int, seq_id: int | None = None) -> int:
+        """Keep the first `max_length` tokens (negative: remove that many). Returns tokens removed."""
+        if seq_id is not None:
+            current = self._seq(seq_id).num_tokens
+        else:
+            current = self._columns if self.batch_seq_ids else max((s.num_tokens for s in self.seqs.values()), default=0)
+        to_remove = -max_length if max_length < 0 else max(0, current - max_length)
+        return self.trim(to_remove, seq_id)
+
+    def fork(self, seq_id: int, new_seq_id: int | None = None) -> int:
+        """A new sequence sharing `seq_id`'s blocks by reference count; a shared partial block is copied on write."""
+        src = self._seq(seq_id)
+        child = self.add_sequence(new_seq_id)
+        self.pool.incref(src.block_ids)
+        self.seqs[child].block_ids = list(src.block_ids)
+        self.seqs[child].num_tokens = src.num_tokens
+        return child
+
+    def free(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            raise ConfigError(f"no sequence {seq_id} in this cache")
+        self.pool.decref(seq.block_ids)
+        if self.batch_seq_ids and seq_id in self.batch_seq_ids:
+            self.batch_seq_ids = None
+            self._columns = 0
+
+    def reset(self) -> None:
+        """Forget every sequence; page tensors stay allocated for reuse."""
+        self.seqs.clear()
+        self.pool.reset()
+        self.batch_seq_ids = None
+        self.plan = None
+        self._columns = 0
+        self._next_seq_id = 0
+
+    # ------------------------------------------------------------------------------------------
+    # planning a forward pass
+    def set_batch(self, seq_ids: list[int]) -> None:
+        """Which sequence each batch row of the next transformers calls belongs to."""
+        for s in seq_ids:
+            self._seq(s)
+        self.batch_seq_ids = list(seq_ids)
+        self._columns = max((self.seqs[s].num_tokens for s in seq_ids), default=0)
+
+    def begin_step(self, seq_ids: list[int], num_new_tokens: list[int], *, token_mask: torch.Tensor | None = None,
+                   device: torch.device | None = None) -> AttentionMetadata:
+        """Plan one forward pass: reserve slots and build the metadata every layer uses.
+
+        Input positions are either packed (`token_mask` None: sequence i owns the next num_new_tokens[i]
+        positions) or a padded [num_seqs, T] grid where `token_mask` (bool, [num_seqs, T]) marks real tokens.
+        """
+        device = device or self.config.device or torch.device("cpu")
+        slots = self.reserve(seq_ids, num_new_tokens)
+        if token_mask is None:
+            slot_list = [s for per in slots for s in per]
+            token_index = None
+        else:
+            flat_mask = token_mask.reshape(-1).cpu()
+            slot_grid = torch.full((flat_mask.numel(),), -1, dtype=torch.int64)
+            real = flat_mask.nonzero().flatten()
+            slot_grid[real] = torch.tensor([s for per in slots for s in per], dtype=torch.int64)
+            slot_list = slot_grid
+            token_index = None if bool(flat_mask.all()) else real.to(device)
+        seq_lens = [self.seqs[s].num_tokens for s in seq_ids]
+        qsl = [0]
+        for n in num_new_tokens:
+            qsl.append(qsl[-1] + n)
+        max_blocks = max((len(self.seqs[s].block_ids) for s in seq_ids), default=0)
+        table = torch.zeros(len(seq_ids), max(max_blocks, 1), dtype=torch.int32)
+        for i, s in enumerate(seq_ids):
+            ids = self.seqs[s].block_ids
+            if ids:
+                table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        self.plan = AttentionMetadata(
+            block_table=table.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            slot_mapping=torch.as_tensor(slot_list, dtype=torch.int64).to(device),
+            token_index=token_index,
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=qsl,
+            block_size=self.block_size,
+        )
+        self._plan_is_implicit = False
+        self._last_layer_written = -1
+        return self.plan
+
+    def begin_forward(self, batch_size: int, num_columns: int, attention_mask: torch.Tensor | None,
+                      device: torch.device) -> AttentionMetadata:
+        """Plan a transformers forward over a [batch_size, num_columns] input (padding from the 2-D mask)."""
+        if self.batch_seq_ids is None:
+            if self.seqs:
+                raise CacheMismatchError(
+                    f"this cache holds {len(self.seqs)} sequences but no batch is bound; call cache.set_batch(seq_ids) "
+                    "or cache.reset() before reusing it for a new batch")
+            self.batch_seq_ids = [self.add_sequence() for _ in range(batch_size)]
+        if len(self.batch_seq_ids) != batch_size:
+            raise CacheMismatchError(f"the input has {batch_size} rows but the cache's batch has "
+                                     f"{len(self.batch_seq_ids)} sequences; call cache.reset() for a new batch")
+        token_mask = None
+        counts = [num_columns] * batch_size
+        if attention_mask is not None and attention_mask.dim() == 2:
+            new_cols = attention_mask[:, -num_columns:].bool()
+            if not bool(new_cols.all()):
+                token_mask = new_cols
+                counts = new_cols.sum(dim=1).tolist()
+        plan = self.begin_step(self.batch_seq_ids, counts, token_mask=token_mask, device=device)
+        self._columns += num_columns
+        return plan
+
+    def end_forward(self) -> None:
+        self.plan = None
+
+    # ------------------------------------------------------------------------------------------
+    # layers
+    def _layer(self, layer_idx: int, key: torch.Tensor) -> tuple[dict[str, torch.Tensor], PageFormat]:
+        """The pages and format of a layer, allocated on first use from the first write's shapes."""
+        while len(self.pages) <= layer_idx:
+            self.pages.append(None)
+            self.formats.append(None)
+        num_kv_heads, head_dim = key.shape[-2], key.shape[-1]
+        fmt = self.formats[layer_idx]
+        if fmt is None:
+            dtype = self.config.dtype or key.dtype
+            device = key.device if self.config.device is None else self.config.device
+            spec = self.config.layer_format(layer_idx)
+            fmt = make_format(spec, num_kv_heads, head_dim, dtype, device)
+            self.formats[layer_idx] = fmt
+            self.pages[layer_idx] = fmt.allocate_pages(self.pool.num_blocks, self.block_size)
+        elif (fmt.num_kv_heads, fmt.head_dim) != (num_kv_heads, head_dim) or fmt.device != key.device:
+            raise CacheMismatchError(
+                f"layer {layer_idx} holds pages for {fmt.num_kv_heads} KV heads x head_dim {fmt.head_dim} on {fmt.device}, "
+                f"but got keys with {num_kv_heads} heads x {head_dim} on {key.device}; use a new cache (or cache.reset() "
+                "is not enough: build a new PagedKVCache) for a different model")
+        return self.pages[layer_idx], fmt
+
+    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata | None = None) -> None:
+        """Write keys/values [num_input_tokens, num_kv_heads, head_dim] of one layer to the planned slots."""
+        meta = meta or self.plan
+        assert meta is not None, "write() outside a planned step: call begin_step() first"
+        pages, fmt = self._layer(layer_idx, key)
+        if key.dtype != fmt.dtype and fmt.spec.is_dense and self.config.dtype is None:
+            raise CacheMismatchError(f"layer {layer_idx} pages hold {fmt.dtype} but got {key.dtype}; "
+                                     "use a new cache for a model in another dtype, or set dtype= explicitly")
+        ops.write_kv(pages, fmt, key.to(fmt.dtype), value.to(fmt.dtype), meta,
+                     kernels=self.config.kernels, counters=self.counters)
+        self._last_layer_written = layer_idx
+
+    def attention(self, layer_idx: int, query: torch.Tensor, *, scale: float, sliding_window: int | None = None,
+                  softcap: float | None = None, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """Attention of packed queries [num_tokens, num_q_heads, head_dim] over layer `layer_idx`'s pages."""
+        meta = meta or self.plan
+        assert meta is not None, "attention() outside a planned step: call begin_step() first"
+        return ops.paged_attention(query, self.pages[layer_idx], self.formats[layer_idx], meta, scale=scale,
+                                   sliding_window=sliding_window, softcap=softcap,
+                                   kernels=self.config.kernels, counters=self.counters)
+
+    def read(self, seq_id: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded keys/values of one sequence and layer: [seq_len, num_kv_heads, head_dim]."""
+        seq = self._seq(seq_id)
+        fmt = self.formats[layer_idx]
+        ids = torch.tensor(seq.block_ids, dtype=torch.long, device=fmt.device)
+        return fmt.decode(ops.reference.gather_sequence(self.pages[layer_idx], ids, seq.num_tokens))
+
+    # ------------------------------------------------------------------------------------------
+    # the transformers Cache interface
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states, value_states: [batch, num_kv_heads, T, head_dim].
+
+        In a model switched to the "pagedkv" attention, writes them to the pages and returns them unchanged
+        (the attention function reads the pages). In any other model, writes them and returns the dense
+        keys/values of every row, [batch, num_kv_heads, seq_len, head_dim], for the model's own attention.
+        """
+        batch, _, num_cols, _ = key_states.shape
+        k = key_states.transpose(1, 2).reshape(batch * num_cols, *key_states.shape[1:2], key_states.shape[-1])
+        v = value_states.transpose(1, 2).reshape(batch * num_cols, *value_states.shape[1:2], value_states.shape[-1])
+        if self.plan is None or (self._plan_is_implicit and layer_idx <= self._last_layer_written):
+            self._begin_implicit(batch, num_cols, key_states.device)
+        self.write(layer_idx, k, v)
+        if not self._plan_is_implicit:
+            return key_states, value_states
+        return self._dense_fallback(layer_idx, key_states.dtype)
+
+    def _begin_implicit(self, batch: int, num_cols: int, device) -> None:
+        """A forward from a model not switched to "pagedkv": every column is a token; attention stays dense."""
+        if not self._warned_dense:
+            self._warned_dense = True
+            warnings.warn("pagedkv: this model's attention is not switched to pagedkv, so the cache returns dense "
+                          "keys/values (a copy of the whole context per layer); call "
+                          "pagedkv.install_paged_kv_cache(model) to attend over the pages directly",
+                          ops.PagedKVFallbackWarning, stacklevel=4)
+        self.begin_forward(batch, num_cols, None, device)
+        self._plan_is_implicit = True
+
+    def _dense_fallback(self, layer_idx: int, dtype: torch.dtype):
+        meta = self.plan
+        self.counters.fallback_attention_calls += 1
+        self.counters.bailouts[f"{meta.phase}:model_not_switched"] += 1
+        keys, values = zip(*(self.read(s, layer_idx) for s in self.batch_seq_ids))
+        # [batch, num_kv_heads, seq_len, head_dim]
+        return (torch.stack(keys).transpose(1, 2).to(dtype), torch.stack(values).transpose(1, 2).to(dtype))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0):
+        if isinstance(query_length, torch.Tensor):  # older releases pass cache_position
+            query_length = query_length.shape[0]
+        return self._columns + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.pages) and all(p is not None for p in self.pages)
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self)
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return self.config.num_layers or len(self.pages)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(format={self.config.kv_format}, block_size={self.block_size}, "
+                f"blocks={self.pool.num_used}/{self.num_blocks}, sequences={len(self.seqs)})")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ConfigError("beam search is not supported by PagedKVCache; use greedy or sampling "
+                          "(or fork() sequences explicitly)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats == 1:
+            return
+        raise ConfigError("expanding a PagedKVCache batch is not supported; use num_return_sequences=1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ConfigError("selecting batch rows of a PagedKVCache is not supported")
+
+    # ------------------------------------------------------------------------------------------
+    # stats
+    @property
+    def key_cache(self) -> list[torch.Tensor] | None:
+        """Per layer, the key page tensor [num_blocks, block_size, num_kv_heads, width]; None before the first write."""
+        if not self.pages or all(p is None for p in self.pages):
+            return None
+        return [None if p is None else next(t for n, t in p.items() if n.startswith("k")) for p in self.pages]
+
+    @property
+    def value_cache(self) -> list[torch.Tensor] | None:
+        if not self.pages or all(p is None for p in self.pages):
+            return None
+        return [None if p is None else next(t for n, t in p.items() if n.startswith("v")) for p in self.pages]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self.pages if p for t in p.values())
+
+    def paged_stats(self) -> dict:
+        tokens = sum(s.num_tokens for s in self.seqs.values())
+        fmts = [f for f in self.formats if f is not None]
+        stats = {
+            "mode": str(self.config.kv_format),
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "allocated_blocks": self.pool.num_blocks,
+            "used_blocks": self.pool.num_used,
+            "free_blocks": self.pool.num_free,
+            "capacity_tokens": self.pool.num_blocks * self.block_size,
+            "tokens": tokens,
+            "sequences": len(self.seqs),
+            "bytes": self.nbytes(),
+            "bytes_per_token": sum(f.bytes_per_token() for f in fmts),
+            "bytes_per_token_per_head": {i: f.bytes_per_token_per_head() for i, f in enumerate(self.formats) if f},
+            "grow_events": self.grow_events,
+            "dynamic": self.config.dynamic,
+            "context_window_tokens": self.config.context_window_tokens,
+            "kernels": self.config.kernels,
+        }
+        stats.update(self.counters.as_dict())
+        return stats

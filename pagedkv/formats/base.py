@@ -1,0 +1,55 @@
+"""The storage-format protocol.
+
+A format says which tensors one page slot needs (per KV head: a width and a dtype), how to encode new
+keys/values into them, and how to decode them back (PyTorch, any device). Page tensors are
+`[num_blocks, block_size, num_kv_heads, width]`; scales live in sibling tensors of the same layout.
+Kernels specialise on a format through compile-time constants and are tested against `decode`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..config import KVFormat
+
+
+class PageFormat(ABC):
+    """One layer's storage format, bound to its shapes.
+
+    Attributes: `spec` (the `KVFormat`), `num_kv_heads`, `head_dim`, `dtype` (the model's compute dtype:
+    what `decode` returns and what dense pages store), `device`.
+    """
+
+    def __init__(self, spec: KVFormat, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.spec = spec
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+    @abstractmethod
+    def page_spec(self) -> dict[str, tuple[int, torch.dtype]]:
+        """Page tensor name -> (width per KV head, dtype)."""
+
+    @abstractmethod
+    def encode(self, key: torch.Tensor, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        """key, value: [N, num_kv_heads, head_dim] -> {name: [N, num_kv_heads, width]}."""
+
+    @abstractmethod
+    def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """{name: [N, num_kv_heads, width]} -> key, value [N, num_kv_heads, head_dim] in `self.dtype`."""
+
+    def bytes_per_token_per_head(self) -> int:
+        """Bytes one token occupies for one KV head (keys and values, scales included)."""
+        return sum(width * torch.empty((), dtype=dt).element_size() for width, dt in self.page_spec().values())
+
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_token_per_head() * self.num_kv_heads
+
+    def allocate_pages(self, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.empty(num_blocks, block_size, self.num_kv_heads, width, dtype=dt, device=self.device)
+            for name, (width, dt) in self.page_spec().items()
+        }

@@ -1,0 +1,122 @@
+"""transformers integration: the "pagedkv" attention implementation and `install_paged_kv_cache`.
+
+A switched model plans each forward once (a forward pre-hook on its decoder reads the batch shape and
+the 2-D padding mask and calls `PagedKVCache.begin_forward`); every attention layer then writes its new
+keys/values through `cache.update` and attends over the pages through `paged_attention_forward`, which
+finds the cache in the layer's keyword arguments. The layer never sees a contiguous copy of the cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import AttentionInterface
+
+from .cache import PagedKVCache
+from .errors import ConfigError
+
+ATTN_IMPLEMENTATION = "pagedkv"
+_CACHE_KWARG = "pagedkv_cache"
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+    """transformers attention function. query: [batch, num_q_heads, T, head_dim] -> ([batch, T, num_q_heads, head_dim], None)."""
+    cache: PagedKVCache | None = kwargs.get(_CACHE_KWARG)
+    if cache is None or cache.plan is None:
+        raise ConfigError("the 'pagedkv' attention needs a PagedKVCache: pass the cache returned by "
+                          "pagedkv.install_paged_kv_cache(model) to the model call (cache=... / past_key_values=...)")
+    batch, num_heads, num_cols, head_dim = query.shape
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    plan = cache.plan
+    q = query.transpose(1, 2).reshape(batch * num_cols, num_heads, head_dim)  # [B*T, Hq, D]
+    if plan.token_index is not None:
+        q = q.index_select(0, plan.token_index)
+    window = sliding_window if sliding_window else None
+    out = cache.attention(module.layer_idx, q, scale=scale, sliding_window=window, softcap=softcap or None)
+    if plan.token_index is not None:
+        full = out.new_zeros(batch * num_cols, num_heads, out.shape[-1])
+        full.index_copy_(0, plan.token_index, out)
+        out = full
+    return out.view(batch, num_cols, num_heads, -1), None
+
+
+def register() -> None:
+    """Register the "pagedkv" attention implementation with transformers (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword this transformers release uses for the cache: `cache` (newer) or `past_key_values` (5.17)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    return decoder if decoder is not None else model
+
+
+def _find_cache(args, kwargs) -> PagedKVCache | None:
+    for name in ("cache", "past_key_values"):
+        if isinstance(kwargs.get(name), PagedKVCache):
+            return kwargs[name]
+    return None
+
+
+def _pre_forward(module, args, kwargs):
+    cache = _find_cache(args, kwargs)
+    if cache is None:
+        return None
+    if cache.plan is None:  # the engine plans its own steps; plain transformers calls are planned here
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        ref = input_ids if input_ids is not None else embeds
+        batch, num_cols = ref.shape[0], ref.shape[1]
+        cache.begin_forward(batch, num_cols, kwargs.get("attention_mask"), ref.device)
+        cache.planned_by_model = True
+    kwargs[_CACHE_KWARG] = cache
+    return args, kwargs
+
+
+def _post_forward(module, args, kwargs, output):
+    cache = kwargs.get(_CACHE_KWARG)
+    if cache is not None and cache.planned_by_model:
+        cache.planned_by_model = False
+        cache.end_forward()
+    return None
+
+
+def switch_model(model: torch.nn.Module) -> None:
+    """Route `model`'s attention through pagedkv (idempotent)."""
+    register()
+    if getattr(model, "_pagedkv_switched", False):
+        return
+    if not hasattr(model, "set_attn_implementation"):
+        raise ConfigError(f"{type(model).__name__} is not a transformers model with a switchable attention implementation")
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    decoder = _decoder(model)
+    decoder.register_forward_pre_hook(_pre_forward, with_kwargs=True, prepend=True)
+    decoder.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
+    model._pagedkv_switched = True
+
+
+def install_paged_kv_cache(model: torch.nn.Module, **cache_options) -> PagedKVCache:
+    """Switch `model` to the "pagedkv" attention and return a fresh `PagedKVCache` for it.
+
+    `cache_options` are `PagedKVCache` options (block_size, num_blocks, dynamic, kv_format, ...). The
+    model's layer count and context window (max_position_embeddings) fill in unset options.
+    """
+    switch_model(model)
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cache_options.setdefault("num_layers", getattr(text_config, "num_hidden_layers", None))
+    if cache_options.get("context_window_tokens") is None:
+        from .config import env_defaults
+
+        env_ctx = env_defaults()["context_window_tokens"]
+        cache_options["context_window_tokens"] = env_ctx or getattr(text_config, "max_position_embeddings", None)
+    return PagedKVCache(**cache_options)

@@ -1,0 +1,100 @@
+"""Attention over pages and cache writes: the one place that routes to a kernel.
+
+`write_kv` and `paged_attention` pick the Triton kernels (CUDA tensors, Triton importable, the format
+supported) or the exact PyTorch reference, count the call in the caller's `OpCounters`, and warn once
+per process, with the reason, when the fast path is not taken.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from ..formats.base import PageFormat
+from . import reference
+from .metadata import AttentionMetadata
+from .stats import OpCounters
+
+__all__ = ["AttentionMetadata", "OpCounters", "write_kv", "paged_attention", "choose_backend", "PagedKVFallbackWarning"]
+
+
+class PagedKVFallbackWarning(RuntimeWarning):
+    """The fused kernels are not used; attention runs on the exact PyTorch path."""
+
+
+_warned = False
+
+
+def warn_fallback(reason: str) -> None:
+    """Warn once per process that the fast path is not in use, and why."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"pagedkv: using the PyTorch reference attention instead of the Triton kernels ({reason})",
+                      PagedKVFallbackWarning, stacklevel=3)
+
+
+def choose_backend(device: torch.device, kernels: str, fmt: PageFormat) -> tuple[str, str | None]:
+    """("triton" | "reference", reason the fast path was not taken or None)."""
+    if kernels == "reference":
+        return "reference", "kernels=reference"
+    from . import triton as triton_ops
+
+    ok, reason = triton_ops.supports(device, fmt)
+    if ok:
+        return "triton", None
+    if kernels == "triton":
+        from ..errors import ConfigError
+
+        raise ConfigError(f"kernels='triton' was requested but the Triton kernels cannot run: {reason}; "
+                          "use kernels='auto' or 'reference'")
+    return "reference", reason
+
+
+def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor, value: torch.Tensor,
+             meta: AttentionMetadata, *, kernels: str = "auto", counters: OpCounters | None = None) -> None:
+    """Encode `key`/`value` [num_input_tokens, num_kv_heads, head_dim] into the slots of `meta.slot_mapping`."""
+    start = time.perf_counter()
+    backend, _ = choose_backend(key.device, kernels, fmt)
+    if backend == "triton":
+        from .triton import write_kv as impl
+    else:
+        impl = reference.write_kv
+    impl(pages, fmt, key, value, meta)
+    if counters is not None:
+        counters.write_calls += 1
+        counters.cache_write_time_s += time.perf_counter() - start
+
+
+def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
+                    *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                    kernels: str = "auto", counters: OpCounters | None = None) -> torch.Tensor:
+    """Attention of packed queries [num_tokens, num_q_heads, head_dim] over one layer's pages.
+
+    See `reference.paged_attention` for the semantics; returns [num_tokens, num_q_heads, head_dim].
+    """
+    start = time.perf_counter()
+    backend, reason = choose_backend(query.device, kernels, fmt)
+    if backend == "triton":
+        from .triton import paged_attention as impl
+    else:
+        impl = reference.paged_attention
+        warn_fallback(reason)
+    out = impl(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap)
+    if counters is not None:
+        counters.paged_attention_calls += 1
+        kind = fmt.spec.kind
+        if kind == "turboquant":
+            counters.turboquant_attention_calls += 1
+        elif kind == "kvquant":
+            counters.kv_quant_attention_calls += 1
+        if backend == "triton":
+            counters.triton_attention_calls += 1
+        else:
+            counters.reference_attention_calls += 1
+            counters.fallback_attention_calls += 1
+            counters.bailouts[f"{meta.phase}:{reason.split(':')[0].replace(' ', '_')}"] += 1
+        counters.attention_time_s += time.perf_counter() - start
+    return out

@@ -1,0 +1,60 @@
+"""Per-step page-table metadata, planned once per forward and shared by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go and what each sequence attends over.
+
+    block_table:     [num_seqs, max_blocks] int32, block ids per sequence (row b of every layer's pages)
+    seq_lens:        [num_seqs] int32, tokens per sequence after this step's writes
+    query_start_loc: [num_seqs + 1] int32, offsets of each sequence's new tokens in the packed queries
+    slot_mapping:    [num_input_tokens] int64, page slot of every input position (-1: padding, not stored)
+    token_index:     [num_tokens] int64 positions of the real tokens among the input positions, or None
+                     when there is no padding (input positions and packed tokens coincide)
+    The `*_cpu` lists are host copies, so no kernel launch needs a device sync to size itself.
+    """
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_index: torch.Tensor | None
+    seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @property
+    def max_query_len(self) -> int:
+        q = self.query_start_loc_cpu
+        return max((q[i + 1] - q[i] for i in range(len(q) - 1)), default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def phase(self) -> str:
+        """prefill (no earlier context), decode (one new token each), verify (new tokens after context)."""
+        q = self.query_start_loc_cpu
+        qlens = [q[i + 1] - q[i] for i in range(len(q) - 1)]
+        if not qlens:
+            return "unknown"
+        if all(n == 1 for n in qlens) and any(s > 1 for s in self.seq_lens_cpu):
+            return "decode"
+        if all(n == s for n, s in zip(qlens, self.seq_lens_cpu)):
+            return "prefill"
+        return "verify"

@@ -1,0 +1,92 @@
+"""Reference paged attention and cache writes in PyTorch: any device, float32 accumulation.
+
+Same signatures as the Triton wrappers. Attention handles one sequence at a time and never holds more
+than that sequence's context decoded (queries are processed in chunks to bound the score matrix).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.base import PageFormat
+from .metadata import AttentionMetadata
+
+QUERY_CHUNK = 512
+
+
+def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor, value: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Encode and scatter new keys/values into their slots.
+
+    key, value: [num_input_tokens, num_kv_heads, head_dim]; meta.slot_mapping: [num_input_tokens] int64,
+    negative slots (padding) are skipped.
+    """
+    slots = meta.slot_mapping
+    if meta.token_index is not None:
+        key, value, slots = key[meta.token_index], value[meta.token_index], slots[meta.token_index]
+    parts = fmt.encode(key, value)
+    for name, part in parts.items():
+        page = pages[name]  # [num_blocks, block_size, H, width]
+        page.view(-1, *page.shape[2:]).index_copy_(0, slots, part.to(page.dtype))
+
+
+def gather_sequence(pages: dict[str, torch.Tensor], block_ids: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+    """The first `length` slots of one sequence: {name: [length, H, width]}."""
+    out = {}
+    for name, page in pages.items():
+        rows = page.index_select(0, block_ids)  # [n_blocks, block_size, H, width]
+        out[name] = rows.reshape(-1, *page.shape[2:])[:length]
+    return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, sliding_window: int | None,
+           softcap: float | None) -> torch.Tensor:
+    """Causal attention of the last `nq` positions of a sequence over all `L` of its keys.
+
+    q: [nq, Hq, D]; k, v: [L, Hkv, D]; returns [nq, Hq, D] float32.
+    """
+    nq, hq, d = q.shape
+    length, hkv, dv = v.shape
+    group = hq // hkv
+    qf = q.float().view(nq, hkv, group, d)
+    kf, vf = k.float(), v.float()
+    out = torch.empty(nq, hkv, group, dv, dtype=torch.float32, device=q.device)
+    key_pos = torch.arange(length, device=q.device)
+    for start in range(0, nq, QUERY_CHUNK):
+        stop = min(nq, start + QUERY_CHUNK)
+        # scores: [Hkv, G, chunk, L]
+        scores = torch.einsum("qhgd,khd->hgqk", qf[start:stop], kf) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(length - nq + start, length - nq + stop, device=q.device)
+        masked = key_pos[None, :] > q_pos[:, None]
+        if sliding_window:
+            masked |= key_pos[None, :] <= q_pos[:, None] - sliding_window
+        if nq > 1 or sliding_window:
+            scores = scores.masked_fill(masked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:stop] = torch.einsum("hgqk,khd->qhgd", probs, vf)
+    return out.view(nq, hq, dv)
+
+
+def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
+                    *, scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention of packed queries over paged keys/values.
+
+    query: [num_tokens, num_q_heads, head_dim] (sequence i owns rows query_start_loc[i]:query_start_loc[i+1]);
+    returns [num_tokens, num_q_heads, head_dim] in query.dtype. Causal: a query at position p of its
+    sequence sees keys 0..p (its sequence's last nq positions are the queries); `sliding_window` keeps
+    keys > p - window; `softcap` applies cap * tanh(score / cap) before the softmax.
+    """
+    out = torch.empty_like(query)
+    qsl = meta.query_start_loc_cpu
+    bs = meta.block_size
+    for i, length in enumerate(meta.seq_lens_cpu):
+        q0, q1 = qsl[i], qsl[i + 1]
+        if q1 == q0:
+            continue
+        n_blocks = -(-length // bs)
+        parts = gather_sequence(pages, meta.block_table[i, :n_blocks].long(), length)
+        k, v = fmt.decode(parts)
+        out[q0:q1] = attend(query[q0:q1], k, v, scale=scale, sliding_window=sliding_window, softcap=softcap).to(out.dtype)
+    return out
