@@ -29,6 +29,13 @@ from .pool import BlockPool
 GROWTH_FACTOR = 1.5
 
 
+def _uniform(values: list):
+    """One value when all layers agree, else the per-layer list (None before the first write)."""
+    if not values:
+        return None
+    return values[0] if all(v == values[0] for v in values) else values
+
+
 @dataclass
 class Sequence:
     seq_id: int
@@ -507,7 +514,7 @@ class PagedKVCache(Cache):
             "sequences": len(self.seqs),
             "bytes": self.nbytes(),
             "bytes_per_token": sum(f.bytes_per_token() for f in fmts),
-            "bytes_per_token_per_head": {i: f.bytes_per_token_per_head() for i, f in enumerate(self.formats) if f},
+            "bytes_per_token_per_head": _uniform([f.bytes_per_token_per_head() for f in fmts]),
             "grow_events": self.grow_events,
             "dynamic": self.config.dynamic,
             "context_window_tokens": self.config.context_window_tokens,
