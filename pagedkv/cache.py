@@ -70,6 +70,7 @@ class PagedKVCache(Cache):
         self._plan_is_implicit = False
         self._last_layer_written = -1
         self._columns = 0  # positions transformers has fed per row (padding included)
+        self._pending_columns = 0
         self._next_seq_id = 0
         self._warned_dense = False
 
@@ -137,12 +138,23 @@ class PagedKVCache(Cache):
 
     # ------------------------------------------------------------------------------------------
     # sequences
-    def add_sequence(self, seq_id: int | None = None) -> int:
+    def add_sequence(self, seq_id: int | None = None, *, prefix_block_ids: list[int] | None = None) -> int:
+        """A new sequence, empty or starting with full cached blocks.
+
+        `prefix_block_ids`: full blocks holding the sequence's first `len(prefix_block_ids) * block_size`
+        tokens, whose references the caller already holds (e.g. from `pool.lookup`); the sequence owns
+        those references from now on and drops them on `free`/`trim`.
+        """
         if seq_id is None:
             seq_id = self._next_seq_id
         if seq_id in self.seqs:
             raise ConfigError(f"sequence {seq_id} already exists in this cache")
-        self.seqs[seq_id] = Sequence(seq_id)
+        seq = Sequence(seq_id)
+        if prefix_block_ids:
+            assert all(self.pool.ref_cnt[b] > 0 for b in prefix_block_ids), "prefix blocks must be referenced"
+            seq.block_ids = list(prefix_block_ids)
+            seq.num_tokens = len(prefix_block_ids) * self.block_size
+        self.seqs[seq_id] = seq
         self._next_seq_id = max(self._next_seq_id, seq_id + 1)
         return seq_id
 
@@ -252,6 +264,7 @@ class PagedKVCache(Cache):
         self.batch_seq_ids = None
         self.plan = None
         self._columns = 0
+        self._pending_columns = 0
         self._next_seq_id = 0
 
     # ------------------------------------------------------------------------------------------
@@ -326,10 +339,12 @@ class PagedKVCache(Cache):
                 token_mask = new_cols
                 counts = new_cols.sum(dim=1).tolist()
         plan = self.begin_step(self.batch_seq_ids, counts, token_mask=token_mask, device=device)
-        self._columns += num_columns
+        self._pending_columns = num_columns  # counted once the forward ends (positions use the old count)
         return plan
 
     def end_forward(self) -> None:
+        self._columns += self._pending_columns
+        self._pending_columns = 0
         self.plan = None
 
     # ------------------------------------------------------------------------------------------
@@ -410,7 +425,10 @@ class PagedKVCache(Cache):
                           "keys/values (a copy of the whole context per layer); call "
                           "pagedkv.install_paged_kv_cache(model) to attend over the pages directly",
                           ops.PagedKVFallbackWarning, stacklevel=4)
+        self.end_forward()  # the previous implicit forward, if any
         self.begin_forward(batch, num_cols, None, device)
+        self._columns += self._pending_columns  # the model built its mask already, as with DynamicCache
+        self._pending_columns = 0
         self._plan_is_implicit = True
 
     def _dense_fallback(self, layer_idx: int, dtype: torch.dtype):

@@ -12,6 +12,8 @@ import inspect
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .cache import PagedKVCache
 from .errors import ConfigError
@@ -24,10 +26,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """transformers attention function. query: [batch, num_q_heads, T, head_dim] -> ([batch, T, num_q_heads, head_dim], None)."""
-    cache: PagedKVCache | None = kwargs.get(_CACHE_KWARG)
+    cache: PagedKVCache | None = kwargs.pop(_CACHE_KWARG, None)
     if cache is None or cache.plan is None:
-        raise ConfigError("the 'pagedkv' attention needs a PagedKVCache: pass the cache returned by "
-                          "pagedkv.install_paged_kv_cache(model) to the model call (cache=... / past_key_values=...)")
+        # another cache (or none): the keys/values are dense, so attend with transformers' SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      sliding_window=sliding_window, softcap=softcap, **kwargs)
     batch, num_heads, num_cols, head_dim = query.shape
     scale = scaling if scaling is not None else head_dim ** -0.5
     plan = cache.plan
@@ -46,6 +49,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 def register() -> None:
     """Register the "pagedkv" attention implementation with transformers (idempotent)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    # masks are built as for SDPA: the paged path ignores them (the plan knows the layout), while a switched
+    # model that is handed another cache attends densely and needs them
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
