@@ -99,11 +99,12 @@ def _post_forward(module, args, kwargs, output):
 def switch_model(model: torch.nn.Module) -> None:
     """Route `model`'s attention through pagedkv (idempotent)."""
     register()
-    if getattr(model, "_pagedkv_switched", False):
-        return
     if not hasattr(model, "set_attn_implementation"):
         raise ConfigError(f"{type(model).__name__} is not a transformers model with a switchable attention implementation")
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if getattr(model, "_pagedkv_switched", False):
+        return
     decoder = _decoder(model)
     decoder.register_forward_pre_hook(_pre_forward, with_kwargs=True, prepend=True)
     decoder.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
