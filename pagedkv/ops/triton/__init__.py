@@ -1,4 +1,8 @@
-"""Triton kernels for CUDA tensors. `supports` says whether they can run for a device and format."""
+"""Triton kernels for CUDA tensors: `write_kv` and `paged_attention` with the reference's signatures.
+
+`supports` says whether they can run for a device and format. Kernel modules are imported on first
+use, so importing this package needs neither Triton nor a GPU.
+"""
 
 from __future__ import annotations
 
@@ -12,4 +16,34 @@ def supports(device: torch.device, fmt) -> tuple[bool, str | None]:
         import triton  # noqa: F401
     except ImportError:
         return False, "no_triton: the triton package is not installed"
-    return False, "no_kernel: no Triton kernel is built for this format yet"
+    from .page_view import is_supported
+
+    return is_supported(fmt)
+
+
+def write_kv(pages, fmt, key, value, meta) -> None:
+    """Encode key/value [num_input_tokens, num_kv_heads, head_dim] into the slots of `meta.slot_mapping`."""
+    from .kv_write import write_kv as impl
+
+    impl(pages, fmt, key, value, meta)
+
+
+def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, softcap=None):
+    """Attention of packed queries [num_tokens, num_q_heads, head_dim] over one layer's pages.
+
+    Split-K is chosen from shapes alone: when the (query block, KV head) programs would not fill the GPU.
+    """
+    from . import attention, split_k
+    from .tuning import choose_num_splits, choose_tiles
+
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = meta.block_table.shape[0]
+    group = num_q_heads // fmt.num_kv_heads
+    tiles = choose_tiles(num_tokens, num_seqs, group, head_dim, query.device)
+    num_programs = (num_tokens // (tiles.block_m // group) + num_seqs) * fmt.num_kv_heads
+    num_splits = choose_num_splits(num_programs, meta.block_table.shape[1] * meta.block_size, query.device)
+    if num_splits > 1:
+        return split_k.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
+                                       softcap=softcap, num_splits=num_splits, tiles=tiles)
+    return attention.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
+                                     softcap=softcap, tiles=tiles)

@@ -1,0 +1,79 @@
+"""Cache writes: encode new keys/values per the layer's format and scatter them to their slots in one pass.
+
+Grid: (num_input_tokens, num_kv_heads). Each program encodes one head of one input position; a negative
+slot (padding) is skipped on the device, so the launch is the same for every step of a given shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats.base import PageFormat
+from ..metadata import AttentionMetadata
+from .codecs import KVQUANT, encode_kvquant
+from .page_view import PageView, page_view
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr, value_ptr, slot_mapping_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, rotation_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    k_strides, v_strides, ks_strides, vs_strides,      # (block, slot, head) of each page tensor
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    zero = tl.zeros([1], dtype=tl.int64)                     # rows are [1, HEAD_DIM_PAD] tiles
+    d_ok = (offs_d < HEAD_DIM)[None, :]
+    key = tl.load(key_ptr + t * stride_kt + head * stride_kh + zero[:, None] + offs_d[None, :], mask=d_ok, other=0.0)
+    value = tl.load(value_ptr + t * stride_vt + head * stride_vh + zero[:, None] + offs_d[None, :], mask=d_ok, other=0.0)
+    k_row = zero + block * k_strides[0] + offset * k_strides[1] + head * k_strides[2]
+    v_row = zero + block * v_strides[0] + offset * v_strides[1] + head * v_strides[2]
+    if KIND == KVQUANT:
+        ks_row = zero + block * ks_strides[0] + offset * ks_strides[1] + head * ks_strides[2]
+        vs_row = zero + block * vs_strides[0] + offset * vs_strides[1] + head * vs_strides[2]
+        encode_kvquant(k_ptr, ks_ptr, k_row, ks_row, key.to(tl.float32), HEAD_DIM, K_BITS)
+        encode_kvquant(v_ptr, vs_ptr, v_row, vs_row, value.to(tl.float32), HEAD_DIM, V_BITS)
+    else:
+        tl.store(k_ptr + k_row[:, None] + offs_d[None, :], key.to(k_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(v_ptr + v_row[:, None] + offs_d[None, :], value.to(v_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _stride3(t: torch.Tensor) -> tuple[int, int, int]:
+    assert t.stride(-1) == 1, f"page tensors need a contiguous last dim, got strides {t.stride()}"
+    return (t.stride(0), t.stride(1), t.stride(2))
+
+
+def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor, value: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Same contract as `reference.write_kv`: key, value [num_input_tokens, num_kv_heads, head_dim];
+    meta.slot_mapping [num_input_tokens] int64, negative slots skipped."""
+    view: PageView = page_view(fmt, pages)
+    num_input_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
+    assert (num_kv_heads, head_dim) == (view.num_kv_heads, view.head_dim), \
+        f"keys have {num_kv_heads} heads x {head_dim}, pages {view.num_kv_heads} x {view.head_dim}"
+    assert key.stride(-1) == 1 and value.stride(-1) == 1, "key/value need a contiguous head_dim"
+    slots = meta.slot_mapping
+    assert slots.dtype == torch.int64 and slots.shape[0] == num_input_tokens, \
+        f"slot_mapping must be int64 [{num_input_tokens}], got {slots.dtype} {tuple(slots.shape)}"
+    if num_input_tokens == 0:
+        return
+    write_kv_kernel[(num_input_tokens, num_kv_heads)](
+        key, value, slots, view.k, view.v, view.k_scale, view.k_zero, view.v_scale, view.codebook, view.rotation,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        _stride3(view.k), _stride3(view.v), _stride3(view.k_scale), _stride3(view.v_scale),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size,
+        KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, num_warps=1,
+    )

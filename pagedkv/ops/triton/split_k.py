@@ -1,0 +1,153 @@
+"""Split-K paged attention for few, long sequences: each (query block, KV head) is spread over
+NUM_SPLITS key ranges, then a reduce kernel merges the partial softmax states.
+
+Grid of the split kernel: (query blocks, KV heads, NUM_SPLITS), sized like `attention.py` from tensor
+shapes. Each split covers ceil(seq_len / NUM_SPLITS) keys (rounded up to a tile), computed on the
+device from `seq_lens`, so the work stays even whatever the lengths and the launch stays capturable.
+Partial states: out [num_tokens, num_q_heads, NUM_SPLITS, head_dim] (unnormalised, float32), and the
+running max (log2 units) and sum [num_tokens, num_q_heads, NUM_SPLITS].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats.base import PageFormat
+from ..metadata import AttentionMetadata
+from .attention import check_inputs, dot_precision, launch_args, query_block_rows, stride3
+from .page_view import page_view
+from .tiles import attend_tiles
+from .tuning import TileConfig, choose_tiles
+
+
+@triton.jit
+def split_attention_kernel(
+    part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, rotation_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_bt,
+    k_strides, v_strides, ks_strides, vs_strides,
+    num_seqs, qk_scale, softcap, sliding_window,
+    NUM_SPLITS: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq, q_start, q_len, first, context, token, head, row_ok = query_block_rows(
+        q_block, kv_head, query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q)
+    if first >= q_len:
+        return
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (q_start + token).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = context + token
+    chunk = tl.cdiv(tl.cdiv(context + q_len, NUM_SPLITS), TILE_N) * TILE_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, context + tl.minimum(first + BLOCK_Q, q_len))
+    if USE_WINDOW:
+        kv_lo = tl.maximum(kv_lo, tl.maximum(context + first - sliding_window + 1, 0) // TILE_N * TILE_N)
+
+    head_off = kv_head.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = attend_tiles(
+        q, acc, m_i, l_i, q_pos, kv_lo, kv_hi, block_table_ptr + seq.to(tl.int64) * stride_bt,
+        k_ptr + head_off * k_strides[2], v_ptr + head_off * v_strides[2],
+        ks_ptr + head_off * ks_strides[2], kz_ptr + head_off * ks_strides[2], vs_ptr + head_off * vs_strides[2],
+        codebook_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),
+        (ks_strides[0], ks_strides[1]), (vs_strides[0], vs_strides[1]),
+        qk_scale, softcap, sliding_window,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, KIND, K_BITS, V_BITS, DOT_PRECISION)
+
+    state = (q_rows * NUM_Q_HEADS + head) * NUM_SPLITS + split          # [BLOCK_M] row of the partial states
+    tl.store(part_m_ptr + state, m_i, mask=row_ok)
+    tl.store(part_l_ptr + state, l_i, mask=row_ok)
+    tl.store(part_out_ptr + state[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def reduce_splits_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, rotation_ptr,
+    stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    ROTATE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    state0 = (token * NUM_Q_HEADS + head) * NUM_SPLITS                     # [BLOCK_G]
+    stat_ok = g_ok[:, None] & (offs_s[None, :] < NUM_SPLITS)
+    m = tl.load(part_m_ptr + state0[:, None] + offs_s[None, :], mask=stat_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + state0[:, None] + offs_s[None, :], mask=stat_ok, other=0.0)
+    m_max = tl.max(m, axis=1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max[:, None])                                  # [BLOCK_G, SPLITS_PAD]
+    total = tl.sum(w * l, axis=1)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
+        part = tl.load(part_out_ptr + (state0 + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        acc += w_s[:, None] * part
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    if ROTATE_OUT:
+        offs_r = tl.arange(0, HEAD_DIM_PAD)
+        rot = tl.load(rotation_ptr + offs_r[:, None] * HEAD_DIM + offs_d[None, :])
+        out = tl.dot(out, rot, input_precision=DOT_PRECISION)
+    tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
+                    *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                    num_splits: int = 8, tiles: TileConfig | None = None) -> torch.Tensor:
+    """Same contract as `reference.paged_attention`, computed as `num_splits` key ranges plus a reduce."""
+    view = page_view(fmt, pages)
+    check_inputs(query, view, meta)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = meta.block_table.shape[0]
+    group = num_q_heads // view.num_kv_heads
+    tiles = tiles or choose_tiles(num_tokens, num_seqs, group, head_dim, query.device)
+    block_q = tiles.block_m // group
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device)
+    part_m = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+    part_l = torch.empty_like(part_m)
+    grid = (num_tokens // block_q + num_seqs, view.num_kv_heads, num_splits)
+    precision = dot_precision(query.dtype)
+    split_attention_kernel[grid](
+        part_out, part_m, part_l, query, *launch_args(view),
+        meta.block_table, meta.seq_lens, meta.query_start_loc,
+        query.stride(0), query.stride(1), meta.block_table.stride(0),
+        stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
+        num_seqs, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        NUM_SPLITS=num_splits, NUM_Q_HEADS=num_q_heads,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=meta.block_size,
+        BLOCK_M=tiles.block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n,
+        USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window),
+        KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, DOT_PRECISION=precision,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    reduce_splits_kernel[(num_tokens, view.num_kv_heads)](
+        out, part_out, part_m, part_l, view.rotation, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        ROTATE_OUT=view.rotate_out, DOT_PRECISION=precision, num_warps=4,
+    )
+    return out

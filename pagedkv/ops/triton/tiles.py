@@ -1,0 +1,83 @@
+"""Device functions shared by the attention kernels: finding a program's sequence, and the online-softmax
+loop over a range of key tiles read straight from pages.
+
+Rows of a query tile are (query token, query head of one KV head's group) pairs: row r holds token
+`r // GROUP` of the tile and head `kv_head * GROUP + r % GROUP`, so one pass over the keys serves the
+whole group and `tl.dot` gets tiles of at least 16 rows.
+"""
+
+import triton
+import triton.language as tl
+
+from .codecs import KVQUANT, load_keys, load_token_scales, load_values
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def find_sequence(q_block, query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning global query block `q_block` (sequence i starts at block qsl[i] // BLOCK_Q + i)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def attend_tiles(
+    q, acc, m_i, l_i,                 # q: [BLOCK_M, HEAD_DIM_PAD]; acc fp32 [BLOCK_M, HEAD_DIM_PAD]; m_i, l_i fp32 [BLOCK_M]
+    q_pos,                            # [BLOCK_M] int32 absolute position of each row's query token
+    kv_lo, kv_hi,                     # keys [kv_lo, kv_hi) of this sequence are visited (kv_lo a multiple of TILE_N)
+    block_table_row_ptr,              # this sequence's row of the block table
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr,
+    k_strides, v_strides, ks_strides, vs_strides,   # (block, slot) strides; the KV head offset is already in the pointers
+    qk_scale, softcap, sliding_window,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over keys [kv_lo, kv_hi): returns the updated (acc, m_i, l_i), scores in log2 units."""
+    offs_t = tl.arange(0, TILE_N)
+    for tile_start in range(kv_lo, kv_hi, TILE_N):
+        offs_n = tile_start + offs_t
+        in_range = offs_n < kv_hi
+        block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        k = load_keys(k_ptr, ks_ptr, kz_ptr, block, slot, in_range, k_strides, ks_strides,
+                      HEAD_DIM, HEAD_DIM_PAD, KIND, K_BITS, q.dtype)            # [TILE_N, HEAD_DIM_PAD]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)             # [BLOCK_M, TILE_N]
+        if KIND == KVQUANT:
+            s = s * load_token_scales(ks_ptr, block, slot, in_range, ks_strides)[None, :]
+        if USE_SOFTCAP:
+            s = softcap * tanh(s * (qk_scale / softcap)) * LOG2E
+        else:
+            s = s * (qk_scale * LOG2E)
+        visible = in_range[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = load_values(v_ptr, vs_ptr, codebook_ptr, block, slot, in_range, v_strides, vs_strides,
+                        HEAD_DIM, HEAD_DIM_PAD, KIND, V_BITS, q.dtype)          # [TILE_N, HEAD_DIM_PAD]
+        if KIND == KVQUANT:
+            p = p * load_token_scales(vs_ptr, block, slot, in_range, vs_strides)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i

@@ -1,0 +1,27 @@
+"""Kernel tests run compiled on a CUDA device when there is one, else under the Triton interpreter on the CPU.
+
+The interpreter is chosen when Triton decorates a kernel, so the variable is set here, before any
+kernel module is imported (pagedkv imports them only on first use).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+    def _allow_scalar_loop_bounds() -> None:
+        """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(), which
+        NumPy >= 2.4 refuses; loops with bounds read from memory (`range(lo, hi, step)`) then fail."""
+        from triton.runtime import interpreter
+
+        patch_tensor = interpreter._patch_lang_tensor
+
+        def patched(tensor, scope):
+            patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        interpreter._patch_lang_tensor = patched
+
+    _allow_scalar_loop_bounds()
