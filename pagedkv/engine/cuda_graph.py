@@ -1,0 +1,155 @@
+"""Decode steps replayed from CUDA graphs: the model forward, the cache writes and the attention.
+
+A decode step of a small model is mostly host time in the eager path (Python over every layer), so
+it is captured once per batch-size bucket and replayed. Everything a step varies lives in static
+device buffers of fixed capacity, refilled before each replay:
+
+    input_ids, position_ids: [1, max_bs] int64      slot_mapping: [max_bs] int64 (-1: padding, not stored)
+    seq_lens: [max_bs] int32                          block_table:  [max_bs, max_blocks_per_seq] int32
+    query_start_loc: [max_bs + 1] int32 = 0, 1, 2, ... (one new token per sequence, never changes)
+
+A batch of n sequences runs in the smallest bucket >= n; the rows past n are padding (no write, one
+token of context) and their logits are dropped. Graphs are captured at the first decode step, when
+the page tensors exist, and again whenever the pool reallocates them (dynamic growth). They need the
+Triton kernels (the reference path loops over sequences in Python and cannot be captured).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from .. import ops
+from ..cache import PagedKVCache
+from ..ops.metadata import AttentionMetadata
+from .sequence import Sequence
+
+
+class CUDAGraphRunner:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cache_kwarg: str, batch_sizes: tuple[int, ...],
+                 max_blocks_per_seq: int):
+        self.model = model
+        self.cache = cache
+        self.cache_kwarg = cache_kwarg
+        self.batch_sizes = sorted(batch_sizes)
+        self.device = next(model.parameters()).device
+        max_bs, self.max_blocks = self.batch_sizes[-1], max_blocks_per_seq
+        dev = dict(device=self.device)
+        self.input_ids = torch.zeros(1, max_bs, dtype=torch.int64, **dev)
+        self.position_ids = torch.zeros(1, max_bs, dtype=torch.int64, **dev)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, **dev)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, **dev)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, **dev)
+        self.block_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, **dev)
+        # pinned host mirrors, filled in numpy and copied up in one transfer each
+        self.host_ints = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=True)  # ids, positions, slots
+        self.host_lens = torch.ones(max_bs, dtype=torch.int32, pin_memory=True)
+        self.host_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        self._rows: list[tuple[int, int] | None] = [None] * max_bs  # (seq_id, blocks) each host_table row holds
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self._pages_key = None
+        self.num_replays = 0
+        self.num_captures = 0
+
+    # ------------------------------------------------------------------------------------------
+    def is_capturable(self) -> bool:
+        """The cache's every layer runs on the Triton kernels (allocated pages, CUDA, supported format)."""
+        formats = self.cache.formats
+        if not formats or any(f is None for f in formats):
+            return False
+        return all(ops.choose_backend(self.device, self.cache.config.kernels, f)[0] == "triton" for f in formats)
+
+    def can_run(self, num_seqs: int) -> bool:
+        return num_seqs <= self.batch_sizes[-1] and self.is_capturable()
+
+    def _current_pages_key(self):
+        return tuple(t.data_ptr() for p in self.cache.pages if p for t in p.values())
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        worst = self.max_blocks * self.cache.block_size  # host-side sizing sees the longest possible context
+        return AttentionMetadata(
+            block_table=self.block_table[:bs], seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            slot_mapping=self.slot_mapping[:bs], token_index=None, seq_lens_cpu=[worst] * bs,
+            query_start_loc_cpu=list(range(bs + 1)), block_size=self.cache.block_size)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        out = self.model(input_ids=self.input_ids[:, :bs], position_ids=self.position_ids[:, :bs], use_cache=True,
+                         **{self.cache_kwarg: self.cache})
+        return out.logits[0]  # [bs, vocab]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (they share one memory pool)."""
+        self.graphs.clear()
+        self.logits.clear()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.block_table.zero_()
+        self._rows = [None] * len(self._rows)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        for bs in reversed(self.batch_sizes):
+            self.cache.plan = self._metadata(bs)
+            try:
+                with torch.cuda.stream(stream):
+                    self._forward(bs)  # warm-up: kernels compiled, lazy buffers allocated
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.logits[bs] = self._forward(bs)
+            finally:
+                self.cache.end_forward()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self._pages_key = self._current_pages_key()
+        self.num_captures += 1
+
+    # ------------------------------------------------------------------------------------------
+    def _fill_host(self, seqs: list[Sequence], slots: list[list[int]], bs: int) -> None:
+        n = len(seqs)
+        ints = self.host_ints.numpy()
+        ints[0, :n] = [s.token_ids[-1] for s in seqs]
+        ints[1, :n] = [s.num_computed_tokens for s in seqs]
+        ints[2, :n] = [per[0] for per in slots]
+        ints[2, n:bs] = -1
+        lens = self.host_lens.numpy()
+        lens[:n] = ints[1, :n] + 1
+        lens[n:bs] = 1
+        table = self.host_table.numpy()
+        for i, s in enumerate(seqs):
+            block_ids = self.cache.seqs[s.seq_id].block_ids
+            state = (s.seq_id, len(block_ids))
+            if self._rows[i] != state:
+                old = self._rows[i]
+                start = old[1] if old is not None and old[0] == s.seq_id and old[1] < len(block_ids) else 0
+                table[i, start:len(block_ids)] = block_ids[start:]
+                self._rows[i] = state
+        for i in range(n, bs):
+            if self._rows[i] is not None:
+                table[i, 0] = 0
+                self._rows[i] = None
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One decode step of `seqs` (each feeds its last token); returns logits [len(seqs), vocab].
+
+        Raises CacheCapacityError (cache untouched) when a new block does not fit.
+        """
+        n = len(seqs)
+        slots = self.cache.reserve([s.seq_id for s in seqs], [1] * n)
+        if self._pages_key != self._current_pages_key():
+            self.capture()
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        self._fill_host(seqs, slots, bs)
+        self.input_ids[0, :bs].copy_(self.host_ints[0, :bs], non_blocking=True)
+        self.position_ids[0, :bs].copy_(self.host_ints[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(self.host_ints[2, :bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(self.host_lens[:bs], non_blocking=True)
+        self.block_table[:bs].copy_(self.host_table[:bs], non_blocking=True)
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        return self.logits[bs][:n]

@@ -1,0 +1,209 @@
+"""`LLMEngine`: requests in, one scheduled forward pass per `step()`, outputs out.
+
+    step: scheduler.schedule() -> model_runner.run() -> sampler -> stop checks -> free finished blocks
+
+Only the thread that calls `step()` touches the engine's state; `make_sequence` (validation and
+tokenization) may run anywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+
+import torch
+
+from ..cache import PagedKVCache
+from ..errors import CacheCapacityError, ConfigError, ContextWindowError
+from ..hf import install_paged_kv_cache
+from ..prefix import PrefixCache
+from .config import EngineConfig
+from .detokenizer import Detokenizer
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+
+def _eos_token_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig, cache_options: dict | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        window = getattr(text_config, "max_position_embeddings", None)
+        self.max_model_len = config.max_model_len or window or 8192
+        self.vocab_size = text_config.vocab_size
+        self.cache: PagedKVCache = install_paged_kv_cache(model, **(cache_options or {}))
+        self.prefix = PrefixCache(self.cache, enabled=config.prefix_caching)
+        self.scheduler = Scheduler(config, self.cache, self.prefix)
+        self.runner = ModelRunner(model, self.cache, config, self.max_model_len)
+        self.sampler = Sampler()
+        self.detokenizer = Detokenizer(tokenizer)
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.requests: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_finished = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------------------------------
+    # requests
+    def capacity_tokens(self) -> int | None:
+        """The most tokens one sequence can hold in the pool (None: unbounded growth)."""
+        cfg = self.cache.config
+        if cfg.dynamic:
+            return cfg.context_window_tokens
+        return (self.cache.pool.num_blocks or cfg.num_blocks) * cfg.block_size
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                      request_id: str | None = None, stream: bool = False) -> Sequence:
+        """A validated request (not yet added). Raises ConfigError / ContextWindowError on bad input."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this engine has no tokenizer: pass prompts as lists of token ids")
+            token_ids, text = self.tokenizer(prompt).input_ids, prompt
+        else:
+            token_ids, text = [int(t) for t in prompt], None
+        if not token_ids:
+            raise ConfigError("the prompt is empty: give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt token id {bad[0]} is out of range: the vocabulary has {self.vocab_size} tokens")
+        n, window = len(token_ids), self.max_model_len
+        if n >= window:
+            raise ContextWindowError(f"the prompt has {n} tokens but the context window is {window} tokens; "
+                                     "shorten the prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else window - n
+        if n + max_tokens > window:
+            raise ContextWindowError(f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
+                                     f"tokens do not fit the context window of {window}; lower max_tokens")
+        capacity = self.capacity_tokens()
+        if capacity is not None and n + max_tokens - 1 > capacity:
+            raise ConfigError(f"a request of {n} prompt tokens and max_tokens {max_tokens} needs more than the "
+                              f"{capacity} tokens the KV cache pool holds; raise --num-blocks or lower max_tokens")
+        if params.max_tokens is None:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
+        request_id = request_id or uuid.uuid4().hex
+        return Sequence(request_id, next(self._seq_ids), token_ids, params, prompt=text, stream=stream)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ConfigError(f"request id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self.num_prompt_tokens += seq.num_prompt_tokens
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, stream: bool = False) -> str:
+        seq = self.make_sequence(prompt, params, request_id=request_id, stream=stream)
+        self.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks (no-op if it already finished)."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        seq.finish("abort")
+        self._retire(seq)
+        return seq.output(self.detokenizer.visible_text(seq))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------------------------------
+    # one step
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; returns the outputs of streaming requests that advanced and of finished ones."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        try:
+            logits, rows = self.runner.run(batch)
+        except CacheCapacityError:  # the estimate missed (e.g. a growth cap): make room and plan again
+            self.scheduler.preempt_last()
+            return []
+        except Exception as exc:  # a failed forward fails its requests, never the engine
+            self._fail(batch.seqs, f"{type(exc).__name__}: {exc}")
+            return [seq.output(seq.text) for seq in batch.seqs]
+        self.num_steps += 1
+        self.scheduler.after_step(batch)
+        sampled = [batch.seqs[i] for i in rows]
+        tokens = self.sampler(logits, sampled) if sampled else []
+        now = time.perf_counter()
+        outputs = []
+        for seq, token in zip(sampled, tokens):
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            self._check_stop(seq, token)
+            if seq.is_finished:
+                self._retire(seq)
+            if seq.is_finished or seq.stream:
+                outputs.append(seq.output(self.detokenizer.visible_text(seq)))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            seq.finish("stop", token)
+        elif token in params.stop_token_ids:
+            seq.finish("stop", token)
+        if seq.stream or params.stop:
+            stop = self.detokenizer.update(seq)
+            if stop is not None and not seq.is_finished:
+                seq.finish("stop", stop)
+        if seq.is_finished:
+            return
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish("length")
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.detokenizer.finalize(seq)
+        self.requests.pop(seq.request_id, None)
+        self.num_finished += 1
+
+    def _fail(self, seqs: list[Sequence], message: str) -> None:
+        for seq in seqs:
+            seq.error = message
+            seq.finish("error")
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+
+    # ------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        cache = self.cache
+        graphs = self.runner.graphs
+        out = {
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
+            "requests_finished": self.num_finished,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "steps": self.num_steps,
+            "preemptions": self.scheduler.num_preemptions,
+            "blocks_used": cache.pool.num_used,
+            "blocks_total": cache.num_blocks,
+            "block_size": cache.block_size,
+            "kv_format": str(cache.config.kv_format),
+            "cuda_graph_replays": graphs.num_replays if graphs else 0,
+        }
+        out.update(self.prefix.as_dict())
+        return out

@@ -1,0 +1,53 @@
+"""What a request returns: `RequestOutput` (one per request) holding its `CompletionOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """The generated part of a request so far.
+
+    text: decoded new tokens (while streaming, the tail that could still turn out to start a stop string
+    is held back); token_ids: every new token, the end-of-sequence token included;
+    finish_reason: None while running, else "stop" (EOS, stop string, stop token), "length"
+    (max_tokens or the context window), "abort" or "error".
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.perf_counter seconds) of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set with finish_reason "error"
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids

@@ -1,0 +1,52 @@
+"""`SamplingParams`: how one request picks its tokens and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, validated on construction (a bad value raises `ConfigError`).
+
+    temperature: 0 picks the most likely token (greedy); > 0 samples from softmax(logits / temperature).
+    top_p: keep the smallest set of tokens whose probability adds up to at least top_p (1 keeps all).
+    top_k: keep the k most likely tokens (0 or -1 keeps all).
+    seed: a private random generator for this request, so its samples do not depend on the batch.
+    stop: strings that end the output (not included in the text); stop_token_ids: token ids that do.
+    max_tokens: new tokens at most (None: up to the context window).
+    ignore_eos: keep going past the end-of-sequence token (benchmarks).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    max_tokens: int | None = 16
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ConfigError(f"top_k={self.top_k!r} must be a positive integer, or 0 / -1 to keep every token")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ConfigError(f"max_tokens={self.max_tokens!r} must be a positive integer")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ConfigError(f"seed={self.seed!r} must be an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop={self.stop!r} must be non-empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

@@ -1,0 +1,185 @@
+"""The scheduler: which sequences run in the next forward pass, and how many of their tokens.
+
+Every step has a token budget (`max_num_batched_tokens`). Running sequences go first, decodes (one
+token each) before prefill chunks, in admission order; waiting sequences are then admitted while
+budget, `max_num_seqs` and free blocks allow, starting from the blocks the prefix cache already holds.
+When a running sequence needs a block and none is free, the most recently admitted running sequence
+is preempted: its blocks are freed and it goes back to the head of the queue, to be recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..cache import PagedKVCache
+from ..prefix import PrefixCache
+from .config import EngineConfig
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One forward pass: sequence i feeds its next num_new_tokens[i] tokens (packed in this order)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence feeds one token after earlier context (what CUDA graphs replay)."""
+        return all(n == 1 for n in self.num_new_tokens) and all(s.num_computed_tokens > 0 for s in self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: PagedKVCache, prefix: PrefixCache):
+        self.config = config
+        self.cache = cache
+        self.prefix = prefix
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------------------
+    # blocks
+    def free_blocks(self) -> int:
+        """Blocks a step may still take: free ones, plus the growth room a dynamic pool has left."""
+        cache, cfg = self.cache, self.cache.config
+        if not cfg.dynamic:
+            return cache.pool.num_free if cache.pool.num_blocks else cfg.num_blocks
+        ctx = cfg.context_window_tokens
+        if ctx is None:
+            return 1 << 40
+        cap = max(1, len(cache.seqs)) * cache.blocks_for(ctx)
+        return max(cap, cache.pool.num_blocks) - cache.pool.num_used
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        held = len(self.cache.seqs[seq.seq_id].block_ids) if seq.seq_id in self.cache.seqs else 0
+        return max(0, self.cache.blocks_for(seq.num_computed_tokens + num_new_tokens) - held)
+
+    # ------------------------------------------------------------------------------------------
+    def tokens_that_fit(self, seq: Sequence, num_blocks: int) -> int:
+        """New tokens of `seq` that `num_blocks` more blocks (plus its own partial last block) can hold."""
+        held = len(self.cache.seqs[seq.seq_id].block_ids) if seq.seq_id in self.cache.seqs else 0
+        return max(0, (held + num_blocks) * self.cache.block_size - seq.num_computed_tokens)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        planned: dict[int, tuple[Sequence, int, int]] = {}  # seq_id -> (seq, tokens, blocks)
+        reserved = 0
+        preempted = False
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            # a prefill chunk shrinks to the free blocks; with none left, the newest request makes room
+            while self.tokens_that_fit(seq, self.free_blocks() - reserved) < 1:
+                victim = self.running[-1]
+                if victim.seq_id in planned:
+                    _, vn, vneed = planned.pop(victim.seq_id)
+                    budget += vn
+                    reserved -= vneed
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            n = min(n, self.tokens_that_fit(seq, self.free_blocks() - reserved), budget)
+            need = self.blocks_needed(seq, n)
+            planned[seq.seq_id] = (seq, n, need)
+            budget -= n
+            reserved += need
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            admitted = self._admit(seq, budget, reserved)
+            if admitted is None:
+                break
+            n, need = admitted
+            self.waiting.popleft()
+            self.running.append(seq)
+            planned[seq.seq_id] = (seq, n, need)
+            budget -= n
+            reserved += need
+        order = [s for s in self.running if s.seq_id in planned]
+        return ScheduledBatch(order, [planned[s.seq_id][1] for s in order])
+
+    def _admit(self, seq: Sequence, budget: int, reserved: int) -> tuple[int, int] | None:
+        """Start `seq` in the cache from its cached prefix blocks if its first chunk fits; (tokens, new blocks).
+
+        The first chunk must fit whole, unless nothing else runs (then it shrinks to the free blocks).
+        """
+        bs = self.cache.block_size
+        max_blocks = (len(seq) - 1) // bs  # leave at least one token to compute (its logits are needed)
+        hashes = self.prefix.block_hashes(seq.block_hashes, seq.token_ids) if self.prefix.enabled else []
+        cached = self.prefix.match(hashes, max_blocks)
+        num_cached = len(cached) * bs
+        n = min(len(seq) - num_cached, budget)
+        free = self.free_blocks() - reserved
+        need = self.cache.blocks_for(num_cached + n) - len(cached)
+        if need > free and not self.running:
+            n = min(n, (len(cached) + free) * bs - num_cached)
+            need = self.cache.blocks_for(num_cached + n) - len(cached)
+        if need > free or n < 1:
+            self.prefix.unmatch(cached)
+            return None
+        self.prefix.record(min(max_blocks, len(hashes)), len(cached))
+        self.cache.add_sequence(seq.seq_id, prefix_block_ids=cached)
+        seq.num_computed_tokens = num_cached
+        seq.num_registered_blocks = len(cached)
+        seq.metrics.num_cached_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.perf_counter()
+        return n, need
+
+    # ------------------------------------------------------------------------------------------
+    def preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks and put it back at the head of the queue (recomputed when readmitted)."""
+        self.running.remove(seq)
+        self.prefix.release(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def preempt_last(self) -> None:
+        if self.running:
+            self.preempt(self.running[-1])
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished (or aborted) sequence and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.prefix.release(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Advance the sequences of a finished forward pass and register their newly full blocks."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            if self.prefix.enabled:
+                self.prefix.block_hashes(seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
+                seq.num_registered_blocks = self.prefix.register(seq.seq_id, seq.block_hashes,
+                                                                 seq.num_registered_blocks, seq.num_computed_tokens)

@@ -1,0 +1,75 @@
+"""`Sequence`: one request's tokens and progress through the engine.
+
+The tokens whose keys/values are in the cache are `token_ids[:num_computed_tokens]`; the rest still
+have to go through the model. A waiting sequence holds no blocks; a preempted one goes back to
+waiting with `num_computed_tokens = 0` and recomputes its prompt and outputs on readmission.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, *,
+                 prompt: str | None = None, stream: bool = False):
+        self.request_id = request_id
+        self.seq_id = seq_id  # the cache's id for this sequence
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.stream = stream  # stream text as it comes (incremental detokenization)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_hashes: list[bytes] = []  # prefix-cache hash of each full block of token_ids
+        self.num_registered_blocks = 0  # blocks of the cache sequence registered in the prefix cache
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.text = ""  # detokenized output (see Detokenizer)
+        self.detok_state: tuple[int, int] | None = None
+        self.generator: torch.Generator | None = None
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.metrics.finished_time = time.perf_counter()
+
+    def output(self, text: str) -> RequestOutput:
+        completion = CompletionOutput(0, text, self.output_token_ids, self.finish_reason, self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.token_ids[:self.num_prompt_tokens], [completion],
+                             self.is_finished, self.metrics, self.error)
