@@ -1,0 +1,35 @@
+"""`/metrics` in the Prometheus text format, from the engine's stats snapshot."""
+
+from __future__ import annotations
+
+# (metric, type, stats key, help)
+METRICS = [
+    ("pagedkv_requests_running", "gauge", "requests_running", "Requests being generated now."),
+    ("pagedkv_requests_waiting", "gauge", "requests_waiting", "Requests waiting to be scheduled (preempted ones included)."),
+    ("pagedkv_kv_blocks_used", "gauge", "blocks_used", "KV cache blocks referenced by live sequences."),
+    ("pagedkv_kv_blocks_total", "gauge", "blocks_total", "KV cache blocks in the pool."),
+    ("pagedkv_prefix_cache_hit_rate", "gauge", "prefix_cache_hit_rate",
+     "Fraction of looked-up prompt blocks found in the prefix cache."),
+    ("pagedkv_prefix_cache_queries_total", "counter", "prefix_cache_queries", "Prompt blocks looked up in the prefix cache."),
+    ("pagedkv_prefix_cache_hits_total", "counter", "prefix_cache_hits", "Prompt blocks found in the prefix cache."),
+    ("pagedkv_prefix_cache_hit_tokens_total", "counter", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
+    ("pagedkv_prefix_cache_evictions_total", "counter", "prefix_cache_evictions", "Cached blocks evicted for reuse."),
+    ("pagedkv_prompt_tokens_total", "counter", "prompt_tokens", "Prompt tokens of accepted requests."),
+    ("pagedkv_generation_tokens_total", "counter", "generated_tokens", "Tokens generated."),
+    ("pagedkv_requests_finished_total", "counter", "requests_finished", "Requests finished (aborted ones included)."),
+    ("pagedkv_preemptions_total", "counter", "preemptions", "Running requests preempted to free blocks."),
+    ("pagedkv_engine_steps_total", "counter", "steps", "Forward passes run by the engine."),
+]
+
+
+def render(stats: dict, extra: dict[str, tuple[str, str, float]] | None = None) -> str:
+    """The Prometheus exposition text for `stats` (plus `extra`: name -> (type, help, value))."""
+    lines = []
+    rows = [(name, kind, stats.get(key, 0), help_) for name, kind, key, help_ in METRICS]
+    used, total = stats.get("blocks_used", 0), stats.get("blocks_total", 0)
+    rows.append(("pagedkv_kv_block_usage", "gauge", used / total if total else 0.0, "Fraction of KV cache blocks in use."))
+    for name, (kind, help_, value) in (extra or {}).items():
+        rows.append((name, kind, value, help_))
+    for name, kind, value, help_ in rows:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(value):g}"]
+    return "\n".join(lines) + "\n"

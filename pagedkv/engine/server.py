@@ -1,0 +1,264 @@
+"""`pagedkv serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
+
+    POST /v1/completions, /v1/chat/completions   (stream=true: server-sent events)
+    GET  /v1/models, /health, /metrics (Prometheus text)
+
+A request is validated before anything is queued: a bad one gets HTTP 400 with an OpenAI-style error
+body and never reaches the engine. A client that disconnects has its request aborted, which frees its
+blocks at the next step boundary.
+"""
+
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+
+from ..errors import ConfigError, PagedKVError
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def build_app(llm, served_model_names: list[str]):
+    """The FastAPI app serving `llm` (a `pagedkv.LLM`) under the given model names."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from pydantic import ValidationError
+
+    from . import metrics, protocol
+    from .async_llm import AsyncLLM
+
+    engine = AsyncLLM(llm.engine)
+    app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    started = int(time.time())
+    http_errors = {"count": 0}
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(request: Request, exc: BadRequest):
+        http_errors["count"] += 1
+        return JSONResponse(protocol.error_body(str(exc), param=exc.param, code=exc.code), status_code=400)
+
+    async def parse(request: Request, model_cls):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        try:
+            req = model_cls.model_validate(body)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"]) or "body"
+            raise BadRequest(f"invalid request: {where}: {err['msg']}", param=where) from None
+        if req.model not in served_model_names:
+            raise BadRequest(f"the model {req.model!r} does not exist; this server serves "
+                             f"{', '.join(repr(n) for n in served_model_names)}", param="model", code="model_not_found")
+        if req.n != 1:
+            raise BadRequest(f"n={req.n}: only n=1 is supported", param="n")
+        return req
+
+    def start(prompts: list, req) -> list:
+        """Validate and queue every prompt (all or none)."""
+        streams = []
+        try:
+            params = req.sampling_params(None)
+            for prompt in prompts:
+                streams.append(engine.add_request(prompt, params, stream=req.stream))
+        except PagedKVError as exc:
+            for s in streams:
+                s.close()
+            param = re.match(r"(\w+)=", str(exc))
+            raise BadRequest(str(exc), param=param.group(1) if param else None) from None
+        return streams
+
+    async def collect(streams: list, request: Request):
+        """The final output of each stream, or None if the client went away first (then all are aborted)."""
+        async def finals():
+            outs = []
+            for s in streams:
+                last = None
+                async for last in s:
+                    pass
+                outs.append(last)
+            return outs
+
+        async def disconnected():
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.5)
+
+        done_task, watch = asyncio.ensure_future(finals()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait([done_task, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not done_task.done():
+                done_task.cancel()
+                for s in streams:
+                    s.close()
+        return done_task.result() if done_task.done() and not done_task.cancelled() else None
+
+    def check_errors(outputs):
+        for o in outputs:
+            if o.error:
+                raise BadRequest(f"generation failed: {o.error}", code="generation_error")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, protocol.CompletionRequest)
+        prompts = req.prompts()
+        if not prompts:
+            raise BadRequest("prompt is empty", param="prompt")
+        if req.stream and len(prompts) != 1:
+            raise BadRequest("streaming takes one prompt per request", param="prompt")
+        request_id = protocol.new_id("cmpl")
+        streams = start(prompts, req)
+        if not req.stream:
+            outputs = await collect(streams, request)
+            if outputs is None:
+                return JSONResponse({}, status_code=499)
+            check_errors(outputs)
+            return protocol.completion_response(request_id, req.model, outputs)
+        return StreamingResponse(_stream_completion(streams[0], request_id, req), media_type="text/event-stream")
+
+    async def _stream_completion(stream, request_id, req):
+        sent, last = 0, None
+        try:
+            async for out in stream:
+                last = out
+                if out.error:
+                    yield _sse(protocol.error_body(out.error, kind="server_error"))
+                    break
+                text = out.outputs[0].text
+                if len(text) > sent or out.finished:
+                    yield _sse(protocol.completion_chunk(request_id, req.model, text[sent:], out.outputs[0].finish_reason))
+                    sent = len(text)
+            if req.include_usage and last is not None:
+                yield _sse({**protocol.completion_chunk(request_id, req.model, "", None), "choices": [],
+                            "usage": protocol.usage([last])})
+            yield SSE_DONE
+        finally:
+            stream.close()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse(request, protocol.ChatCompletionRequest)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt = llm.apply_chat_template(messages)
+        except PagedKVError as exc:
+            raise BadRequest(str(exc), param="messages") from None
+        except Exception as exc:  # the template refused the conversation (e.g. roles out of order)
+            raise BadRequest(f"the chat template cannot format these messages: {exc}", param="messages") from None
+        request_id = protocol.new_id("chatcmpl")
+        (stream,) = start([prompt], req)
+        if not req.stream:
+            outputs = await collect([stream], request)
+            if outputs is None:
+                return JSONResponse({}, status_code=499)
+            check_errors(outputs)
+            return protocol.chat_response(request_id, req.model, outputs[0])
+        return StreamingResponse(_stream_chat(stream, request_id, req), media_type="text/event-stream")
+
+    async def _stream_chat(stream, request_id, req):
+        sent, last = 0, None
+        try:
+            yield _sse(protocol.chat_chunk(request_id, req.model, {"role": "assistant", "content": ""}, None))
+            async for out in stream:
+                last = out
+                if out.error:
+                    yield _sse(protocol.error_body(out.error, kind="server_error"))
+                    break
+                text = out.outputs[0].text
+                if len(text) > sent:
+                    yield _sse(protocol.chat_chunk(request_id, req.model, {"content": text[sent:]}, None))
+                    sent = len(text)
+                if out.finished:
+                    yield _sse(protocol.chat_chunk(request_id, req.model, {}, out.outputs[0].finish_reason))
+            if req.include_usage and last is not None:
+                yield _sse({**protocol.chat_chunk(request_id, req.model, {}, None), "choices": [],
+                            "usage": protocol.usage([last])})
+            yield SSE_DONE
+        finally:
+            stream.close()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": started, "owned_by": "pagedkv"}
+                                           for name in served_model_names]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        extra = {"pagedkv_http_bad_requests_total": ("counter", "Requests refused with HTTP 400.", http_errors["count"])}
+        return PlainTextResponse(metrics.render(engine.stats, extra), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# ----------------------------------------------------------------------------------------------
+# the CLI
+def register_cli(subparsers) -> None:
+    from ..cli import add_cache_options, add_model_options
+
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="model name clients pass in 'model' (repeatable; default: the --model value)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per forward pass: decodes plus prefill chunks (default 2048)")
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share cached blocks between requests with a common prefix (default on)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context window)")
+    g.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
+    g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    add_cache_options(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..cli import cache_options, resolve_device_dtype
+    from .config import EngineConfig
+
+    try:
+        import uvicorn
+    except ImportError:
+        raise ConfigError("`pagedkv serve` needs FastAPI and uvicorn: pip install 'pagedkv[serve]'") from None
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port}: must be between 1 and 65535")
+    opts = cache_options(args)
+    engine_opts = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
+                       max_model_len=args.max_model_len)
+    EngineConfig(**engine_opts)  # validate before loading a model
+    from .llm import LLM
+
+    device, dtype = resolve_device_dtype(args)
+    llm = LLM(args.model, device=device, dtype=dtype, **engine_opts, **opts)
+    names = args.served_model_name or [args.model]
+    app = build_app(llm, names)
+    print(f"pagedkv: serving {', '.join(names)} on http://{args.host}:{args.port}/v1 "
+          f"(page format {llm.engine.cache.config.kv_format}, {device})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

@@ -1,0 +1,180 @@
+"""`pagedkv serve` through the official OpenAI client and raw HTTP: streaming, errors, disconnects, metrics."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+MAX_MODEL_LEN = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    proc = subprocess.Popen([sys.executable, "-m", "pagedkv", "serve", "--port", str(port), "--num-blocks", "256",
+                             "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pagedkv serve exited: {proc.stdout.read().decode()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("pagedkv serve did not come up in time")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+def test_openai_client_streams_a_chat_completion(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    stream = client.chat.completions.create(model="default", messages=messages, stream=True, max_tokens=12,
+                                            temperature=0, stream_options={"include_usage": True})
+    pieces, finish, usage, roles = [], None, None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            roles.append(choice.delta.role)
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    text = "".join(pieces)
+    assert roles[0] == "assistant"
+    assert len([p for p in pieces if p]) >= 2 and "Paris" in text
+    assert finish in ("stop", "length")
+    assert usage.completion_tokens >= 2 and usage.prompt_tokens > 5
+    whole = client.chat.completions.create(model="default", messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == text  # greedy: streamed and whole replies agree
+    assert whole.choices[0].finish_reason == finish
+
+
+def test_completions_and_models(client):
+    assert [m.id for m in client.models.list().data] == ["default"]
+    out = client.completions.create(model="default", prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
+    assert "Paris" in out.choices[0].text
+    stopped = client.completions.create(model="default", prompt="The capital of France is", max_tokens=8,
+                                        temperature=0, stop=["."])
+    assert stopped.choices[0].finish_reason == "stop" and "." not in stopped.choices[0].text
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"model": "default", "prompt": "hi", ', "not valid JSON"),
+    (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), "does not exist"),
+    (json.dumps({"model": "default", "prompt": "hi", "max_tokens": -5}).encode(), "max_tokens"),
+    (json.dumps({"model": "default", "prompt": "word " * (MAX_MODEL_LEN + 10)}).encode(), "context window"),
+    (json.dumps({"model": "default", "prompt": "hi", "temperature": -1}).encode(), "temperature"),
+    (json.dumps({"model": "default"}).encode(), "prompt"),
+])
+def test_bad_requests_get_400_with_an_openai_error_body(server, body, message):
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        if route.endswith("chat/completions"):
+            try:
+                obj = json.loads(body)
+                obj["messages"] = [{"role": "user", "content": obj.pop("prompt", "")}] if "prompt" in obj else None
+                if obj["messages"] is None:
+                    obj.pop("messages")
+                payload = json.dumps(obj).encode()
+            except json.JSONDecodeError:
+                payload = body
+            if message == "prompt":
+                message = "messages"
+        else:
+            payload = body
+        r = httpx.post(f"{server}{route}", content=payload, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (route, r.text)
+        error = r.json()["error"]
+        assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_openai_client_sees_bad_request_errors(client):
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        client.completions.create(model="default", prompt="word " * (MAX_MODEL_LEN + 10), max_tokens=2)
+
+
+async def _stream_one(base: str, i: int, disconnect: bool) -> dict:
+    body = {"model": "default", "messages": [{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+            "stream": True, "temperature": 0, "max_tokens": 200 if disconnect else 6, "ignore_eos": disconnect}
+    chunks = []
+    async with httpx.AsyncClient(timeout=300) as http:
+        async with http.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return {"done": True, "chunks": chunks}
+                chunks.append(json.loads(line[6:]))
+                if disconnect and any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks):
+                    return {"done": False, "chunks": chunks}  # leaving the block closes the connection
+    return {"done": False, "chunks": chunks}
+
+
+def test_fifty_concurrent_streams_with_ten_disconnects(server):
+    async def main():
+        return await asyncio.gather(*(_stream_one(server, i, disconnect=i % 5 == 0) for i in range(50)))
+
+    results = asyncio.run(main())
+    completed = [r for i, r in enumerate(results) if i % 5 != 0]
+    assert len(completed) == 40
+    for r in completed:
+        assert r["done"]
+        finishes = [c["choices"][0]["finish_reason"] for c in r["chunks"] if c["choices"]]
+        assert finishes[-1] in ("stop", "length")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        m = metrics(server)
+        if m["pagedkv_requests_running"] == 0 and m["pagedkv_requests_waiting"] == 0:
+            break
+        time.sleep(0.5)
+    # the disconnected requests (200 tokens each, ignoring EOS) were aborted, not run to the end
+    assert m["pagedkv_requests_running"] == 0 and m["pagedkv_requests_waiting"] == 0
+    assert m["pagedkv_kv_blocks_used"] == 0 and m["pagedkv_kv_block_usage"] == 0
+    assert m["pagedkv_generation_tokens_total"] < 40 * 6 + 10 * 100
+    assert httpx.get(f"{server}/health").status_code == 200
+    r = httpx.post(f"{server}/v1/completions", json={"model": "default", "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_metrics_are_prometheus_text(server):
+    r = httpx.get(f"{server}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = metrics(server)
+    for name in ("pagedkv_requests_running", "pagedkv_requests_waiting", "pagedkv_kv_blocks_used",
+                 "pagedkv_kv_block_usage", "pagedkv_prefix_cache_hit_rate", "pagedkv_generation_tokens_total"):
+        assert name in m
+    assert "# TYPE pagedkv_generation_tokens_total counter" in r.text
+    assert m["pagedkv_generation_tokens_total"] > 0
