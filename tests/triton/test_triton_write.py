@@ -8,7 +8,8 @@ from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.triton import kv_write
 from triton_cases import DEVICE, build_case
 
-FORMATS = ["off", "q8", "q6", "q4"]
+FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q5_0,v=q2_0",
+           "turboquant:k=int2,v=q8_0"]
 
 
 def poisoned_like(pages):
@@ -16,10 +17,25 @@ def poisoned_like(pages):
             for n, p in pages.items()}
 
 
-def assert_same_pages(got, want):
+def assert_same_pages(got, want, fmt):
+    """Byte-equal pages, except where TurboQuant's value scale (a float sum of 32 squares, whose order
+    the format leaves open) rounds differently on the GPU: then that group's scale is one fp16 step
+    away and its codes may sit one level away."""
     for name in want:
         a, b = got[name], want[name]
         same = (a == b) | (a.isnan() & b.isnan()) if a.dtype.is_floating_point else a == b
+        if DEVICE.type == "cuda" and fmt.spec.kind == "turboquant" and name == "v_scale":
+            ulp = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+            assert int(ulp.max()) <= 1 and float(same.float().mean()) > 0.99, f"{name}: {int((~same).sum())} differ"
+            continue
+        if DEVICE.type == "cuda" and fmt.spec.kind == "turboquant" and name == "v":
+            from pagedkv.formats.packing import unpack_bits
+
+            ca = unpack_bits(a.reshape(-1, a.shape[-1]), fmt.value_bits, fmt.head_dim)
+            cb = unpack_bits(b.reshape(-1, b.shape[-1]), fmt.value_bits, fmt.head_dim)
+            differ = ca != cb
+            assert int((ca - cb).abs().max()) <= 1 and float(differ.float().mean()) < 1e-3, f"{name}: {int(differ.sum())} differ"
+            continue
         assert bool(same.all()), f"{name}: {(~same).sum().item()} of {same.numel()} entries differ"
 
 
@@ -30,7 +46,7 @@ def test_write_matches_reference(fmt, head_dim):
                       ctx_lens=[0, 0, 0], new_lens=[19, 1, 33])
     pages = poisoned_like(case.pages)
     kv_write.write_kv(pages, case.fmt, case.keys, case.values, case.write_meta)
-    assert_same_pages(pages, case.pages)
+    assert_same_pages(pages, case.pages, case.fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -50,4 +66,4 @@ def test_write_skips_padding_slots(fmt):
                              slots, real, case.write_meta.seq_lens_cpu, case.write_meta.query_start_loc_cpu, 16)
     pages = poisoned_like(case.pages)
     kv_write.write_kv(pages, case.fmt, keys, values, meta)
-    assert_same_pages(pages, case.pages)
+    assert_same_pages(pages, case.pages, case.fmt)

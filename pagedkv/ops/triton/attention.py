@@ -16,7 +16,7 @@ import triton.language as tl
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .page_view import PageView, page_view
-from .tiles import attend_tiles, find_sequence
+from .tiles import attend_tiles, find_sequence, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles
 
 
@@ -39,7 +39,7 @@ def query_block_rows(q_block, kv_head, query_start_loc_ptr, seq_lens_ptr, num_se
 @triton.jit
 def paged_attention_kernel(
     out_ptr, q_ptr,
-    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, rotation_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, q_rotation_ptr, out_rotation_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,   # (block, slot, head) of each page tensor
@@ -47,7 +47,7 @@ def paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, ROTATE_OUT: tl.constexpr,
+    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, ROTATE_Q: tl.constexpr, ROTATE_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -59,8 +59,8 @@ def paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     q_rows = (q_start + token).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)                  # [BLOCK_M, HEAD_DIM_PAD]
+    q = load_queries(q_ptr, q_rows, head, row_ok, stride_qt, stride_qh, q_rotation_ptr,
+                     HEAD_DIM, HEAD_DIM_PAD, ROTATE_Q, DOT_PRECISION)                # [BLOCK_M, HEAD_DIM_PAD]
     q_pos = context + token
     kv_hi = context + tl.minimum(first + BLOCK_Q, q_len)
     kv_lo = 0
@@ -82,16 +82,15 @@ def paged_attention_kernel(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if ROTATE_OUT:  # values were accumulated in the rotated domain: rotate each output row back once
-        offs_r = tl.arange(0, HEAD_DIM_PAD)
-        rot = tl.load(rotation_ptr + offs_r[:, None] * HEAD_DIM + offs_d[None, :])  # [HEAD_DIM, HEAD_DIM] fp32
-        out = tl.dot(out, rot, input_precision=DOT_PRECISION)
+        out = rotate_rows(out, out_rotation_ptr, HEAD_DIM, DOT_PRECISION)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def launch_args(view: PageView):
     """The page-tensor arguments every attention kernel takes, in kernel order."""
-    return (view.k, view.v, view.k_scale, view.k_zero, view.v_scale, view.codebook, view.rotation)
+    return (view.k, view.v, view.k_scale, view.k_zero, view.v_scale, view.aux("codebook"), view.aux("q_rotation"),
+            view.aux("out_rotation"))
 
 
 def stride3(t: torch.Tensor) -> tuple[int, int, int]:
@@ -139,7 +138,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size,
         BLOCK_M=tiles.block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n,
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window),
-        KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_OUT=view.rotate_out,
+        KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_Q=view.rotate_keys, ROTATE_OUT=view.rotate_out,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

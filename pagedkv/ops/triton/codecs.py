@@ -14,9 +14,10 @@ to every element (the same products, regrouped); see `tiles.attend_tiles`.
 import triton
 import triton.language as tl
 
-DENSE: tl.constexpr = tl.constexpr(0)
-KVQUANT: tl.constexpr = tl.constexpr(1)
-TURBOQUANT: tl.constexpr = tl.constexpr(2)
+DENSE = tl.constexpr(0)
+KVQUANT = tl.constexpr(1)
+TURBOQUANT = tl.constexpr(2)
+GROUP = tl.constexpr(32)   # TurboQuant's quantization group along head_dim
 
 
 @triton.constexpr_function
@@ -87,11 +88,21 @@ def pack_codes(ptr, row, codes, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def load_group_scales(ptr, block, slot, in_range, strides, HEAD_DIM: tl.constexpr):
+    """Per-group (32 elements) fp16 factors of slots (block, slot) [N], broadcast to [N, HEAD_DIM // 32, 32] float32."""
+    offs_g = tl.arange(0, HEAD_DIM // GROUP)
+    row = block * strides[0] + slot * strides[1]
+    f = tl.load(ptr + row[:, None] + offs_g[None, :], mask=in_range[:, None], other=0.0).to(tl.float32)
+    return f[:, :, None]
+
+
+@triton.jit
 def load_keys(k_ptr, ks_ptr, kz_ptr, block, slot, in_range, k_strides, ks_strides,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr, DTYPE):
     """Keys of slots (block, slot) [TILE_N] as [TILE_N, HEAD_DIM_PAD] in DTYPE, zeros outside `in_range`.
 
     KVQUANT returns the integer codes (exact in DTYPE): the caller scales score columns."""
+    N: tl.constexpr = block.shape[0]
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row = block * k_strides[0] + slot * k_strides[1]
     if KIND == KVQUANT:
@@ -99,6 +110,11 @@ def load_keys(k_ptr, ks_ptr, kz_ptr, block, slot, in_range, k_strides, ks_stride
         if K_BITS != 8:
             codes = codes - ((1 << (K_BITS - 1)) - 1)
         k = codes.to(DTYPE)
+    elif KIND == TURBOQUANT:  # (code + zero) * scale per group of 32 (signed int8 codes for 8 bits)
+        codes = tl.reshape(unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS), [N, HEAD_DIM // GROUP, GROUP])
+        zero = load_group_scales(kz_ptr, block, slot, in_range, ks_strides, HEAD_DIM)
+        scale = load_group_scales(ks_ptr, block, slot, in_range, ks_strides, HEAD_DIM)
+        k = tl.reshape((codes.to(tl.float32) + zero) * scale, [N, HEAD_DIM]).to(DTYPE)
     else:
         mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DTYPE)
@@ -110,7 +126,9 @@ def load_values(v_ptr, vs_ptr, codebook_ptr, block, slot, in_range, v_strides, v
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KIND: tl.constexpr, V_BITS: tl.constexpr, DTYPE):
     """Values of slots (block, slot) [TILE_N] as [TILE_N, HEAD_DIM_PAD] in DTYPE, zeros outside `in_range`.
 
-    KVQUANT returns the integer codes: the caller scales probability columns."""
+    KVQUANT returns the integer codes: the caller scales probability columns. TURBOQUANT returns the
+    values in the rotated domain."""
+    N: tl.constexpr = block.shape[0]
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row = block * v_strides[0] + slot * v_strides[1]
     if KIND == KVQUANT:
@@ -118,6 +136,10 @@ def load_values(v_ptr, vs_ptr, codebook_ptr, block, slot, in_range, v_strides, v
         if V_BITS != 8:
             codes = codes - ((1 << (V_BITS - 1)) - 1)
         v = codes.to(DTYPE)
+    elif KIND == TURBOQUANT:  # codebook[code] * rms scale per group of 32
+        codes = tl.reshape(unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS), [N, HEAD_DIM // GROUP, GROUP])
+        scale = load_group_scales(vs_ptr, block, slot, in_range, vs_strides, HEAD_DIM)
+        v = tl.reshape(tl.load(codebook_ptr + codes) * scale, [N, HEAD_DIM]).to(DTYPE)
     else:
         mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DTYPE)
@@ -141,3 +163,70 @@ def encode_kvquant(ptr, s_ptr, row, s_row, x, HEAD_DIM: tl.constexpr, BITS: tl.c
         codes = codes + QMAX
     pack_codes(ptr, row, codes, HEAD_DIM, BITS)
     tl.store(s_ptr + s_row, scale)
+
+
+@triton.jit
+def fwht(x, HEAD_DIM: tl.constexpr, LOG2_HEAD_DIM: tl.constexpr):
+    """Unnormalised Walsh-Hadamard transform of each row of x [R, HEAD_DIM]: the butterflies of
+    `formats.hadamard.fwht` in the same order, so float32 results are identical."""
+    R: tl.constexpr = x.shape[0]
+    for stage in tl.static_range(LOG2_HEAD_DIM):   # butterflies of span h = 2**stage
+        y = tl.permute(tl.reshape(x, [R, HEAD_DIM >> (stage + 1), 2, 1 << stage]), [0, 1, 3, 2])
+        a, b = tl.split(y)                                        # [R, HEAD_DIM // (2h), h] each
+        y = tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2])
+        x = tl.reshape(y, [R, HEAD_DIM])
+    return x
+
+
+@triton.jit
+def round_up_fp16(x):
+    """The smallest fp16 value >= x (x float32, positive), as in `turboquant._round_up_fp16`."""
+    h = x.to(tl.float16)
+    up = (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+    return tl.where(h.to(tl.float32) < x, up, h)
+
+
+@triton.jit
+def encode_turboquant_keys(ptr, s_ptr, z_ptr, row, s_row, x, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+    """Quantize x [R, HEAD_DIM] float32 per group of 32 (`turboquant.quantize_keys`) and store codes,
+    fp16 scales and zero points (s_row addresses both the scale and the zero tensors)."""
+    R: tl.constexpr = x.shape[0]
+    G: tl.constexpr = HEAD_DIM // GROUP
+    g = tl.reshape(x, [R, G, GROUP])
+    hi = tl.max(g, axis=2)
+    lo = tl.min(g, axis=2)
+    LEVELS: tl.constexpr = 254 if BITS == 8 else (1 << BITS) - 1
+    amax = tl.maximum(tl.abs(hi), tl.abs(lo))
+    scale = tl.maximum(tl.maximum((hi - lo) / LEVELS, amax / 1024.0), 1e-7)
+    scale16 = round_up_fp16(scale)
+    s = scale16.to(tl.float32)
+    if BITS == 8:
+        zero = round_half_even((hi + lo) / (2.0 * s))
+        codes = tl.minimum(tl.maximum(round_half_even(g / s[:, :, None] - zero[:, :, None]), -127.0), 127.0)
+    else:
+        zero = round_half_even(lo / s)
+        codes = tl.minimum(tl.maximum(round_half_even(g / s[:, :, None] - zero[:, :, None]), 0.0), LEVELS)
+    pack_codes(ptr, row, tl.reshape(codes.to(tl.int32), [R, HEAD_DIM]), HEAD_DIM, BITS)
+    offs_g = tl.arange(0, G)
+    tl.store(s_ptr + s_row[:, None] + offs_g[None, :], scale16)
+    tl.store(z_ptr + s_row[:, None] + offs_g[None, :], zero.to(tl.float16))
+
+
+@triton.jit
+def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, row, s_row, x, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+    """Quantize rotated values x [R, HEAD_DIM] float32: RMS scale per group of 32 (fp16), then the
+    nearest Lloyd-Max centroid (`codebook.nearest_centroid`: the number of midpoints below x / scale)."""
+    R: tl.constexpr = x.shape[0]
+    G: tl.constexpr = HEAD_DIM // GROUP
+    g = tl.reshape(x, [R, G, GROUP])
+    scale16 = tl.sqrt_rn(tl.sum(g * g, axis=2) / GROUP).to(tl.float16)
+    s = scale16.to(tl.float32)
+    s = tl.where(s > 0, s, 1.0)
+    y = g / s[:, :, None]
+    codes = tl.zeros([R, G, GROUP], dtype=tl.int32)
+    for step in tl.static_range(BITS):   # binary search over the 2**BITS - 1 sorted midpoints
+        probe = codes + (1 << (BITS - 1 - step))
+        codes = tl.where(tl.load(thresholds_ptr + probe - 1) < y, probe, codes)
+    pack_codes(ptr, row, tl.reshape(codes, [R, HEAD_DIM]), HEAD_DIM, BITS)
+    offs_g = tl.arange(0, G)
+    tl.store(s_ptr + s_row[:, None] + offs_g[None, :], scale16)

@@ -6,24 +6,27 @@ slot (padding) is skipped on the device, so the launch is the same for every ste
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
-from .codecs import KVQUANT, encode_kvquant
+from .codecs import KVQUANT, TURBOQUANT, encode_kvquant, encode_turboquant_keys, encode_turboquant_values, fwht
 from .page_view import PageView, page_view
 
 
 @triton.jit
 def write_kv_kernel(
     key_ptr, value_ptr, slot_mapping_ptr,
-    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, rotation_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, thresholds_ptr, key_signs_ptr, value_signs_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     k_strides, v_strides, ks_strides, vs_strides,      # (block, slot, head) of each page tensor
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, ROTATE_KEYS: tl.constexpr,
+    LOG2_HEAD_DIM: tl.constexpr, SQRT_HEAD_DIM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -44,6 +47,15 @@ def write_kv_kernel(
         vs_row = zero + block * vs_strides[0] + offset * vs_strides[1] + head * vs_strides[2]
         encode_kvquant(k_ptr, ks_ptr, k_row, ks_row, key.to(tl.float32), HEAD_DIM, K_BITS)
         encode_kvquant(v_ptr, vs_ptr, v_row, vs_row, value.to(tl.float32), HEAD_DIM, V_BITS)
+    elif KIND == TURBOQUANT:  # hadamard.rotate(x, signs) = fwht(x * signs) / sqrt(head_dim)
+        ks_row = zero + block * ks_strides[0] + offset * ks_strides[1] + head * ks_strides[2]
+        vs_row = zero + block * vs_strides[0] + offset * vs_strides[1] + head * vs_strides[2]
+        x = key.to(tl.float32)
+        if ROTATE_KEYS:
+            x = fwht(x * tl.load(key_signs_ptr + offs_d)[None, :], HEAD_DIM, LOG2_HEAD_DIM) / SQRT_HEAD_DIM
+        encode_turboquant_keys(k_ptr, ks_ptr, kz_ptr, k_row, ks_row, x, HEAD_DIM, K_BITS)
+        x = fwht(value.to(tl.float32) * tl.load(value_signs_ptr + offs_d)[None, :], HEAD_DIM, LOG2_HEAD_DIM) / SQRT_HEAD_DIM
+        encode_turboquant_values(v_ptr, vs_ptr, thresholds_ptr, v_row, vs_row, x, HEAD_DIM, V_BITS)
     else:
         tl.store(k_ptr + k_row[:, None] + offs_d[None, :], key.to(k_ptr.dtype.element_ty), mask=d_ok)
         tl.store(v_ptr + v_row[:, None] + offs_d[None, :], value.to(v_ptr.dtype.element_ty), mask=d_ok)
@@ -70,10 +82,12 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
     if num_input_tokens == 0:
         return
     write_kv_kernel[(num_input_tokens, num_kv_heads)](
-        key, value, slots, view.k, view.v, view.k_scale, view.k_zero, view.v_scale, view.codebook, view.rotation,
+        key, value, slots, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
+        view.aux("thresholds"), view.aux("key_signs"), view.aux("value_signs"),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         _stride3(view.k), _stride3(view.v), _stride3(view.k_scale), _stride3(view.v_scale),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size,
-        KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, num_warps=1,
+        KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_KEYS=view.rotate_keys,
+        LOG2_HEAD_DIM=head_dim.bit_length() - 1, SQRT_HEAD_DIM=math.sqrt(head_dim), num_warps=1,
     )

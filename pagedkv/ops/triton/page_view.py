@@ -1,11 +1,14 @@
-"""What a kernel needs to read one layer's pages: the tensors of the format and its compile-time constants.
+"""What a kernel needs to read or write one layer's pages: the format's tensors and compile-time constants.
 
 `page_view` is the only place that maps a `PageFormat` onto kernel arguments. Tensors a format does
 not have are stood in for by its key pages (never read: the kernels branch on `kind` at compile time).
+Small tensors derived from a format (TurboQuant's rotation matrices and codebook midpoints) are built
+once per format object and kept while it lives.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -25,21 +28,58 @@ class PageView:
     k_scale: torch.Tensor    # [num_blocks, block_size, num_kv_heads, groups] (or a stand-in)
     k_zero: torch.Tensor     # same layout as k_scale
     v_scale: torch.Tensor    # [num_blocks, block_size, num_kv_heads, groups] (or a stand-in)
-    codebook: torch.Tensor   # [levels] float32 value codebook (or a stand-in)
-    rotation: torch.Tensor   # [head_dim, head_dim] float32: out = out_rot @ rotation (or a stand-in)
     k_bits: int = 0
     v_bits: int = 0
+    # TurboQuant (stand-ins otherwise)
+    codebook: torch.Tensor | None = None      # [2**v_bits] float32 value centroids
+    thresholds: torch.Tensor | None = None    # [2**v_bits - 1] float32 midpoints between centroids
+    value_signs: torch.Tensor | None = None   # [head_dim] float32 +-1 of the value rotation
+    key_signs: torch.Tensor | None = None     # [head_dim] float32 +-1 of the key rotation (rotate_keys)
+    q_rotation: torch.Tensor | None = None    # [head_dim, head_dim] float32: q_rot = q @ q_rotation
+    out_rotation: torch.Tensor | None = None  # [head_dim, head_dim] float32: out = out_rot @ out_rotation
+    rotate_keys: bool = False
     rotate_out: bool = False
+
+    def aux(self, name: str) -> torch.Tensor:
+        t = getattr(self, name)
+        return self.k if t is None else t
+
+
+_derived: "weakref.WeakKeyDictionary[PageFormat, dict]" = weakref.WeakKeyDictionary()
+
+
+def _turboquant_tensors(fmt) -> dict:
+    if fmt not in _derived:
+        from ...formats.hadamard import rotate, unrotate
+
+        eye = torch.eye(fmt.head_dim, dtype=torch.float32, device=fmt.device)
+        cb = fmt.codebook.float().contiguous()
+        _derived[fmt] = {
+            "codebook": cb,
+            "thresholds": ((cb[1:] + cb[:-1]) / 2).contiguous(),   # as in codebook.nearest_centroid
+            "value_signs": fmt.value_signs.float().contiguous(),
+            "out_rotation": unrotate(eye, fmt.value_signs).contiguous(),
+            "key_signs": None if fmt.key_signs is None else fmt.key_signs.float().contiguous(),
+            "q_rotation": None if fmt.key_signs is None else rotate(eye, fmt.key_signs).contiguous(),
+        }
+    return _derived[fmt]
 
 
 def page_view(fmt: PageFormat, pages: dict[str, torch.Tensor]) -> PageView:
     kind = fmt.spec.kind
     k, v = pages["k"], pages["v"]
     if kind == "dense":
-        return PageView(DENSE, fmt.num_kv_heads, fmt.head_dim, k, v, k, k, k, k, k)
+        return PageView(DENSE, fmt.num_kv_heads, fmt.head_dim, k, v, k, k, k)
     if kind == "kvquant":
-        return PageView(KVQUANT, fmt.num_kv_heads, fmt.head_dim, k, v, pages["k_scale"], k, pages["v_scale"], k, k,
+        return PageView(KVQUANT, fmt.num_kv_heads, fmt.head_dim, k, v, pages["k_scale"], k, pages["v_scale"],
                         k_bits=fmt.bits, v_bits=fmt.bits)
+    if kind == "turboquant":
+        ks, kz = pages["k_scale"], pages["k_zero"]
+        assert ks.shape == kz.shape and ks.stride() == kz.stride(), "k_scale and k_zero must share a layout"
+        extra = _turboquant_tensors(fmt)
+        return PageView(TURBOQUANT, fmt.num_kv_heads, fmt.head_dim, k, v, ks, kz, pages["v_scale"],
+                        k_bits=fmt.key_bits, v_bits=fmt.value_bits, rotate_keys=fmt.key_signs is not None,
+                        rotate_out=True, **extra)
     raise AssertionError(f"no Triton page view for format kind {kind!r}")
 
 
@@ -47,9 +87,9 @@ def is_supported(fmt: PageFormat) -> tuple[bool, str | None]:
     kind = fmt.spec.kind
     if kind == "dense":
         return True, None
-    if kind in ("kvquant",):
+    if kind in ("kvquant", "turboquant"):
         d = fmt.head_dim
-        if d & (d - 1):
-            return False, f"head_dim: the quantized kernels need a power-of-two head_dim, got {d}"
+        if d & (d - 1) or d < 32:
+            return False, f"head_dim: the quantized kernels need a power-of-two head_dim >= 32, got {d}"
         return True, None
-    return False, f"no_kernel: no Triton kernel is built for {fmt.spec} pages yet"
+    return False, f"no_kernel: no Triton kernel is built for {fmt.spec} pages"

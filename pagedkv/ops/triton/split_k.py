@@ -1,11 +1,11 @@
 """Split-K paged attention for few, long sequences: each (query block, KV head) is spread over
-NUM_SPLITS key ranges, then a reduce kernel merges the partial softmax states.
+num_splits key ranges, then a reduce kernel merges the partial softmax states.
 
-Grid of the split kernel: (query blocks, KV heads, NUM_SPLITS), sized like `attention.py` from tensor
-shapes. Each split covers ceil(seq_len / NUM_SPLITS) keys (rounded up to a tile), computed on the
+Grid of the split kernel: (query blocks, KV heads, num_splits), sized like `attention.py` from tensor
+shapes. Each split covers ceil(seq_len / num_splits) keys (rounded up to a tile), computed on the
 device from `seq_lens`, so the work stays even whatever the lengths and the launch stays capturable.
-Partial states: out [num_tokens, num_q_heads, NUM_SPLITS, head_dim] (unnormalised, float32), and the
-running max (log2 units) and sum [num_tokens, num_q_heads, NUM_SPLITS].
+Partial states: out [num_tokens, num_q_heads, num_splits, head_dim] (unnormalised, float32), and the
+running max (log2 units) and sum [num_tokens, num_q_heads, num_splits].
 """
 
 from __future__ import annotations
@@ -18,23 +18,24 @@ from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .attention import check_inputs, dot_precision, launch_args, query_block_rows, stride3
 from .page_view import page_view
-from .tiles import attend_tiles
+from .tiles import attend_tiles, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles
 
 
 @triton.jit
 def split_attention_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
-    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, rotation_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, q_rotation_ptr, out_rotation_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,
-    num_seqs, qk_scale, softcap, sliding_window,
-    NUM_SPLITS: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+    num_seqs, num_splits, qk_scale, softcap, sliding_window,
+    NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, ROTATE_Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -46,10 +47,10 @@ def split_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = offs_d < HEAD_DIM
     q_rows = (q_start + token).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = load_queries(q_ptr, q_rows, head, row_ok, stride_qt, stride_qh, q_rotation_ptr,
+                     HEAD_DIM, HEAD_DIM_PAD, ROTATE_Q, DOT_PRECISION)
     q_pos = context + token
-    chunk = tl.cdiv(tl.cdiv(context + q_len, NUM_SPLITS), TILE_N) * TILE_N
+    chunk = tl.cdiv(tl.cdiv(context + q_len, num_splits), TILE_N) * TILE_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_lo + chunk, context + tl.minimum(first + BLOCK_Q, q_len))
     if USE_WINDOW:
@@ -68,7 +69,7 @@ def split_attention_kernel(
         qk_scale, softcap, sliding_window,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, KIND, K_BITS, V_BITS, DOT_PRECISION)
 
-    state = (q_rows * NUM_Q_HEADS + head) * NUM_SPLITS + split          # [BLOCK_M] row of the partial states
+    state = (q_rows * NUM_Q_HEADS + head) * num_splits + split          # [BLOCK_M] row of the partial states
     tl.store(part_m_ptr + state, m_i, mask=row_ok)
     tl.store(part_l_ptr + state, l_i, mask=row_ok)
     tl.store(part_out_ptr + state[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
@@ -77,8 +78,8 @@ def split_attention_kernel(
 @triton.jit
 def reduce_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, rotation_ptr,
-    stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    stride_ot, stride_oh, num_splits,
+    SPLITS_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     ROTATE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -89,8 +90,8 @@ def reduce_splits_kernel(
     head = kv_head * GROUP + offs_g
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    state0 = (token * NUM_Q_HEADS + head) * NUM_SPLITS                     # [BLOCK_G]
-    stat_ok = g_ok[:, None] & (offs_s[None, :] < NUM_SPLITS)
+    state0 = (token * NUM_Q_HEADS + head) * num_splits                     # [BLOCK_G]
+    stat_ok = g_ok[:, None] & (offs_s[None, :] < num_splits)
     m = tl.load(part_m_ptr + state0[:, None] + offs_s[None, :], mask=stat_ok, other=float("-inf"))
     l = tl.load(part_l_ptr + state0[:, None] + offs_s[None, :], mask=stat_ok, other=0.0)
     m_max = tl.max(m, axis=1)
@@ -98,15 +99,13 @@ def reduce_splits_kernel(
     w = tl.math.exp2(m - m_max[:, None])                                  # [BLOCK_G, SPLITS_PAD]
     total = tl.sum(w * l, axis=1)
     acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
         part = tl.load(part_out_ptr + (state0 + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=g_ok[:, None], other=0.0)
         acc += w_s[:, None] * part
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     if ROTATE_OUT:
-        offs_r = tl.arange(0, HEAD_DIM_PAD)
-        rot = tl.load(rotation_ptr + offs_r[:, None] * HEAD_DIM + offs_d[None, :])
-        out = tl.dot(out, rot, input_precision=DOT_PRECISION)
+        out = rotate_rows(out, rotation_ptr, HEAD_DIM, DOT_PRECISION)
     tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
@@ -136,17 +135,17 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
-        num_seqs, float(scale), float(softcap or 1.0), int(sliding_window or 0),
-        NUM_SPLITS=num_splits, NUM_Q_HEADS=num_q_heads,
+        num_seqs, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        NUM_Q_HEADS=num_q_heads,
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=meta.block_size,
         BLOCK_M=tiles.block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n,
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window),
-        KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, DOT_PRECISION=precision,
+        KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_Q=view.rotate_keys, DOT_PRECISION=precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     reduce_splits_kernel[(num_tokens, view.num_kv_heads)](
-        out, part_out, part_m, part_l, view.rotation, out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, GROUP=group,
+        out, part_out, part_m, part_l, view.aux("out_rotation"), out.stride(0), out.stride(1), num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         ROTATE_OUT=view.rotate_out, DOT_PRECISION=precision, num_warps=4,
     )

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from .codecs import KVQUANT, load_keys, load_token_scales, load_values
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -34,6 +34,26 @@ def tanh(x):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def rotate_rows(x, rotation_ptr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """x [R, HEAD_DIM] float32 @ rotation [HEAD_DIM, HEAD_DIM] (row-major float32)."""
+    offs = tl.arange(0, HEAD_DIM)
+    rotation = tl.load(rotation_ptr + offs[:, None] * HEAD_DIM + offs[None, :])
+    return tl.dot(x, rotation, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def load_queries(q_ptr, q_rows, head, row_ok, stride_qt, stride_qh, q_rotation_ptr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROTATE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Query rows [BLOCK_M, HEAD_DIM_PAD], in the keys' domain (rotated when the format rotates keys)."""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    if ROTATE_Q:
+        q = rotate_rows(q.to(tl.float32), q_rotation_ptr, HEAD_DIM, DOT_PRECISION).to(q_ptr.dtype.element_ty)
+    return q
 
 
 @triton.jit

@@ -1,0 +1,397 @@
+"""GPU benchmark of pagedkv's Triton kernels against SDPA over a contiguous bf16 cache, measured in one run.
+
+    python bench/kernels.py [--out bench/results/kernels] [--formats off,q8,...] [--sweep] [--quick]
+
+Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16 queries, block_size 16,
+shuffled block tables. Every timing is the median over replays of a CUDA graph that runs the op on
+several copies of its data ("layers", together at least 3x the L2 cache) so each call reads from
+device memory, as in a model's forward; the time reported is per call.
+  - copy: the GPU's device-to-device copy bandwidth (bytes read + written), the roofline;
+  - decode: one query token per sequence at (batch, context) for every format; effective bandwidth =
+    page bytes read / time; ratio = SDPA time / ours (>1: faster), SDPA being the faster of
+    `enable_gqa=True` and the query heads of a group packed as queries;
+  - prefill: a 2,048-token chunk after 0 and 8,192 tokens of context vs SDPA causal (lower-right);
+  - write: `write_kv` of 64 decode tokens and of a 2,048-token chunk, per format.
+Writes OUT.json, OUT.png and prints the tables; `--sweep` also times tile shapes for the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pagedkv.config import KVFormat  # noqa: E402
+from pagedkv.formats import make_format  # noqa: E402
+from pagedkv.ops import reference  # noqa: E402
+from pagedkv.ops import triton as triton_ops  # noqa: E402
+from pagedkv.ops.metadata import AttentionMetadata  # noqa: E402
+from pagedkv.ops.triton import attention, split_k  # noqa: E402
+from pagedkv.ops.triton.tuning import TileConfig  # noqa: E402
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DECODE_SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
+PREFILL_CHUNK, PREFILL_CONTEXTS = 2048, [0, 8192]
+FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "turboquant:k=q8_0,v=q4_0",
+           "turboquant:k=q4_0,v=q2_0"]
+SWEEP_FORMATS, SWEEP_SHAPES = ("off", "turboquant", "q4"), ((1, 32768), (64, 8192))
+DEV = torch.device("cuda")
+SCALE = HEAD_DIM ** -0.5
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+def time_per_call(calls, *, replays=15, min_ms=20.0) -> float:
+    """Median ms per call of `calls` (one callable per data copy) run round-robin inside a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for c in calls:
+        c()
+    end.record()
+    end.synchronize()
+    one_round = max(start.elapsed_time(end), 1e-3)
+    rounds = max(1, min(200, math.ceil(min_ms / one_round)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for c in calls:
+                c()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (rounds * len(calls)))
+    del graph
+    return statistics.median(times)
+
+
+def copies_for(bytes_per_copy: int) -> int:
+    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
+    return max(2, min(8, math.ceil(3 * l2 / max(bytes_per_copy, 1))))
+
+
+def copy_bandwidth() -> dict:
+    n = 1 << 30  # 1 GiB per buffer
+    src = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV) for _ in range(2)]
+    dst = [torch.empty_like(s) for s in src]
+    ms = time_per_call([lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)])
+    del src, dst
+    return {"bytes": 2 * n, "ms": ms, "gbps": 2 * n / ms / 1e6}
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+def paged_layer(fmt_spec: str, keys: torch.Tensor, values: torch.Tensor, num_seqs: int, seq_len: int, gen):
+    """Pages of one layer holding `keys`/`values` [num_seqs * seq_len, H, D] on shuffled blocks."""
+    blocks_per_seq = math.ceil(seq_len / BLOCK_SIZE)
+    num_blocks = num_seqs * blocks_per_seq
+    fmt = make_format(KVFormat.parse(fmt_spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, DEV)
+    pages = fmt.allocate_pages(num_blocks, BLOCK_SIZE)
+    perm = torch.randperm(num_blocks, generator=gen).to(DEV, torch.int32)
+    table = perm.view(num_seqs, blocks_per_seq)
+    pos = torch.arange(seq_len, device=DEV)
+    slots = (table[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1)
+    lens = [seq_len] * num_seqs
+    qsl = list(range(0, num_seqs * seq_len + 1, seq_len))
+    write = AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32, device=DEV),
+                              torch.tensor(qsl, dtype=torch.int32, device=DEV), slots, None, lens, qsl, BLOCK_SIZE)
+    triton_ops.write_kv(pages, fmt, keys, values, write)
+    return fmt, pages, table
+
+
+def decode_meta(table: torch.Tensor, seq_len: int, num_new: int = 1) -> AttentionMetadata:
+    n = table.shape[0]
+    lens = [seq_len] * n
+    qsl = list(range(0, n * num_new + 1, num_new))
+    return AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32, device=DEV),
+                             torch.tensor(qsl, dtype=torch.int32, device=DEV),
+                             torch.zeros(n * num_new, dtype=torch.int64, device=DEV), None, lens, qsl, BLOCK_SIZE)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# ------------------------------------------------------------------------------------------------
+# decode
+def sdpa_decode(keys, values, num_seqs, seq_len, queries, copies):
+    """Faster of two SDPA formulations over contiguous [B, Hkv, S, D] caches; returns (ms, which, outputs)."""
+    caches = []
+    for _ in range(copies):
+        k = keys.view(num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+        v = values.view(num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+        caches.append((k, v))
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+
+    def gqa(q, k, v):  # q [B, Hq, 1, D]
+        return F.scaled_dot_product_attention(q, k, v, scale=SCALE, enable_gqa=True)
+
+    def packed(q, k, v):  # the group's heads as queries of one KV head: q [B, Hkv, group, D]
+        return F.scaled_dot_product_attention(q, k, v, scale=SCALE)
+
+    q4 = [q.view(num_seqs, NUM_Q_HEADS, 1, HEAD_DIM) for q in queries]
+    qp = [q.view(num_seqs, NUM_KV_HEADS, group, HEAD_DIM) for q in queries]
+    results = {}
+    for name, fn, qs in [("enable_gqa", gqa, q4), ("heads_as_queries", packed, qp)]:
+        try:
+            ms = time_per_call([lambda fn=fn, q=q, c=c: fn(q, *c) for q, c in zip(qs, caches)])
+            results[name] = ms
+        except RuntimeError as e:  # a formulation this torch build cannot run
+            results[name] = None
+            print(f"  sdpa {name}: {e}", file=sys.stderr)
+    ref_out = gqa(q4[0], *caches[0]).view(num_seqs, NUM_Q_HEADS, HEAD_DIM)
+    best = min((v, k) for k, v in results.items() if v is not None)
+    del caches
+    return best[0], best[1], results, ref_out
+
+
+def bench_decode(formats, shapes, gen, tiles_for=None) -> list[dict]:
+    rows = []
+    for num_seqs, seq_len in shapes:
+        n = num_seqs * seq_len
+        keys = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+        values = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+        dense_bytes = n * NUM_KV_HEADS * HEAD_DIM * 2 * 2
+        copies = copies_for(dense_bytes)
+        queries = [torch.randn(num_seqs, NUM_Q_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+        sdpa_ms, sdpa_kind, sdpa_all, sdpa_out = sdpa_decode(keys, values, num_seqs, seq_len, queries, copies)
+        print(f"decode B={num_seqs} S={seq_len}: sdpa {sdpa_ms * 1e3:.1f} us ({sdpa_kind}; {sdpa_all})", flush=True)
+        for spec in formats:
+            layers = [paged_layer(spec, keys, values, num_seqs, seq_len, gen)]
+            fmt = layers[0][0]
+            page_bytes = n * NUM_KV_HEADS * fmt.bytes_per_token_per_head()
+            for _ in range(copies_for(page_bytes) - 1):
+                layers.append(paged_layer(spec, keys, values, num_seqs, seq_len, gen))
+            metas = [decode_meta(t, seq_len) for _, _, t in layers]
+            out = triton_ops.paged_attention(queries[0], layers[0][1], fmt, metas[0], scale=SCALE)
+            if spec == "off":
+                err = rel_err(out, sdpa_out)
+            else:  # against the reference over the same pages, on the first sequences
+                k = min(num_seqs, 2)
+                sub = decode_meta(layers[0][2][:k], seq_len)
+                err = rel_err(out[:k], reference.paged_attention(queries[0][:k], layers[0][1], fmt, sub, scale=SCALE))
+            ms = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: triton_ops.paged_attention(q, p, f, m, scale=SCALE)
+                                for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
+            row = {"format": spec, "batch": num_seqs, "context": seq_len, "ms": ms, "sdpa_ms": sdpa_ms,
+                   "sdpa_kind": sdpa_kind, "sdpa_all_ms": sdpa_all, "speedup_vs_sdpa": sdpa_ms / ms,
+                   "time_vs_sdpa": ms / sdpa_ms, "page_bytes": page_bytes, "gbps": page_bytes / ms / 1e6,
+                   "bytes_per_token_per_head": fmt.bytes_per_token_per_head(), "rel_err": err}
+            if tiles_for is not None and spec in SWEEP_FORMATS and (num_seqs, seq_len) in SWEEP_SHAPES:
+                row["sweep"] = tiles_for(spec, layers, metas, queries, copies)
+            rows.append(row)
+            print(f"  {spec:28s} {ms * 1e3:8.1f} us  {row['gbps']:7.0f} GB/s  x{row['speedup_vs_sdpa']:.2f} vs sdpa"
+                  f"  err {err:.1e}", flush=True)
+            del layers, metas
+            torch.cuda.empty_cache()
+        del keys, values, queries
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_sweep(spec, layers, metas, queries, copies):
+    """Time tile shapes (varlen kernel, and split-K with several split counts) for one decode case."""
+    out = {}
+    num_seqs = metas[0].block_table.shape[0]
+    for tiles in [TileConfig(16, 32, 4, 3), TileConfig(16, 64, 4, 3), TileConfig(16, 64, 4, 2), TileConfig(16, 128, 4, 3),
+                  TileConfig(16, 64, 8, 3)]:
+        key = f"bm{tiles.block_m}_n{tiles.tile_n}_w{tiles.num_warps}_s{tiles.num_stages}"
+        try:
+            if num_seqs * NUM_KV_HEADS < 132:
+                for splits in (16, 32, 64):
+                    out[f"{key}_split{splits}"] = time_per_call(
+                        [lambda q=queries[i % copies], p=p, f=f, m=m, t=tiles, s=splits: split_k.paged_attention(
+                            q, p, f, m, scale=SCALE, num_splits=s, tiles=t) for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
+            else:
+                out[key] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m, t=tiles: attention.paged_attention(
+                    q, p, f, m, scale=SCALE, tiles=t) for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
+        except Exception as e:  # noqa: BLE001 - a tile shape that does not fit is a data point, not a failure
+            out[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# prefill
+def sdpa_prefill(q, k, v, context):
+    """SDPA causal (lower-right aligned when there is context) over contiguous caches; the faster formulation."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    candidates = {}
+    if context == 0:
+        candidates["is_causal_gqa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE, enable_gqa=True)
+    mask = causal_lower_right(q.shape[2], k.shape[2])
+    candidates["lower_right_gqa"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE, enable_gqa=True)
+    ke, ve = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    candidates["lower_right_expanded"] = lambda: F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask, scale=SCALE)
+    results = {}
+    for name, fn in candidates.items():
+        try:
+            fn()
+            results[name] = time_per_call([fn], replays=10)
+        except Exception as e:  # noqa: BLE001
+            results[name] = None
+            print(f"  sdpa prefill {name}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
+    best = min((v, k) for k, v in results.items() if v is not None)
+    return best[0], best[1], results, candidates[best[1]]()
+
+
+def bench_prefill(formats, gen, sweep=False) -> list[dict]:
+    rows = []
+    for context in PREFILL_CONTEXTS:
+        total = context + PREFILL_CHUNK
+        keys = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+        values = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+        query = torch.randn(PREFILL_CHUNK, NUM_Q_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+        q = query.transpose(0, 1).unsqueeze(0)                             # [1, Hq, chunk, D]
+        k = keys.transpose(0, 1).unsqueeze(0).contiguous()
+        v = values.transpose(0, 1).unsqueeze(0).contiguous()
+        sdpa_ms, sdpa_kind, sdpa_all, sdpa_out = sdpa_prefill(q, k, v, context)
+        sdpa_out = sdpa_out[0].transpose(0, 1)
+        flops = 4 * NUM_Q_HEADS * HEAD_DIM * PREFILL_CHUNK * (context + (PREFILL_CHUNK + 1) / 2)
+        print(f"prefill context={context}: sdpa {sdpa_ms:.3f} ms ({sdpa_kind}; {sdpa_all})", flush=True)
+        for spec in formats:
+            fmt, pages, table = paged_layer(spec, keys, values, 1, total, gen)
+            meta = decode_meta(table, total, PREFILL_CHUNK)
+            out = triton_ops.paged_attention(query, pages, fmt, meta, scale=SCALE)
+            err = rel_err(out, sdpa_out) if spec == "off" else rel_err(
+                out, reference.paged_attention(query, pages, fmt, meta, scale=SCALE))
+            ms = time_per_call([lambda: triton_ops.paged_attention(query, pages, fmt, meta, scale=SCALE)], replays=10)
+            row = {"format": spec, "context": context, "chunk": PREFILL_CHUNK, "ms": ms, "sdpa_ms": sdpa_ms,
+                   "sdpa_kind": sdpa_kind, "sdpa_all_ms": sdpa_all, "speedup_vs_sdpa": sdpa_ms / ms,
+                   "tflops": flops / ms / 1e9, "rel_err": err}
+            if sweep and spec in ("off", "turboquant"):
+                row["sweep"] = {}
+                for tiles in [TileConfig(128, 64, 8, 3), TileConfig(128, 32, 8, 3), TileConfig(64, 64, 4, 3),
+                              TileConfig(128, 64, 8, 2), TileConfig(128, 128, 8, 2)]:
+                    key = f"bm{tiles.block_m}_n{tiles.tile_n}_w{tiles.num_warps}_s{tiles.num_stages}"
+                    try:
+                        row["sweep"][key] = time_per_call([lambda t=tiles: attention.paged_attention(
+                            query, pages, fmt, meta, scale=SCALE, tiles=t)], replays=5)
+                    except Exception as e:  # noqa: BLE001
+                        row["sweep"][key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+            rows.append(row)
+            print(f"  {spec:28s} {ms:8.3f} ms  {row['tflops']:6.0f} TFLOP/s  x{row['speedup_vs_sdpa']:.2f} vs sdpa"
+                  f"  err {err:.1e}", flush=True)
+            del pages
+        del keys, values, query, q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# writes
+def bench_writes(formats, gen) -> list[dict]:
+    rows = []
+    for num_tokens, label in [(64, "decode"), (PREFILL_CHUNK, "prefill")]:
+        for spec in formats:
+            fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, DEV)
+            num_blocks = 4096
+            pages = fmt.allocate_pages(num_blocks, BLOCK_SIZE)
+            slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:num_tokens].to(DEV)
+            meta = AttentionMetadata(torch.zeros(1, 1, dtype=torch.int32, device=DEV), torch.zeros(1, dtype=torch.int32, device=DEV),
+                                     torch.zeros(2, dtype=torch.int32, device=DEV), slots, None, [0], [0, 0], BLOCK_SIZE)
+            key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+            value = torch.randn_like(key)
+            ms = time_per_call([lambda: triton_ops.write_kv(pages, fmt, key, value, meta)], replays=10)
+            rows.append({"format": spec, "phase": label, "tokens": num_tokens, "ms": ms,
+                         "ns_per_token": ms * 1e6 / num_tokens})
+            print(f"write {label:7s} {spec:28s} {ms * 1e3:8.1f} us  {ms * 1e6 / num_tokens:8.1f} ns/token", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["decode"]
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    width = 0.8 / len(formats)
+    for i, spec in enumerate(formats):
+        by = {(r["batch"], r["context"]): r for r in rows if r["format"] == spec}
+        xs = [j + i * width for j in range(len(shapes))]
+        axes[0].bar(xs, [by[s]["time_vs_sdpa"] for s in shapes], width, label=spec)
+        axes[1].bar(xs, [by[s]["gbps"] for s in shapes], width, label=spec)
+    for ax in axes:
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"B={b}\nS={s}" for b, s in shapes])
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].set_ylabel("decode time / SDPA bf16 time (lower is better)")
+    axes[1].axhline(result["copy"]["gbps"], color="k", lw=0.8, ls="--", label="copy bandwidth")
+    axes[1].set_ylabel("effective bandwidth, GB/s (page bytes / time)")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"pagedkv decode attention, {result['gpu']}, Llama-3-8B heads (32 q / 8 kv / 128)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench/results/kernels")
+    parser.add_argument("--formats", default=";".join(FORMATS), help="';'-separated format strings")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
+    parser.add_argument("--quick", action="store_true", help="two decode shapes, no prefill context 8192")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode,prefill,write")
+    args = parser.parse_args()
+    formats = [f for f in args.formats.split(";") if f]
+    skip = set(filter(None, args.skip.split(",")))
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    started = time.time()
+    result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(DEV),
+              "torch": torch.__version__, "triton": __import__("triton").__version__,
+              "command": "python " + " ".join(sys.argv), "shapes": {"num_q_heads": NUM_Q_HEADS,
+              "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE}}
+    result["copy"] = copy_bandwidth()
+    print(f"copy bandwidth: {result['copy']['gbps']:.0f} GB/s (read + write)", flush=True)
+    shapes = DECODE_SHAPES[:2] if args.quick else DECODE_SHAPES
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    parts = [("decode", lambda: bench_decode(formats, shapes, gen, decode_sweep if args.sweep else None)),
+             ("prefill", lambda: bench_prefill(formats, gen, sweep=args.sweep)),
+             ("write", lambda: bench_writes(formats, gen))]
+    for name, run in parts:
+        result[name] = [] if name in skip else run()
+        result["seconds"] = time.time() - started
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1))  # kept if a later part fails
+    if result["decode"]:
+        plot(result, out.with_suffix(".png"))
+    print_tables(result)
+
+
+def print_tables(result: dict) -> None:
+    copy = result["copy"]["gbps"]
+    print(f"\n{result['gpu']}  copy {copy:.0f} GB/s  ({result['date']}, torch {result['torch']}, triton {result['triton']})")
+    print(f"{'decode':28s} {'B':>4s} {'ctx':>6s} {'us':>8s} {'sdpa us':>8s} {'t/sdpa':>7s} {'GB/s':>6s} {'%copy':>6s}")
+    for r in result["decode"]:
+        print(f"{r['format']:28s} {r['batch']:4d} {r['context']:6d} {r['ms'] * 1e3:8.1f} {r['sdpa_ms'] * 1e3:8.1f} "
+              f"{r['time_vs_sdpa']:7.3f} {r['gbps']:6.0f} {100 * r['gbps'] / copy:5.0f}%")
+    print(f"{'prefill':28s} {'ctx':>6s} {'ms':>8s} {'sdpa ms':>8s} {'x sdpa':>7s} {'TFLOP/s':>8s}")
+    for r in result["prefill"]:
+        print(f"{r['format']:28s} {r['context']:6d} {r['ms']:8.3f} {r['sdpa_ms']:8.3f} {r['speedup_vs_sdpa']:7.2f} {r['tflops']:8.0f}")
+
+
+if __name__ == "__main__":
+    main()
