@@ -44,9 +44,10 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, **dev)
         self.block_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, **dev)
         # pinned host mirrors, filled in numpy and copied up in one transfer each
-        self.host_ints = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=True)  # ids, positions, slots
-        self.host_lens = torch.ones(max_bs, dtype=torch.int32, pin_memory=True)
-        self.host_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        pin = dict(pin_memory=self.device.type == "cuda")
+        self.host_ints = torch.zeros(3, max_bs, dtype=torch.int64, **pin)  # ids, positions, slots
+        self.host_lens = torch.ones(max_bs, dtype=torch.int32, **pin)
+        self.host_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, **pin)
         self._rows: list[tuple[int, int] | None] = [None] * max_bs  # (seq_id, blocks) each host_table row holds
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -86,28 +87,33 @@ class CUDAGraphRunner:
         """Capture every bucket, largest first (they share one memory pool)."""
         self.graphs.clear()
         self.logits.clear()
-        self.pool = torch.cuda.graph_pool_handle()
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.block_table.zero_()
         self._rows = [None] * len(self._rows)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         for bs in reversed(self.batch_sizes):
             self.cache.plan = self._metadata(bs)
             try:
-                with torch.cuda.stream(stream):
-                    self._forward(bs)  # warm-up: kernels compiled, lazy buffers allocated
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.logits[bs] = self._forward(bs)
+                self.graphs[bs], self.logits[bs] = self._capture(bs)
             finally:
                 self.cache.end_forward()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
         self._pages_key = self._current_pages_key()
         self.num_captures += 1
+
+    def _capture(self, bs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(graph, its logits output [bs, vocab]) for one bucket; the plan is set to the static metadata."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(bs)  # warm-up: kernels compiled, lazy buffers allocated
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bs)
+        torch.cuda.synchronize()
+        return graph, logits
 
     # ------------------------------------------------------------------------------------------
     def _fill_host(self, seqs: list[Sequence], slots: list[list[int]], bs: int) -> None:
