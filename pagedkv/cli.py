@@ -57,12 +57,8 @@ def resolve_device_dtype(args):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import TextStreamer
-
     from . import install_paged_kv_cache, load_model
-    from .errors import ConfigError, ContextWindowError
-    from .hf import cache_kwarg
+    from .errors import ConfigError
 
     if args.max_new_tokens <= 0:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be a positive number of tokens")
@@ -74,8 +70,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else (sys.stdin.read() if not sys.stdin.isatty() else DEFAULT_PROMPT)
     if not prompt.strip():
         raise ConfigError("the prompt is empty: pass it as an argument or on stdin")
+    if args.tensor_parallel != 1:
+        from .parallel.commands import generate_tensor_parallel
+
+        return generate_tensor_parallel(args, prompt, opts)
     device, dtype = resolve_device_dtype(args)
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    return generate_text(model, tokenizer, install_paged_kv_cache(model, **opts), prompt, args)
+
+
+def generate_text(model, tokenizer, cache, prompt: str, args: argparse.Namespace) -> int:
+    """Stream the answer to `prompt` from `model` over `cache` (sampling and stats options from `args`)."""
+    import torch
+    from transformers import TextStreamer
+
+    from .errors import ContextWindowError
+    from .hf import cache_kwarg
+
+    device = model.device
     use_chat = args.chat and getattr(tokenizer, "chat_template", None)
     if use_chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -88,7 +100,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ContextWindowError(f"the prompt has {ids.shape[1]} tokens and --max-new-tokens is {args.max_new_tokens}, "
                                  f"more than the model's context window of {window} tokens; shorten the prompt or "
                                  "lower --max-new-tokens")
-    cache = install_paged_kv_cache(model, **opts)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     sampling = dict(do_sample=args.temperature > 0)
@@ -123,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the tokenizer's chat template (default on)")
     g.add_argument("--stats", action="store_true", help="print paged_stats() as JSON on stderr at the end")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the model's heads over N ranks (GPUs with NCCL, CPU processes with gloo; default 1)")
     add_cache_options(g)
     g.set_defaults(func=cmd_generate)
     for register in _subcommand_registrars():

@@ -1,0 +1,111 @@
+"""`ShardedPagedKVCache`: one rank's pages, for its own KV heads, under block tables that rank 0 decides.
+
+Every rank holds the same block ids; only the heads differ. The leader (rank 0) runs the whole
+bookkeeping of a `PagedKVCache` (pool, sequences, prefix sharing, growth) and, after planning a
+forward, exports a `CacheStep`: the pool size, the block copies its copy-on-write made, the
+per-sequence events of the KV-Quant mirror (freed, trimmed, cleared), and the planned metadata (block
+tables, slot mapping, sequence lengths). A follower's cache has no sequences of its own: it applies
+the step (grows its pages, copies the same blocks, plays the mirror events) and its layers then write
+and attend exactly where the leader's do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..cache import PagedKVCache
+from ..ops.metadata import AttentionMetadata
+
+_MIRROR_EVENTS = ("forget", "trim", "clear")
+
+
+@dataclass
+class CacheStep:
+    """What a follower needs to mirror one planned forward of the leader's cache (host objects only)."""
+
+    num_blocks: int                       # the leader's pool size: followers grow their pages to it
+    copies: list[tuple[int, int]]         # (src, dst) block copies made since the last step, in order
+    mirror_events: list[tuple[str, tuple]]  # (DequantMirror method, args) since the last step, in order
+    plan: dict                            # AttentionMetadata fields, tensors on the CPU
+    pending_columns: int                  # positions this forward adds to transformers' view of the cache
+
+
+class _RecordingMirror:
+    """The cache's KV-Quant mirror, with its per-sequence events recorded for the followers."""
+
+    def __init__(self, inner, events: list):
+        self._inner = inner
+        self._events = events
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name not in _MIRROR_EVENTS:
+            return attr
+
+        def record(*args):
+            self._events.append((name, args))
+            return attr(*args)
+
+        return record
+
+
+def _plan_to_host(plan: AttentionMetadata) -> dict:
+    return {f.name: (v.cpu() if isinstance(v, torch.Tensor) else v)
+            for f in fields(plan) for v in [getattr(plan, f.name)]}
+
+
+def _plan_on(plan: dict, device: torch.device) -> AttentionMetadata:
+    return AttentionMetadata(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in plan.items()})
+
+
+class ShardedPagedKVCache(PagedKVCache):
+    """A `PagedKVCache` whose leader exports each planned step and whose followers apply it.
+
+    Same options as `PagedKVCache`. The leader uses it like any cache (transformers `generate`, the
+    engine's `begin_step`); `export_step` and `follow_step` are called by `pagedkv.parallel.step`.
+    """
+
+    def __init__(self, config=None, **options):
+        super().__init__(config, **options)
+        self._copies: list[tuple[int, int]] = []
+        self._mirror_events: list[tuple[str, tuple]] = []
+        if hasattr(self, "mirror"):
+            self.mirror = _RecordingMirror(self.mirror, self._mirror_events)
+
+    def _copy_on_write(self, seq) -> None:
+        src = seq.block_ids[-1]
+        super()._copy_on_write(seq)
+        self._copies.append((src, seq.block_ids[-1]))
+
+    # ------------------------------------------------------------------------------------------
+    # leader
+    def export_step(self) -> CacheStep:
+        """The planned forward in flight (call between planning and the forward) and the events before it."""
+        assert self.plan is not None, "export_step() needs a planned forward: begin_step/begin_forward first"
+        step = CacheStep(num_blocks=self.pool.num_blocks, copies=list(self._copies),
+                         mirror_events=list(self._mirror_events), plan=_plan_to_host(self.plan),
+                         pending_columns=self._pending_columns)
+        self._copies.clear()
+        self._mirror_events.clear()
+        return step
+
+    # ------------------------------------------------------------------------------------------
+    # follower
+    def follow_step(self, step: CacheStep, device: torch.device) -> None:
+        """Take the leader's step: same pool size, same block copies, same mirror events, same plan."""
+        if step.num_blocks != self.pool.num_blocks:
+            assert step.num_blocks > self.pool.num_blocks, "the leader's pool never shrinks"
+            self._resize(step.num_blocks)
+        for src, dst in step.copies:
+            for layer_pages in self.pages:
+                if layer_pages is not None:
+                    for page in layer_pages.values():
+                        page[dst].copy_(page[src])
+        for name, args in step.mirror_events:
+            getattr(self.mirror, name)(*args)
+        self.plan = _plan_on(step.plan, device)
+        self._plan_is_implicit = False
+        self._last_layer_written = -1
+        self._pending_columns = step.pending_columns

@@ -1,0 +1,91 @@
+"""Starting the ranks: `launch(fn, world_size, device_type, *args)` runs `fn(group, *args)` on every rank.
+
+From a plain process it spawns `world_size` fresh interpreters (torch.multiprocessing, start method
+"spawn") that meet over TCP on a free local port. Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the
+environment) the current process is already one rank and simply runs its share.
+
+A rank that raises a `PagedKVError` prints the message and exits with code 2; the other ranks are then
+stopped, and `launch` raises `RankFailed` carrying that exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..errors import PagedKVError
+from .group import TensorParallelGroup, init_group
+
+# NVLink SHARP (multicast) collectives are left off in every rank this module starts.
+RANK_ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0"}
+
+
+class RankFailed(Exception):
+    """A rank exited with an error; `exit_code` is 2 for a user mistake (already printed), else 1."""
+
+    def __init__(self, exit_code: int, detail: str = ""):
+        self.exit_code = exit_code
+        super().__init__(detail or f"a tensor-parallel rank exited with code {exit_code}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def launch(fn: Callable[..., Any], world_size: int, device_type: str, *args) -> list[Any]:
+    """Run `fn(group, *args)` on `world_size` ranks; returns each rank's return value, by rank.
+
+    Under torchrun only this process's rank runs, and the list holds its value alone.
+    """
+    if _under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise PagedKVError(f"--tensor-parallel {world_size} but torchrun started {os.environ['WORLD_SIZE']} "
+                               "processes; make them equal")
+        os.environ.update(RANK_ENVIRONMENT)
+        return [_run_rank(int(os.environ["RANK"]), world_size, device_type, "env://", fn, args)]
+    with tempfile.TemporaryDirectory(prefix="pagedkv-tp-") as tmp:
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        try:
+            mp.start_processes(_spawned_rank, args=(world_size, device_type, init_method, fn, args, tmp),
+                               nprocs=world_size, join=True, start_method="spawn")
+        except mp.ProcessExitedException as exc:
+            raise RankFailed(2 if exc.exit_code == 2 else 1, str(exc)) from None
+        except mp.ProcessRaisedException as exc:
+            raise RankFailed(1, str(exc)) from None
+        return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def _spawned_rank(rank: int, world_size: int, device_type: str, init_method: str, fn, args, result_dir: str) -> None:
+    os.environ.update(RANK_ENVIRONMENT, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    if device_type == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # transformers meshes over the accelerator it sees
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    result = _run_rank(rank, world_size, device_type, init_method, fn, args)
+    Path(result_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def _run_rank(rank: int, world_size: int, device_type: str, init_method: str, fn, args):
+    group: TensorParallelGroup = init_group(rank, world_size, device_type, init_method)
+    try:
+        return fn(group, *args)
+    except PagedKVError as exc:
+        print(f"pagedkv: error: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)  # the launcher stops the other ranks, which may be waiting in a collective
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
