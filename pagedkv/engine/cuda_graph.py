@@ -146,9 +146,17 @@ class CUDAGraphRunner:
         Raises CacheCapacityError (cache untouched) when a new block does not fit.
         """
         n = len(seqs)
-        slots = self.cache.reserve([s.seq_id for s in seqs], [1] * n)
         if self._pages_key != self._current_pages_key():
             self.capture()
+        seq_ids = [s.seq_id for s in seqs]
+        slots = self.cache.reserve(seq_ids, [1] * n)
+        if self._pages_key != self._current_pages_key():  # the reservation grew the pool
+            try:
+                self.capture()
+            except Exception:
+                for seq_id in seq_ids:
+                    self.cache.trim(1, seq_id)
+                raise
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         self._fill_host(seqs, slots, bs)
         self.input_ids[0, :bs].copy_(self.host_ints[0, :bs], non_blocking=True)

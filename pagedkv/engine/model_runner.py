@@ -8,9 +8,12 @@ pure decode batches replay a captured CUDA graph instead of running the model in
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..cache import PagedKVCache
+from ..errors import CacheCapacityError
 from ..hf import cache_kwarg
 from .config import EngineConfig
 from .cuda_graph import CUDAGraphRunner
@@ -37,7 +40,14 @@ class ModelRunner:
         seqs, counts = batch.seqs, batch.num_new_tokens
         sample_idx = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_computed_tokens + n == len(s)]
         if self.graphs is not None and batch.is_decode and self.graphs.can_run(len(seqs)):
-            return self.graphs.run(seqs), sample_idx
+            try:
+                return self.graphs.run(seqs), sample_idx
+            except CacheCapacityError:
+                raise
+            except Exception as exc:  # a model or kernel that cannot be captured: stay correct, run eagerly
+                warnings.warn(f"pagedkv: CUDA graphs are off for this engine, decoding eagerly "
+                              f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
+                self.graphs = None
         input_ids, positions, last_rows = [], [], []
         for s, n in zip(seqs, counts):
             start = s.num_computed_tokens

@@ -1,0 +1,250 @@
+"""Engine throughput on a GPU: pagedkv's engine against transformers' own loops, side by side in one run.
+
+  1. Decode tokens/s with `--context` tokens of context at each `--batches` size:
+     transformers' eager loop over a `DynamicCache`, then the pagedkv engine (CUDA-graph decode) for
+     each `--formats` page format, and the same engine with graphs off at the largest batch.
+  2. `--requests` requests of `--prompt-tokens` prompt tokens and `--new-tokens` new tokens each:
+     transformers' `generate_batch` (continuous batching) against `LLM.generate`.
+
+The model is Llama-3-8B-shaped (hidden 4096, 32 query / 8 KV heads, head_dim 128, MLP 14336, vocab
+128256) with `--layers` layers, randomly initialised in bf16; every request ignores EOS, so each side
+does the same work. Prints a table and writes JSON to `--out`.
+
+    python bench/engine_gpu.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedkv import LLM, SamplingParams  # noqa: E402
+from pagedkv.hf import cache_kwarg  # noqa: E402
+
+
+DEVICE = "cuda"
+
+
+def sync():
+    if DEVICE == "cuda":
+        sync()
+
+
+def build_model(num_layers: int, tiny: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256)
+    if tiny:  # a smoke test of this script on the CPU
+        shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    config = LlamaConfig(**shape, num_hidden_layers=num_layers, max_position_embeddings=8192,
+                         rope_theta=500000.0, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config)
+    torch.set_default_dtype(torch.float32)
+    model.set_attn_implementation("sdpa")
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+def free_memory():
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def dynamic_cache_decode(model, batch: int, context: int, steps: int, warm: int = 3) -> float:
+    """transformers' eager decode loop over a DynamicCache: tokens/s with `context` tokens of context."""
+    from transformers import DynamicCache
+
+    kw = cache_kwarg(model)
+    ids = torch.tensor(random_prompts(batch, context, model.config.vocab_size, seed=batch), device=DEVICE)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    del out, ids
+    for i in range(warm + steps):
+        if i == warm:
+            sync()
+            start = time.perf_counter()
+        token = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache}).logits[:, -1].argmax(-1, keepdim=True)
+    sync()
+    elapsed = time.perf_counter() - start
+    del cache
+    free_memory()
+    return batch * steps / elapsed
+
+
+def engine_decode(llm: LLM, batch: int, context: int, steps: int, eager_steps: int = 0, warm: int = 3) -> dict:
+    """Decode tokens/s of the pagedkv engine, `batch` requests at `context` tokens of context."""
+    engine = llm.engine
+    prompts = random_prompts(batch, context, engine.vocab_size, seed=batch)
+    params = SamplingParams(max_tokens=warm + steps + eager_steps + 2, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in prompts]
+    seqs = [engine.requests[r] for r in rids]
+    start = time.perf_counter()
+    while any(s.num_output_tokens == 0 for s in seqs):
+        engine.step()
+    sync()
+    prefill_s = time.perf_counter() - start
+    for _ in range(warm):
+        engine.step()
+
+    def timed(n):
+        sync()
+        t0, gen0, replays0 = time.perf_counter(), engine.num_generated_tokens, engine.stats()["cuda_graph_replays"]
+        for _ in range(n):
+            engine.step()
+        sync()
+        dt = time.perf_counter() - t0
+        return (engine.num_generated_tokens - gen0) / dt, dt / n * 1e3, engine.stats()["cuda_graph_replays"] - replays0
+
+    tok_s, ms_per_step, replays = timed(steps)
+    out = {"tokens_per_s": tok_s, "ms_per_step": ms_per_step, "graph_replays": replays, "prefill_s": prefill_s}
+    if eager_steps:
+        graphs, engine.runner.graphs = engine.runner.graphs, None
+        out["eager_tokens_per_s"], out["eager_ms_per_step"], _ = timed(eager_steps)
+        engine.runner.graphs = graphs
+    for r in rids:
+        engine.abort(r)
+    assert engine.cache.pool.num_used == 0
+    return out
+
+
+def generate_batch_run(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    sync()
+    start = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    sync()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    del out
+    free_memory()
+    return {"seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed}
+
+
+def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    ttft = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
+    return {"seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "ttft_p50_s": ttft[len(ttft) // 2]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--baseline-steps", type=int, default=12)
+    p.add_argument("--eager-steps", type=int, default=8, help="engine steps with graphs off, at the largest batch")
+    p.add_argument("--formats", nargs="+", default=["off", "turboquant"])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--skip-generate-batch", action="store_true")
+    p.add_argument("--out", default=None, help="folder for engine_gpu.json")
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
+    args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = "cpu" if args.tiny else "cuda"
+
+    import transformers
+
+    results = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+               "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args),
+               "command": "python bench/engine_gpu.py " + " ".join(sys.argv[1:])}
+    t_start = time.perf_counter()
+    model = build_model(args.layers, args.tiny)
+    print(f"model ready in {time.perf_counter() - t_start:.1f}s", flush=True)
+
+    results["dynamic_cache"] = {}
+    for b in args.batches:
+        results["dynamic_cache"][b] = dynamic_cache_decode(model, b, args.context, args.baseline_steps)
+        print(f"DynamicCache eager, batch {b}: {results['dynamic_cache'][b]:.0f} tok/s", flush=True)
+
+    prompts = random_prompts(args.requests, args.prompt_tokens, model.config.vocab_size, seed=1234)
+    if not args.skip_generate_batch:
+        try:
+            results["generate_batch"] = generate_batch_run(model, prompts, args.new_tokens)
+        except Exception as exc:  # report, and still measure the rest
+            results["generate_batch"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"generate_batch: {results['generate_batch']}", flush=True)
+
+    max_batch = max(args.batches)
+    blocks_per_seq = -(-(args.context + args.decode_steps + args.eager_steps + 32) // 16)
+    num_blocks = max(max_batch, args.requests) * blocks_per_seq + 64
+    for fmt in args.formats:
+        llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=max(max_batch, args.requests),
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+        per = results.setdefault("pagedkv", {}).setdefault(fmt, {"decode": {}})
+        for b in args.batches:
+            eager = args.eager_steps if b == max_batch else 0
+            per["decode"][b] = engine_decode(llm, b, args.context, args.decode_steps, eager_steps=eager)
+            print(f"pagedkv {fmt}, batch {b}: {per['decode'][b]}", flush=True)
+        per["generate"] = engine_generate_run(llm, prompts, args.new_tokens)
+        print(f"pagedkv {fmt} generate: {per['generate']}", flush=True)
+        stats = llm.engine.cache.paged_stats()
+        per["kernels"] = {k: stats[k] for k in ("triton_attention_calls", "reference_attention_calls")}
+        per["engine_stats"] = llm.stats()
+        del llm
+        free_memory()
+    results["seconds"] = time.perf_counter() - t_start
+
+    print(f"\n{results['gpu']}, torch {results['torch']}, transformers {results['transformers']}, "
+          f"{args.layers}-layer Llama-3-8B-shaped bf16, {args.context} tokens of context")
+    print("| decode tokens/s | " + " | ".join(f"batch {b}" for b in args.batches) + " |")
+    print("| --- |" + " --- |" * len(args.batches))
+    print("| transformers DynamicCache, eager | " + " | ".join(f"{results['dynamic_cache'][b]:.0f}" for b in args.batches) + " |")
+    for fmt, per in results.get("pagedkv", {}).items():
+        cells = [f"{per['decode'][b]['tokens_per_s']:.0f} ({per['decode'][b]['tokens_per_s'] / results['dynamic_cache'][b]:.1f}x)"
+                 for b in args.batches]
+        print(f"| pagedkv {fmt}, CUDA graphs | " + " | ".join(cells) + " |")
+        eager = per["decode"][max_batch].get("eager_tokens_per_s")
+        if eager:
+            print(f"| pagedkv {fmt}, eager (graphs off) | " + " | ".join(["-"] * (len(args.batches) - 1)) + f" | {eager:.0f} |")
+    gb = results.get("generate_batch", {})
+    print(f"\n{args.requests} requests x {args.prompt_tokens} prompt tokens + {args.new_tokens} new tokens: output tokens/s")
+    if "tokens_per_s" in gb:
+        print(f"| transformers generate_batch | {gb['tokens_per_s']:.0f} | {gb['seconds']:.2f} s |")
+    for fmt, per in results.get("pagedkv", {}).items():
+        g = per["generate"]
+        ratio = f" ({g['tokens_per_s'] / gb['tokens_per_s']:.1f}x)" if "tokens_per_s" in gb else ""
+        print(f"| pagedkv {fmt} LLM.generate | {g['tokens_per_s']:.0f}{ratio} | {g['seconds']:.2f} s |")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "engine_gpu.json").write_text(json.dumps(results, indent=2, default=str))
+    print(f"total {results['seconds']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
