@@ -23,6 +23,7 @@ from . import ops
 from .config import CacheConfig
 from .errors import CacheCapacityError, CacheMismatchError, ConfigError
 from .formats import PageFormat, make_format
+from .mirror import DequantMirror
 from .ops.metadata import AttentionMetadata
 from .pool import BlockPool
 
@@ -63,6 +64,7 @@ class PagedKVCache(Cache):
         self.pages: list[dict[str, torch.Tensor] | None] = []
         self.formats: list[PageFormat | None] = []
         self.counters = ops.OpCounters()
+        self.mirror = DequantMirror()  # KV-Quant: dense copies of decoded tokens, routes latched per request
         self.grow_events = 0
         self.batch_seq_ids: list[int] | None = None  # sequence of each batch row in transformers calls
         self.plan: AttentionMetadata | None = None  # the metadata of the forward in flight
@@ -222,6 +224,7 @@ class PagedKVCache(Cache):
             seq = self._seq(sid)
             n = min(num_tokens, seq.num_tokens)
             seq.num_tokens -= n
+            self.mirror.trim(sid, seq.num_tokens)
             keep = self.blocks_for(seq.num_tokens)
             self.pool.decref(seq.block_ids[keep:])
             del seq.block_ids[keep:]
@@ -253,6 +256,7 @@ class PagedKVCache(Cache):
         if seq is None:
             raise ConfigError(f"no sequence {seq_id} in this cache")
         self.pool.decref(seq.block_ids)
+        self.mirror.forget(seq_id)
         if self.batch_seq_ids and seq_id in self.batch_seq_ids:
             self.batch_seq_ids = None
             self._columns = 0
@@ -261,6 +265,7 @@ class PagedKVCache(Cache):
         """Forget every sequence; page tensors stay allocated for reuse."""
         self.seqs.clear()
         self.pool.reset()
+        self.mirror.clear()
         self.batch_seq_ids = None
         self.plan = None
         self._columns = 0
@@ -314,6 +319,7 @@ class PagedKVCache(Cache):
             seq_lens_cpu=seq_lens,
             query_start_loc_cpu=qsl,
             block_size=self.block_size,
+            seq_ids=list(seq_ids),
         )
         self._plan_is_implicit = False
         self._last_layer_written = -1
@@ -387,9 +393,11 @@ class PagedKVCache(Cache):
         """Attention of packed queries [num_tokens, num_q_heads, head_dim] over layer `layer_idx`'s pages."""
         meta = meta or self.plan
         assert meta is not None, "attention() outside a planned step: call begin_step() first"
-        return ops.paged_attention(query, self.pages[layer_idx], self.formats[layer_idx], meta, scale=scale,
+        fmt = self.formats[layer_idx]
+        mirror = self.mirror.layer(layer_idx) if fmt.spec.kind == "kvquant" else None
+        return ops.paged_attention(query, self.pages[layer_idx], fmt, meta, scale=scale,
                                    sliding_window=sliding_window, softcap=softcap,
-                                   kernels=self.config.kernels, counters=self.counters)
+                                   kernels=self.config.kernels, counters=self.counters, mirror=mirror)
 
     def read(self, seq_id: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded keys/values of one sequence and layer: [seq_len, num_kv_heads, head_dim]."""
@@ -539,4 +547,5 @@ class PagedKVCache(Cache):
             "kernels": self.config.kernels,
         }
         stats.update(self.counters.as_dict())
+        stats.update(self.mirror.stats())
         return stats

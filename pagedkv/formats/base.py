@@ -41,6 +41,20 @@ class PageFormat(ABC):
     def decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """{name: [N, num_kv_heads, width]} -> key, value [N, num_kv_heads, head_dim] in `self.dtype`."""
 
+    # Attention may run in a transformed domain (TurboQuant: rotated values, optionally rotated keys).
+    # Scores and outputs over these three equal attention over `decode`.
+    def attention_query(self, query: torch.Tensor) -> torch.Tensor:
+        """query [num_tokens, num_q_heads, head_dim] -> the query in the keys' attention domain."""
+        return query
+
+    def decode_for_attention(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `decode`, but keys/values may stay in the attention domain (and in float32)."""
+        return self.decode(parts)
+
+    def attention_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [num_tokens, num_q_heads, head_dim] in the values' domain -> the model's domain."""
+        return out
+
     def bytes_per_token_per_head(self) -> int:
         """Bytes one token occupies for one KV head (keys and values, scales included)."""
         return sum(width * torch.empty((), dtype=dt).element_size() for width, dt in self.page_spec().values())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from ..formats.base import PageFormat
 from . import reference
 from .metadata import AttentionMetadata
 from .stats import OpCounters
+
+if TYPE_CHECKING:
+    from ..mirror import LayerMirror
 
 __all__ = ["AttentionMetadata", "OpCounters", "write_kv", "paged_attention", "choose_backend", "PagedKVFallbackWarning"]
 
@@ -70,19 +74,31 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    kernels: str = "auto", counters: OpCounters | None = None) -> torch.Tensor:
+                    kernels: str = "auto", counters: OpCounters | None = None,
+                    mirror: "LayerMirror | None" = None) -> torch.Tensor:
     """Attention of packed queries [num_tokens, num_q_heads, head_dim] over one layer's pages.
 
     See `reference.paged_attention` for the semantics; returns [num_tokens, num_q_heads, head_dim].
+    `mirror` (KV-Quant layers): the cache's dense mirror; each request's route is latched on its first
+    call ("mirror" when the reference path runs, else "direct") and requests on the mirror route are
+    attended by the reference path over their dense copies.
     """
     start = time.perf_counter()
     backend, reason = choose_backend(query.device, kernels, fmt)
+    sequence_kv = None
+    if mirror is not None and meta.seq_ids is not None:
+        routes = mirror.latch(meta.seq_ids, "mirror" if backend == "reference" else "direct")
+        if "mirror" in routes:
+            if backend != "reference":
+                backend, reason = "reference", "kv_quant_mirror: a request in the batch is latched to the dense mirror"
+            sequence_kv = _mirror_reader(mirror, routes, pages, fmt, meta)
     if backend == "triton":
         from .triton import paged_attention as impl
     else:
         impl = reference.paged_attention
         warn_fallback(reason)
-    out = impl(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap)
+    extra = {"sequence_kv": sequence_kv} if sequence_kv is not None else {}
+    out = impl(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap, **extra)
     if counters is not None:
         counters.paged_attention_calls += 1
         kind = fmt.spec.kind
@@ -98,3 +114,17 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
             counters.bailouts[f"{meta.phase}:{reason.split(':')[0].replace(' ', '_')}"] += 1
         counters.attention_time_s += time.perf_counter() - start
     return out
+
+
+def _mirror_reader(mirror: "LayerMirror", routes: list[str], pages, fmt: PageFormat, meta: AttentionMetadata):
+    """sequence i -> its mirrored keys/values on the mirror route, None (read the pages) on the direct route."""
+
+    def read(i: int):
+        if routes[i] != "mirror":
+            return None
+        length = meta.seq_lens_cpu[i]
+        n_blocks = -(-length // meta.block_size)
+        return mirror.sequence_kv(meta.seq_ids[i], pages, fmt, meta.block_table[i, :n_blocks].long(), length,
+                                  meta.block_size)
+
+    return read

@@ -17,6 +17,7 @@ class AttentionMetadata:
     slot_mapping:    [num_input_tokens] int64, page slot of every input position (-1: padding, not stored)
     token_index:     [num_tokens] int64 positions of the real tokens among the input positions, or None
                      when there is no padding (input positions and packed tokens coincide)
+    seq_ids:         the cache's sequence id of each row, or None (metadata built outside the cache)
     The `*_cpu` lists are host copies, so no kernel launch needs a device sync to size itself.
     """
 
@@ -28,6 +29,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
     block_size: int
+    seq_ids: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -6,6 +6,8 @@ than that sequence's context decoded (queries are processed in chunks to bound t
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..formats.base import PageFormat
@@ -70,13 +72,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, s
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
-                    *, scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                    sequence_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
     """Attention of packed queries over paged keys/values.
 
     query: [num_tokens, num_q_heads, head_dim] (sequence i owns rows query_start_loc[i]:query_start_loc[i+1]);
     returns [num_tokens, num_q_heads, head_dim] in query.dtype. Causal: a query at position p of its
     sequence sees keys 0..p (its sequence's last nq positions are the queries); `sliding_window` keeps
     keys > p - window; `softcap` applies cap * tanh(score / cap) before the softmax.
+    `sequence_kv(i)`, when given, supplies sequence i's decoded keys/values [seq_len, H, D] (a dense
+    mirror) instead of decoding its pages; it returns None for sequences read from the pages.
+    The format's attention domain is honoured: queries go in through `fmt.attention_query`, the output
+    comes back through `fmt.attention_output` (pages only; a mirror holds decoded keys/values).
     """
     out = torch.empty_like(query)
     qsl = meta.query_start_loc_cpu
@@ -85,8 +92,15 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         q0, q1 = qsl[i], qsl[i + 1]
         if q1 == q0:
             continue
-        n_blocks = -(-length // bs)
-        parts = gather_sequence(pages, meta.block_table[i, :n_blocks].long(), length)
-        k, v = fmt.decode(parts)
-        out[q0:q1] = attend(query[q0:q1], k, v, scale=scale, sliding_window=sliding_window, softcap=softcap).to(out.dtype)
+        kv = sequence_kv(i) if sequence_kv is not None else None
+        if kv is not None:
+            o = attend(query[q0:q1], *kv, scale=scale, sliding_window=sliding_window, softcap=softcap)
+        else:
+            n_blocks = -(-length // bs)
+            parts = gather_sequence(pages, meta.block_table[i, :n_blocks].long(), length)
+            k, v = fmt.decode_for_attention(parts)
+            o = attend(fmt.attention_query(query[q0:q1]), k, v, scale=scale, sliding_window=sliding_window,
+                       softcap=softcap)
+            o = fmt.attention_output(o)
+        out[q0:q1] = o.to(out.dtype)
     return out

@@ -1,0 +1,56 @@
+"""Bit packing shared by the quantized formats: b-bit codes <-> a little-endian bitstream of bytes.
+
+Code `i` of a row occupies bits `[i * b, (i + 1) * b)` of the row's bitstream, least significant bit
+first; byte `j` holds bits `[8 j, 8 j + 8)`. So 4-bit codes go two per byte (low nibble first), 6-bit
+codes four per three bytes, 3-bit codes eight per three bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def packed_width(num_codes: int, bits: int) -> int:
+    """Bytes that `num_codes` codes of `bits` bits take (the row must fill whole bytes)."""
+    assert 1 <= bits <= 8, f"codes of {bits} bits cannot be packed into bytes"
+    assert (num_codes * bits) % 8 == 0, f"{num_codes} codes of {bits} bits do not fill whole bytes"
+    return num_codes * bits // 8
+
+
+def _chunk(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of the smallest run of codes that ends on a byte boundary."""
+    num_bytes = math.lcm(bits, 8) // 8
+    return num_bytes * 8 // bits, num_bytes
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes: [..., n] integers in [0, 2**bits) -> [..., n * bits / 8] uint8."""
+    n = codes.shape[-1]
+    width = packed_width(n, bits)
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per_chunk, chunk_bytes = _chunk(bits)
+    # [..., chunks, per_chunk] -> one integer of at most 40 bits per chunk
+    c = codes.to(torch.int64).reshape(*codes.shape[:-1], n // per_chunk, per_chunk)
+    shifts = torch.arange(per_chunk, device=codes.device, dtype=torch.int64) * bits
+    word = (c << shifts).sum(dim=-1, keepdim=True)
+    byte_shifts = torch.arange(chunk_bytes, device=codes.device, dtype=torch.int64) * 8
+    out = (word >> byte_shifts) & 0xFF
+    return out.reshape(*codes.shape[:-1], width).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, num_codes: int) -> torch.Tensor:
+    """packed: [..., num_codes * bits / 8] uint8 -> [..., num_codes] int64 codes in [0, 2**bits)."""
+    width = packed_width(num_codes, bits)
+    assert packed.shape[-1] == width, f"expected {width} bytes per row, got {packed.shape[-1]}"
+    if bits == 8:
+        return packed.to(torch.int64)
+    per_chunk, chunk_bytes = _chunk(bits)
+    b = packed.to(torch.int64).reshape(*packed.shape[:-1], num_codes // per_chunk, chunk_bytes)
+    byte_shifts = torch.arange(chunk_bytes, device=packed.device, dtype=torch.int64) * 8
+    word = (b << byte_shifts).sum(dim=-1, keepdim=True)
+    shifts = torch.arange(per_chunk, device=packed.device, dtype=torch.int64) * bits
+    codes = (word >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], num_codes)

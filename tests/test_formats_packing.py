@@ -1,0 +1,47 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.formats.packing import pack_bits, packed_width, unpack_bits
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("num_codes", [32, 64, 128, 256])
+def test_pack_round_trips_random_codes_exactly(bits, num_codes):
+    gen = torch.Generator().manual_seed(bits * 1000 + num_codes)
+    codes = torch.randint(0, 1 << bits, (7, 3, num_codes), generator=gen)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (7, 3, num_codes * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits, num_codes), codes)
+
+
+@given(bits=st.integers(1, 8), chunks=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=60, deadline=None)
+def test_pack_round_trips_any_length_that_fills_whole_bytes(bits, chunks, seed):
+    num_codes = 8 * chunks
+    codes = torch.randint(0, 1 << bits, (2, num_codes), generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(unpack_bits(pack_bits(codes, bits), bits, num_codes), codes)
+
+
+def test_four_bit_codes_pack_low_nibble_first():
+    assert pack_bits(torch.tensor([1, 2, 15, 0]), 4).tolist() == [0x21, 0x0F]
+
+
+def test_six_bit_codes_pack_four_per_three_bytes_little_endian():
+    codes = torch.tensor([0b000001, 0b000010, 0b000011, 0b111111])
+    word = 1 | (2 << 6) | (3 << 12) | (63 << 18)
+    assert pack_bits(codes, 6).tolist() == [word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF]
+
+
+def test_three_bit_codes_pack_eight_per_three_bytes():
+    codes = torch.arange(8)
+    word = sum(c << (3 * i) for i, c in enumerate(range(8)))
+    assert pack_bits(codes, 3).tolist() == [word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF]
+    assert packed_width(128, 3) == 48
+
+
+def test_a_row_that_does_not_fill_whole_bytes_is_refused():
+    with pytest.raises(AssertionError, match="whole bytes"):
+        pack_bits(torch.zeros(3, dtype=torch.int64), 3)
