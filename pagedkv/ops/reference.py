@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ..formats.base import PageFormat
 from .metadata import AttentionMetadata
@@ -45,7 +46,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, s
            softcap: float | None) -> torch.Tensor:
     """Causal attention of the last `nq` positions of a sequence over all `L` of its keys.
 
-    q: [nq, Hq, D]; k, v: [L, Hkv, D]; returns [nq, Hq, D] float32.
+    q: [nq, Hq, D]; k, v: [L, Hkv, D]; returns [nq, Hq, Dv] float32. Without a softcap this is one fused
+    SDPA call per query chunk (the G query heads of a KV head ride along the query axis, so keys and
+    values are never repeated); with a softcap the scores are formed explicitly.
     """
     nq, hq, d = q.shape
     length, hkv, dv = v.shape
@@ -56,18 +59,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, s
     key_pos = torch.arange(length, device=q.device)
     for start in range(0, nq, QUERY_CHUNK):
         stop = min(nq, start + QUERY_CHUNK)
-        # scores: [Hkv, G, chunk, L]
-        scores = torch.einsum("qhgd,khd->hgqk", qf[start:stop], kf) * scale
+        n = stop - start
+        allowed = None  # [n, L] True where a query may attend
+        if n > 1 or stop < nq or sliding_window:
+            q_pos = torch.arange(length - nq + start, length - nq + stop, device=q.device)
+            allowed = key_pos[None, :] <= q_pos[:, None]
+            if sliding_window:
+                allowed &= key_pos[None, :] > q_pos[:, None] - sliding_window
         if softcap:
+            scores = torch.einsum("qhgd,khd->hgqk", qf[start:stop], kf) * scale  # [Hkv, G, n, L]
             scores = torch.tanh(scores / softcap) * softcap
-        q_pos = torch.arange(length - nq + start, length - nq + stop, device=q.device)
-        masked = key_pos[None, :] > q_pos[:, None]
-        if sliding_window:
-            masked |= key_pos[None, :] <= q_pos[:, None] - sliding_window
-        if nq > 1 or sliding_window:
-            scores = scores.masked_fill(masked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:stop] = torch.einsum("hgqk,khd->qhgd", probs, vf)
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            out[start:stop] = torch.einsum("hgqk,khd->qhgd", torch.softmax(scores, dim=-1), vf)
+            continue
+        # [1, Hkv, G*n, D] against [1, Hkv, L, D]
+        qs = qf[start:stop].permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
+        mask = None if allowed is None else allowed.expand(group, n, length).reshape(group * n, length)
+        o = F.scaled_dot_product_attention(qs, kf.transpose(0, 1)[None], vf.transpose(0, 1)[None], attn_mask=mask,
+                                           scale=scale)
+        out[start:stop] = o.view(hkv, group, n, dv).permute(2, 0, 1, 3)
     return out.view(nq, hq, dv)
 
 
