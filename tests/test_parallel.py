@@ -1,6 +1,7 @@
 """Tensor parallelism: 2 gloo ranks on the CPU generate exactly what one process generates, every rank holds
 the pages of its own KV heads under the same block ids, and bad requests fail before any rank starts."""
 
+import gc
 import json
 import os
 import subprocess
@@ -19,6 +20,10 @@ NUM_KV_HEADS = 4
 CACHE = dict(block_size=4, num_blocks=1, dynamic=True, kernels="reference")  # small blocks, pool grows
 PROMPTS = [[7, 12, 99, 3, 45, 200, 17, 18, 64, 31, 5], [40, 41, 42, 43, 250]]
 MAX_NEW_TOKENS = 10
+# the engine: a pool too small for all three requests at once (preemption), a shared 2-block prefix,
+# prefill chunks of 8 tokens
+ENGINE_CACHE = dict(kv_format="q4", block_size=4, num_blocks=9, kernels="reference")
+ENGINE_PROMPTS = [PROMPTS[0], PROMPTS[0][:8] + [9, 9, 9, 9], PROMPTS[1]]
 
 
 def _byte_tokenizer():
@@ -108,6 +113,15 @@ def _written_slots(cache):
     return torch.tensor([cache.block_table(s)[p // bs] * bs + p % bs for s in cache.seqs for p in range(cache.seq_len(s))])
 
 
+def _llm(model, cache):
+    """Greedy outputs of the engine over ENGINE_PROMPTS, and its stats."""
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(model, cache=cache, max_num_batched_tokens=8)
+    outputs = llm.generate(ENGINE_PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    return [o.token_ids for o in outputs], llm.stats()
+
+
 def _page_snapshot(cache):
     """Layer pages of a dense cache, and its pool size: {layer: {name: tensor}}, num_blocks."""
     return [{k: v.clone() for k, v in layer.items()} for layer in cache.pages], cache.pool.num_blocks
@@ -128,6 +142,8 @@ def _tp_work(group, folder):
         engine_cache = install_sharded_cache(model, **CACHE)
         report["engine"] = _engine_style(model, engine_cache)
         caches.append(engine_cache)
+        report["llm"] = _llm(model, install_sharded_cache(model, **ENGINE_CACHE))
+        gc.collect()  # the engine's cache is gone: the release tells the followers to drop theirs
     return {"tokens": report, "pages": _page_snapshot(caches[0])[0], "num_blocks": caches[0].pool.num_blocks,
             "block_tables": [caches[0].block_table(s) for s in caches[0].batch_seq_ids],
             "heads": [c.formats[0].num_kv_heads for c in caches]}
@@ -144,6 +160,7 @@ def single_process(tiny_llama):
         tokens[fmt] = _greedy(model, cache)
         dense = cache if dense is None else dense
     tokens["engine"] = _engine_style(model, install_paged_kv_cache(model, **CACHE))
+    tokens["llm"] = _llm(model, install_paged_kv_cache(model, **ENGINE_CACHE))
     return tokens, dense
 
 
@@ -165,9 +182,16 @@ def test_engine_style_steps_with_fork_and_free_equal_single_process(two_ranks, s
     assert two_ranks[0]["tokens"]["engine"] == single_process[0]["engine"]
 
 
-def test_each_rank_holds_pages_of_its_own_kv_heads(two_ranks):
+def test_engine_on_rank_0_with_preemption_and_prefix_hits_equals_single_process(two_ranks, single_process):
+    (tokens, stats), (expected, expected_stats) = two_ranks[0]["tokens"]["llm"], single_process[0]["llm"]
+    assert tokens == expected
+    assert stats["preemptions"] == expected_stats["preemptions"] > 0
+    assert stats["prefix_cache_hits"] == expected_stats["prefix_cache_hits"] > 0
+
+
+def test_each_rank_holds_pages_of_its_own_kv_heads_and_drops_caches_the_leader_dropped(two_ranks):
     for rank in two_ranks:
-        assert rank["heads"] == [NUM_KV_HEADS // 2] * (len(FORMATS) + 1)
+        assert rank["heads"] == [NUM_KV_HEADS // 2] * (len(FORMATS) + 1)  # the engine's cache is gone
         for layer in rank["pages"]:
             assert all(page.shape[2] == NUM_KV_HEADS // 2 for page in layer.values())
 
@@ -306,3 +330,41 @@ def test_generate_tensor_parallel_with_indivisible_heads_exits_2(tmp_path):
     proc = run_cli("--model", str(tmp_path), "--tensor-parallel", "2", "hi")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "pagedkv: error: --tensor-parallel 2: this model has 3 KV heads" in proc.stderr
+
+
+def test_serve_tensor_parallel_2_answers_like_one_process_and_stops_on_ctrl_c(tiny_llama):
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    from pagedkv import LLM, SamplingParams
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "pagedkv", "serve", "--model", tiny_llama, "--tensor-parallel", "2",
+                               "--port", str(port), "--paged-kv-quantization", "q8"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, server.communicate()[1]
+                time.sleep(0.5)
+        body = json.dumps({"model": tiny_llama, "prompt": ["Hello there", "Paged caches"], "max_tokens": 12,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"content-type": "application/json"})
+        answer = json.load(urllib.request.urlopen(request, timeout=60))
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, stderr = server.communicate(timeout=60)
+    assert server.returncode == 0, stderr
+    assert "cpu x 2 ranks" in stderr
+    llm = LLM(tiny_llama, device="cpu", kv_format="q8")
+    expected = [o.text for o in llm.generate(["Hello there", "Paged caches"], SamplingParams(max_tokens=12))]
+    assert [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])] == expected

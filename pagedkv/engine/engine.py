@@ -38,7 +38,8 @@ def _eos_token_ids(model, tokenizer) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig, cache_options: dict | None = None):
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig, cache_options: dict | None = None,
+                 cache: PagedKVCache | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -46,7 +47,8 @@ class LLMEngine:
         window = getattr(text_config, "max_position_embeddings", None)
         self.max_model_len = config.max_model_len or window or 8192
         self.vocab_size = text_config.vocab_size
-        self.cache: PagedKVCache = install_paged_kv_cache(model, **(cache_options or {}))
+        # a ready cache (a tensor-parallel rank's sharded one) or a fresh one built from cache_options
+        self.cache: PagedKVCache = cache if cache is not None else install_paged_kv_cache(model, **(cache_options or {}))
         self.prefix = PrefixCache(self.cache, enabled=config.prefix_caching)
         self.scheduler = Scheduler(config, self.cache, self.prefix)
         self.runner = ModelRunner(model, self.cache, config, self.max_model_len)

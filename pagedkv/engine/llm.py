@@ -23,11 +23,14 @@ class LLM:
     named by path is loaded (default: cuda + bf16 when available, else cpu + fp32). Engine options:
     max_num_seqs, max_num_batched_tokens, prefix_caching, enforce_eager, cuda_graph_batch_sizes,
     max_model_len (see `EngineConfig`). Every other keyword is a `PagedKVCache` option (block_size,
-    num_blocks, dynamic, kv_format, kernels, ...).
+    num_blocks, dynamic, kv_format, kernels, ...), unless `cache` gives a ready cache for a loaded `model`.
     """
 
-    def __init__(self, model="default", *, tokenizer=None, device: str | None = None, dtype=None, **options):
+    def __init__(self, model="default", *, tokenizer=None, device: str | None = None, dtype=None, cache=None,
+                 **options):
         engine_options = {k: options.pop(k) for k in ENGINE_OPTIONS if k in options}
+        if cache is not None and options:
+            raise ConfigError(f"pass either a ready cache or cache options ({', '.join(sorted(options))}), not both")
         config = EngineConfig(**engine_options)
         if isinstance(model, torch.nn.Module):
             model_obj = model
@@ -39,7 +42,7 @@ class LLM:
             model_obj, loaded_tokenizer = load_model(model, dtype=dtype, device=device)
             tokenizer = tokenizer or loaded_tokenizer
         self.model_name = model if isinstance(model, str) else type(model).__name__
-        self.engine = LLMEngine(model_obj, tokenizer, config, options)
+        self.engine = LLMEngine(model_obj, tokenizer, config, options, cache=cache)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -232,6 +232,8 @@ def register_cli(subparsers) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context window)")
     g.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the model's heads over N ranks (GPUs with NCCL, CPU processes with gloo; default 1)")
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_cache_options(p)
     p.set_defaults(func=cmd_serve)
@@ -252,10 +254,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
                        max_model_len=args.max_model_len)
     EngineConfig(**engine_opts)  # validate before loading a model
+    if args.tensor_parallel != 1:
+        from ..parallel.commands import serve_tensor_parallel
+
+        return serve_tensor_parallel(args, opts, engine_opts)
     from .llm import LLM
 
     device, dtype = resolve_device_dtype(args)
-    llm = LLM(args.model, device=device, dtype=dtype, **engine_opts, **opts)
+    return serve(LLM(args.model, device=device, dtype=dtype, **engine_opts, **opts), args, device)
+
+
+def serve(llm, args: argparse.Namespace, device: str) -> int:
+    """Serve `llm` on --host/--port until interrupted."""
+    import uvicorn
+
     names = args.served_model_name or [args.model]
     app = build_app(llm, names)
     print(f"pagedkv: serving {', '.join(names)} on http://{args.host}:{args.port}/v1 "

@@ -71,8 +71,7 @@ class ShardedPagedKVCache(PagedKVCache):
         super().__init__(config, **options)
         self._copies: list[tuple[int, int]] = []
         self._mirror_events: list[tuple[str, tuple]] = []
-        if hasattr(self, "mirror"):
-            self.mirror = _RecordingMirror(self.mirror, self._mirror_events)
+        self.mirror = _RecordingMirror(self.mirror, self._mirror_events)
 
     def _copy_on_write(self, seq) -> None:
         src = seq.block_ids[-1]

@@ -1,7 +1,9 @@
-"""`pagedkv generate --tensor-parallel N`: check the request, start N ranks, answer on rank 0.
+"""`pagedkv generate|serve --tensor-parallel N`: check the request, start N ranks, answer on rank 0.
 
 Everything a user can get wrong (heads not divisible by N, more ranks than devices, a model without a
-tensor-parallel plan, an indexed --device) is checked here, before any rank starts.
+tensor-parallel plan, an indexed --device) is checked here, before any rank starts. Rank 0 then runs
+the ordinary single-process code path (`generate_text`, or the engine behind the HTTP server) on its
+shard, inside `lead`; the other ranks `follow`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +19,16 @@ from ..errors import ConfigError
 from .launcher import RankFailed, launch
 from .model import check_model, load_sharded_model
 from .step import follow, install_sharded_cache, lead
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What every rank needs to load its shard (host objects, sent to the spawned ranks)."""
+
+    folder: str
+    gguf_file: str | None
+    dtype: torch.dtype
+    device: str  # as given (cuda or cpu), for messages
 
 
 def resolve_parallel_device(device: str, world_size: int) -> str:
@@ -29,7 +42,7 @@ def resolve_parallel_device(device: str, world_size: int) -> str:
     return parsed.type
 
 
-def generate_tensor_parallel(args: argparse.Namespace, prompt: str, cache_options: dict) -> int:
+def _prepare(args: argparse.Namespace) -> tuple[RankSetup, str]:
     from ..cli import resolve_device_dtype
     from ..models import resolve_model_dir
 
@@ -37,31 +50,61 @@ def generate_tensor_parallel(args: argparse.Namespace, prompt: str, cache_option
     device_type = resolve_parallel_device(device, args.tensor_parallel)
     folder, gguf = resolve_model_dir(args.model)
     check_model(folder, args.tensor_parallel, device_type)
+    return RankSetup(str(folder), gguf, dtype, device), device_type
+
+
+def _launch(rank_fn, args: argparse.Namespace, *rank_args) -> int:
+    setup, device_type = _prepare(args)
     try:
-        launch(_generate_rank, args.tensor_parallel, device_type, str(folder), gguf, dtype, prompt, cache_options, args)
+        launch(rank_fn, args.tensor_parallel, device_type, setup, *rank_args)
     except RankFailed as exc:
         return exc.exit_code
     return 0
+
+
+def generate_tensor_parallel(args: argparse.Namespace, prompt: str, cache_options: dict) -> int:
+    return _launch(_generate_rank, args, prompt, cache_options, args)
+
+
+def serve_tensor_parallel(args: argparse.Namespace, cache_options: dict, engine_options: dict) -> int:
+    # CUDA graphs replay kernels without calling the model, so the followers could not mirror those steps
+    return _launch(_serve_rank, args, cache_options, dict(engine_options, enforce_eager=True), args)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
     print(f"{message}", file=sys.stderr)
 
 
-def _generate_rank(group, folder: str, gguf: str | None, dtype, prompt: str, cache_options: dict,
-                   args: argparse.Namespace) -> int | None:
+def _load(group, setup: RankSetup):
     from transformers.utils import logging as hf_logging
-
-    from ..cli import generate_text
 
     if not group.is_leader:  # the leader speaks for every rank
         hf_logging.disable_progress_bar()
         warnings.simplefilter("ignore")
     warnings.showwarning = _show_warning
-    model, tokenizer = load_sharded_model(folder, group, dtype=dtype, gguf_file=gguf)
+    return load_sharded_model(setup.folder, group, dtype=setup.dtype, gguf_file=setup.gguf_file)
+
+
+def _generate_rank(group, setup: RankSetup, prompt: str, cache_options: dict, args: argparse.Namespace):
+    from ..cli import generate_text
+
+    model, tokenizer = _load(group, setup)
     if not group.is_leader:
         follow(model, group)
         return None
     cache = install_sharded_cache(model, **cache_options)
     with lead(model, group):
         return generate_text(model, tokenizer, cache, prompt, args)
+
+
+def _serve_rank(group, setup: RankSetup, cache_options: dict, engine_options: dict, args: argparse.Namespace):
+    from ..engine import LLM
+    from ..engine.server import serve
+
+    model, tokenizer = _load(group, setup)
+    if not group.is_leader:
+        follow(model, group)
+        return None
+    llm = LLM(model, tokenizer=tokenizer, cache=install_sharded_cache(model, **cache_options), **engine_options)
+    with lead(model, group):
+        return serve(llm, args, f"{setup.device} x {group.world_size} ranks")

@@ -5,16 +5,21 @@ From a plain process it spawns `world_size` fresh interpreters (torch.multiproce
 environment) the current process is already one rank and simply runs its share.
 
 A rank that raises a `PagedKVError` prints the message and exits with code 2; the other ranks are then
-stopped, and `launch` raises `RankFailed` carrying that exit code.
+stopped, and `launch` raises `RankFailed` carrying that exit code. Ctrl-C (or SIGTERM) is passed to rank
+0 alone, which leaves its work (a server shuts down) and releases the followers; that rank ends with
+code 130 when interrupted mid-generation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,14 +65,35 @@ def launch(fn: Callable[..., Any], world_size: int, device_type: str, *args) -> 
         return [_run_rank(int(os.environ["RANK"]), world_size, device_type, "env://", fn, args)]
     with tempfile.TemporaryDirectory(prefix="pagedkv-tp-") as tmp:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = mp.start_processes(_spawned_rank, args=(world_size, device_type, init_method, fn, args, tmp),
+                                     nprocs=world_size, join=False, start_method="spawn")
         try:
-            mp.start_processes(_spawned_rank, args=(world_size, device_type, init_method, fn, args, tmp),
-                               nprocs=world_size, join=True, start_method="spawn")
+            with _interrupts_to_leader(context.processes[0].pid):
+                while not context.join():
+                    pass
         except mp.ProcessExitedException as exc:
-            raise RankFailed(2 if exc.exit_code == 2 else 1, str(exc)) from None
+            raise RankFailed(exc.exit_code if exc.exit_code in (2, 130) else 1, str(exc)) from None
         except mp.ProcessRaisedException as exc:
             raise RankFailed(1, str(exc)) from None
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def _interrupts_to_leader(leader_pid: int):
+    """Ctrl-C / SIGTERM reach rank 0 alone: it stops its work and releases the followers, which then exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, frame):
+        os.kill(leader_pid, signal.SIGINT)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _spawned_rank(rank: int, world_size: int, device_type: str, init_method: str, fn, args, result_dir: str) -> None:
@@ -80,12 +106,16 @@ def _spawned_rank(rank: int, world_size: int, device_type: str, init_method: str
 
 
 def _run_rank(rank: int, world_size: int, device_type: str, init_method: str, fn, args):
+    if rank != 0:  # followers stop when the leader releases them (or when the launcher ends them)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     group: TensorParallelGroup = init_group(rank, world_size, device_type, init_method)
     try:
         return fn(group, *args)
     except PagedKVError as exc:
         print(f"pagedkv: error: {exc}", file=sys.stderr, flush=True)
         os._exit(2)  # the launcher stops the other ranks, which may be waiting in a collective
+    except KeyboardInterrupt:
+        os._exit(130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -45,6 +45,7 @@ class ForwardStep:
     cache_config: CacheConfig | None = None  # sent with a cache's first step
     cache_step: CacheStep | None = None
     dropped_caches: list[int] = field(default_factory=list)  # leader caches gone since the last step
+    is_release: bool = False              # the leader left `lead`: no forward, the followers return
 
 
 def _to(value, device):
@@ -70,8 +71,11 @@ class _Leader:
         if uid is not None:
             return uid, False
         uid = self.uids[cache] = next(_cache_uids)
-        weakref.finalize(cache, self.dropped.append, uid)
+        weakref.finalize(cache, self._drop, uid)
         return uid, True
+
+    def _drop(self, uid: int) -> None:
+        self.dropped.append(uid)
 
     def pre_forward(self, module, args, kwargs):
         step = ForwardStep(args=tuple(_to(a, "cpu") for a in args), kwargs={}, grad_enabled=torch.is_grad_enabled())
@@ -80,7 +84,7 @@ class _Leader:
                 self._attach_cache(step, name, value, args, kwargs)
             else:
                 step.kwargs[name] = _to(value, "cpu")
-        step.dropped_caches, self.dropped = self.dropped, []
+        step.dropped_caches, self.dropped = self.dropped, []  # (finalizers append to the new list)
         _broadcast(self.group, step)
         return None
 
@@ -109,7 +113,8 @@ def lead(model: torch.nn.Module, group: TensorParallelGroup):
         yield leader
     finally:
         handle.remove()
-        _broadcast(group, None)
+        release = ForwardStep(args=(), kwargs={}, grad_enabled=False, dropped_caches=leader.dropped, is_release=True)
+        _broadcast(group, release)
 
 
 def follow(model: torch.nn.Module, group: TensorParallelGroup) -> list[ShardedPagedKVCache]:
@@ -119,9 +124,12 @@ def follow(model: torch.nn.Module, group: TensorParallelGroup) -> list[ShardedPa
     """
     assert not group.is_leader, "rank 0 leads; follow() runs on the other ranks"
     caches: dict[int, ShardedPagedKVCache] = {}
-    while (step := _broadcast(group, None)) is not None:
+    while True:
+        step = _broadcast(group, None)
         for uid in step.dropped_caches:
             caches.pop(uid, None)
+        if step.is_release:
+            return list(caches.values())
         args = tuple(_to(a, group.device) for a in step.args)
         kwargs = {k: _to(v, group.device) for k, v in step.kwargs.items()}
         cache = None
@@ -141,7 +149,6 @@ def follow(model: torch.nn.Module, group: TensorParallelGroup) -> list[ShardedPa
         finally:
             if cache is not None:
                 cache.end_forward()
-    return list(caches.values())
 
 
 def install_sharded_cache(model: torch.nn.Module, **cache_options) -> ShardedPagedKVCache:
