@@ -97,6 +97,7 @@ def _interrupts_to_leader(leader_pid: int):
 
 
 def _spawned_rank(rank: int, world_size: int, device_type: str, init_method: str, fn, args, result_dir: str) -> None:
+    os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the launcher, which tells rank 0 once
     os.environ.update(RANK_ENVIRONMENT, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     if device_type == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # transformers meshes over the accelerator it sees
@@ -106,8 +107,8 @@ def _spawned_rank(rank: int, world_size: int, device_type: str, init_method: str
 
 
 def _run_rank(rank: int, world_size: int, device_type: str, init_method: str, fn, args):
-    if rank != 0:  # followers stop when the leader releases them (or when the launcher ends them)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the leader stops on SIGINT; followers stop when the leader releases them (or when the launcher ends them)
+    signal.signal(signal.SIGINT, signal.default_int_handler if rank == 0 else signal.SIG_IGN)
     group: TensorParallelGroup = init_group(rank, world_size, device_type, init_method)
     try:
         return fn(group, *args)
