@@ -10,9 +10,13 @@ Keys, per group of 32 consecutive head_dim elements, with an fp16 scale and zero
   within scale / 2.
   With `rotate_keys`, keys are first rotated by a randomized Hadamard transform R_k (and attention
   rotates queries by the same R_k, so q . k is unchanged).
-Values: rotated by R_v over head_dim; per group of 32 an fp16 RMS scale; code = the nearest centroid
-of x / scale in the Lloyd–Max codebook of N(0, 1) with 2^bits levels (q2_0 ... q5_0, q8_0), packed as a
-little-endian bitstream. Attention accumulates the rotated values and rotates the output back once.
+Values: rotated by R_v over head_dim; per group of 32 an fp16 scale; code = the nearest centroid of
+x / scale in the Lloyd–Max codebook of N(0, 1) with 2^bits levels (q2_0 ... q5_0, q8_0), packed as a
+little-endian bitstream; decoded as centroid * scale. The scale is the group's RMS times the multiple
+in SCALE_GRID (0.6 ... 1.4) that gives the group the smallest squared error (the RMS itself on ties):
+the codebook fits a standard normal, a group of 32 samples only roughly, and the search lowers the
+error by 20-35% at 3-4 bits. Decoding does not depend on how the scale was chosen.
+Attention accumulates the rotated values and rotates the output back once.
 
 Page tensors per KV head: "k" (codes), "k_scale", "k_zero" (groups, fp16), "v" (codes), "v_scale".
 """
@@ -35,6 +39,7 @@ ZERO_RANGE = 1024  # |zero| <= ZERO_RANGE keeps zero points exact in fp16
 MIN_SCALE = 1e-7
 # value scales tried per group, as multiples of the group's RMS (1.0 first: ties keep the RMS)
 SCALE_GRID = [1.0] + [round(0.6 + 0.025 * i, 3) for i in range(33) if i != 16]
+SEARCH_ELEMENTS = 1 << 22  # candidate codes held at once while searching value scales
 
 
 def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +80,7 @@ class TurboQuantFormat(PageFormat):
         self.value_bits = VALUE_BITS[spec.v_quant]
         self.groups = head_dim // GROUP
         self.codebook = lloyd_max_codebook(self.value_bits).to(self.device)  # [2^bits] float32
+        self.scale_grid = torch.tensor(SCALE_GRID, dtype=torch.float32, device=self.device)
         self.value_signs = random_signs(head_dim, VALUE_SEED).to(self.device)  # [D] +-1 float32
         self.key_signs = random_signs(head_dim, KEY_SEED).to(self.device) if spec.rotate_keys else None
 
@@ -107,23 +113,25 @@ class TurboQuantFormat(PageFormat):
     def _encode_values(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
         x = rotate(value.float(), self.value_signs)
         g = x.reshape(*x.shape[:-1], self.groups, GROUP)  # [N, H, groups, 32]
-        rms = g.pow(2).mean(-1)
-        rms = rms.sqrt()
-        best_err = best_codes = best_scale = None
-        for multiplier in SCALE_GRID:
-            scale16 = (rms * multiplier).to(torch.float16)
-            s = scale16.float()
-            s = torch.where(s > 0, s, torch.ones_like(s))[..., None]
-            codes = nearest_centroid(g / s, self.codebook)
-            err = (self.codebook[codes] * s - g).pow(2).sum(-1)
-            if best_err is None:
-                best_err, best_codes, best_scale = err, codes, scale16
-            else:
-                better = err < best_err
-                best_err = torch.where(better, err, best_err)
-                best_codes = torch.where(better[..., None], codes, best_codes)
-                best_scale = torch.where(better, scale16, best_scale)
-        return {"v": pack_bits(best_codes.reshape(x.shape), self.value_bits), "v_scale": best_scale}
+        per_token = len(SCALE_GRID) * g[0].numel()
+        step = max(1, SEARCH_ELEMENTS // per_token)  # bound the search's memory on long prefills
+        pieces = [self._search_value_scales(g[i:i + step]) for i in range(0, g.shape[0], step)]
+        codes = torch.cat([c for c, _ in pieces]) if len(pieces) != 1 else pieces[0][0]
+        scale = torch.cat([s for _, s in pieces]) if len(pieces) != 1 else pieces[0][1]
+        return {"v": pack_bits(codes.reshape(x.shape), self.value_bits), "v_scale": scale}
+
+    def _search_value_scales(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """g [n, H, groups, 32] rotated values -> codes (same shape), fp16 scales [n, H, groups]."""
+        rms = g.pow(2).mean(-1).sqrt()
+        # every candidate scale at once: [M, n, H, groups]
+        scale16 = (rms[None] * self.scale_grid.view(-1, *([1] * rms.dim()))).to(torch.float16)
+        s = scale16.float()
+        s = torch.where(s > 0, s, torch.ones_like(s))[..., None]
+        normalized = g[None] / s
+        codes = nearest_centroid(normalized, self.codebook)  # [M, n, H, groups, 32]
+        err = ((self.codebook[codes] - normalized) * s).pow(2).sum(-1)
+        best = err.argmin(0, keepdim=True)  # the first minimum: ties keep the RMS itself
+        return codes.gather(0, best[..., None].expand(1, *codes.shape[1:]))[0], scale16.gather(0, best)[0]
 
     def _decode_values(self, parts) -> torch.Tensor:
         """Values in the rotated domain, float32 [N, H, D]."""
