@@ -1,0 +1,449 @@
+"""`pagedkv eval`: what each page format costs in quality, measured against dense pages ("off").
+
+For every format, on one model and one text:
+  - perplexity in windows: the first half of each window is prefilled through the cache, the second half
+    is scored through the same cache; mean KL divergence and top-1 agreement of the next-token
+    distributions against "off" on the same tokens;
+  - a context-degradation profile: perplexity by position bucket over one long stretch of the text, up to
+    the model's context length, prefilled through the cache in chunks;
+  - passkey retrieval: a number hidden at several depths in filler text, asked for at the end, at several
+    lengths; a trial passes when greedy decoding would produce the number;
+  - bytes per token per KV head (the model's head_dim and 128), averaged over layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import FORMAT_HELP, KVFormat
+from .errors import ConfigError
+
+DEFAULT_FORMATS = "off,q8,turboquant"
+PASSKEY_LENGTHS = (1024, 2048, 4096, 8192)
+PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+PREFILL_CHUNK = 1024
+_FORMAT_OPTIONS = ("k=", "v=", "k_quant=", "v_quant=", "rotate_keys", "boundary_layers=")
+
+
+@dataclass(frozen=True)
+class EvalFormat:
+    """One row of the evaluation: a page format and how many boundary layers stay dense."""
+
+    kv_format: KVFormat
+    boundary_layers: int = 0
+
+    @property
+    def label(self) -> str:
+        base = str(self.kv_format)
+        if self.boundary_layers and not self.kv_format.is_dense:
+            base += ("," if ":" in base else ":") + f"boundary_layers={self.boundary_layers}"
+        return base
+
+    def cache_options(self) -> dict:
+        return {"kv_format": self.kv_format, "boundary_layers": self.boundary_layers}
+
+
+def parse_formats(items: list[str] | str, boundary_layers: int = 0) -> list[EvalFormat]:
+    """`off,q8,turboquant:k=q4_0,v=q4_0,rotate_keys,boundary_layers=2` -> one EvalFormat per format.
+
+    Items are split on commas; option items (k=, v=, rotate_keys, boundary_layers=N) belong to the format
+    before them. `boundary_layers` applies to formats that give none. "off" always comes first.
+    """
+    if isinstance(items, str):
+        items = [items]
+    entries: list[list[str]] = []
+    for item in (p.strip() for text in items for p in text.split(",")):
+        if not item:
+            continue
+        if item.lower().startswith(_FORMAT_OPTIONS) and ":" not in item:
+            if not entries:
+                raise ConfigError(f"--formats: option {item!r} comes before any format; {FORMAT_HELP}")
+            entries[-1].append(item)
+        else:
+            entries.append([item])
+    out: list[EvalFormat] = []
+    for parts in entries:
+        head, options = parts[0], parts[1:]
+        name, _, first = head.partition(":")
+        if first:
+            options.insert(0, first)
+        boundary = boundary_layers
+        rest = []
+        for opt in options:
+            key, _, value = opt.partition("=")
+            if key.strip().lower() == "boundary_layers":
+                try:
+                    boundary = int(value)
+                except ValueError:
+                    raise ConfigError(f"--formats: boundary_layers={value!r} is not an integer") from None
+            else:
+                rest.append(opt)
+        spec = KVFormat.parse(name + (":" + ",".join(rest) if rest else ""))
+        if boundary < 0:
+            raise ConfigError(f"--formats: boundary_layers={boundary} must be >= 0")
+        entry = EvalFormat(spec, 0 if spec.is_dense else boundary)
+        if entry not in out:
+            out.append(entry)
+    off = EvalFormat(KVFormat())
+    return [off] + [f for f in out if f != off]
+
+
+# ------------------------------------------------------------------------------------------------
+# running a model through a fresh cache
+@dataclass
+class Runner:
+    """The model, switched to pagedkv, and one cache per format reused across measurements."""
+
+    model: torch.nn.Module
+    cache_kwarg: str
+    caches: dict = field(default_factory=dict)
+
+    def cache(self, fmt: EvalFormat):
+        from .hf import install_paged_kv_cache
+
+        cache = self.caches.get(fmt)
+        if cache is None:
+            cache = self.caches[fmt] = install_paged_kv_cache(self.model, dynamic=True, **fmt.cache_options())
+        cache.reset()
+        return cache
+
+    @torch.inference_mode()
+    def forward(self, cache, ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        """Feed ids [1, n] through `cache` in chunks; log-probs [keep, vocab] (float32) of the last positions."""
+        n = ids.shape[1]
+        keep = n if logits_to_keep == 0 else logits_to_keep
+        outs = []
+        for start in range(0, n, PREFILL_CHUNK):
+            chunk = ids[:, start:start + PREFILL_CHUNK]
+            want = max(0, keep - (n - start - chunk.shape[1]))  # positions of this chunk that are kept
+            out = self.model(input_ids=chunk, logits_to_keep=max(want, 1), **{self.cache_kwarg: cache})
+            if want:
+                outs.append(out.logits[0, -want:].float().log_softmax(-1))
+        return torch.cat(outs)
+
+
+def window_logprobs(runner: Runner, fmt: EvalFormat, window: torch.Tensor) -> torch.Tensor:
+    """window [W] token ids -> log-probs [W - W//2, vocab] predicting tokens W//2 .. W-1.
+
+    The first half is prefilled through the cache; the second half is scored through the same cache.
+    """
+    half = window.shape[0] // 2
+    cache = runner.cache(fmt)
+    first = runner.forward(cache, window[None, :half], logits_to_keep=1)  # predicts token `half`
+    rest = runner.forward(cache, window[None, half:-1])                 # predict half+1 .. W-1
+    return torch.cat([first, rest])
+
+
+def position_buckets(length: int) -> list[tuple[int, int]]:
+    """[0, 256), [256, 512), [512, 1K), ... doubling, the last ending at `length`."""
+    edges = [0, min(256, length)]
+    while edges[-1] < length:
+        edges.append(min(edges[-1] * 2, length))
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def profile_nll(runner: Runner, fmt: EvalFormat, ids: torch.Tensor) -> torch.Tensor:
+    """ids [L] -> NLL [L - 1] of tokens 1..L-1, the whole stretch fed through one cache in chunks."""
+    cache = runner.cache(fmt)
+    nll = []
+    with torch.inference_mode():
+        for start in range(0, ids.shape[0] - 1, PREFILL_CHUNK):
+            chunk = ids[start:start + PREFILL_CHUNK]
+            targets = ids[start + 1:start + 1 + chunk.shape[0]]
+            lp = runner.forward(cache, chunk[None])[: targets.shape[0]]
+            nll.append(-lp.gather(-1, targets[:, None]).squeeze(-1))
+    return torch.cat(nll)
+
+
+# ------------------------------------------------------------------------------------------------
+# passkey retrieval
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+                 "Find it and memorize it. I will quiz you about it.\n")
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class PasskeyTrial:
+    length: int
+    depth: float
+    prompt_ids: torch.Tensor  # [n] the prompt, about `length` tokens
+    answer_ids: torch.Tensor  # [m] the pass key's tokens
+
+
+def passkey_trial(tokenizer, length: int, depth: float, seed: int) -> PasskeyTrial:
+    """A prompt that, with its answer, fits in `length` tokens; a 5-digit pass key at `depth` (0 = start,
+    1 = end) of the filler."""
+    rng = torch.Generator().manual_seed(seed)
+    passkey = str(int(torch.randint(10000, 100000, (1,), generator=rng)))
+    needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
+    answer = tokenizer(" " + passkey, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    budget = length - answer.shape[0]
+
+    def prompt_ids(reps: int) -> torch.Tensor:
+        before = round(reps * depth)
+        text = PASSKEY_INTRO + FILLER * before + needle + FILLER * (reps - before) + PASSKEY_QUESTION
+        return tokenizer(text, return_tensors="pt").input_ids[0]
+
+    unit = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
+    reps = max(1, (budget - prompt_ids(0).shape[0]) // unit + 1)
+    prompt = prompt_ids(reps)
+    while prompt.shape[0] > budget and reps > 1:
+        reps -= 1
+        prompt = prompt_ids(reps)
+    return PasskeyTrial(length, depth, prompt, answer)
+
+
+def passkey_passes(runner: Runner, fmt: EvalFormat, trial: PasskeyTrial) -> bool:
+    """Whether greedy decoding after the prompt yields the pass key (checked in one teacher-forced pass)."""
+    ids = torch.cat([trial.prompt_ids, trial.answer_ids[:-1]])
+    lp = runner.forward(runner.cache(fmt), ids[None], logits_to_keep=trial.answer_ids.shape[0])
+    return bool(torch.equal(lp.argmax(-1), trial.answer_ids))
+
+
+# ------------------------------------------------------------------------------------------------
+# bytes
+def bytes_per_token_per_head(fmt: EvalFormat, num_layers: int, head_dim: int, dtype: torch.dtype) -> float:
+    """Mean bytes one token takes per layer and KV head (boundary layers are dense in `dtype`)."""
+    from .config import CacheConfig
+    from .formats import make_format
+
+    config = CacheConfig(kv_format=fmt.kv_format, boundary_layers=fmt.boundary_layers, num_layers=num_layers)
+    sizes = {}
+    total = 0
+    for layer in range(num_layers):
+        spec = config.layer_format(layer)
+        if spec not in sizes:
+            sizes[spec] = make_format(spec, 1, head_dim, dtype, "cpu").bytes_per_token_per_head()
+        total += sizes[spec]
+    return total / num_layers
+
+
+# ------------------------------------------------------------------------------------------------
+# the whole evaluation
+@dataclass
+class EvalSettings:
+    model: str = "default"
+    text: str = ""
+    formats: list[EvalFormat] = field(default_factory=lambda: parse_formats(DEFAULT_FORMATS))
+    window: int = 2048
+    max_tokens: int = 8192
+    profile_tokens: int | None = None  # default: the model's context length
+    passkey_lengths: tuple[int, ...] = PASSKEY_LENGTHS
+    passkey_depths: tuple[float, ...] = PASSKEY_DEPTHS
+    device: str | None = None
+    dtype: str | None = None
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.window < 4 or self.window % 2:
+            raise ConfigError(f"--window {self.window}: must be an even number of tokens >= 4")
+        if self.max_tokens < self.window:
+            raise ConfigError(f"--max-tokens {self.max_tokens} is smaller than --window {self.window}; "
+                              "it must hold at least one window")
+        if any(length < 64 for length in self.passkey_lengths):
+            raise ConfigError("--passkey-lengths: each length must be at least 64 tokens")
+        if any(not 0 <= d <= 1 for d in self.passkey_depths):
+            raise ConfigError("--passkey-depths: each depth must be between 0 and 1")
+        if self.profile_tokens is not None and (self.profile_tokens < 0 or self.profile_tokens == 1):
+            raise ConfigError(f"--profile-tokens {self.profile_tokens}: must be >= 2 (0 skips the profile)")
+
+
+def _read_tokens(tokenizer, path: str, num_tokens: int) -> torch.Tensor:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--text {path!r}: cannot read it ({exc.strerror}); give a UTF-8 text file") from None
+    # tokenize only what is needed (a token is rarely more than 12 characters of prose)
+    ids = tokenizer(text[: num_tokens * 12 + 1000], return_tensors="pt").input_ids[0]
+    return ids[:num_tokens]
+
+
+def run_eval(settings: EvalSettings) -> dict:
+    """Measure every format; returns the report (also what `--json` writes)."""
+    from tqdm.auto import tqdm
+
+    from .cli import resolve_device_dtype
+    from .hf import cache_kwarg, switch_model
+    from .models import load_model
+
+    settings.validate()
+    device, dtype = resolve_device_dtype(argparse.Namespace(device=settings.device, dtype=settings.dtype))
+    model, tokenizer = load_model(settings.model, dtype=dtype, device=device)
+    switch_model(model)
+    runner = Runner(model, cache_kwarg(model))
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_layers = cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    context = getattr(cfg, "max_position_embeddings", None) or settings.max_tokens
+    profile_len = context if settings.profile_tokens is None else min(settings.profile_tokens, context)
+    passkey_lengths = [n for n in settings.passkey_lengths if n <= context]
+
+    num_windows = settings.max_tokens // settings.window
+    ids = _read_tokens(tokenizer, settings.text, max(num_windows * settings.window, profile_len))
+    num_windows = min(num_windows, ids.shape[0] // settings.window)
+    if num_windows == 0:
+        raise ConfigError(f"--text {settings.text!r} has {ids.shape[0]} tokens, fewer than one --window of "
+                          f"{settings.window}")
+    profile_len = min(profile_len, ids.shape[0])
+    trials = [passkey_trial(tokenizer, n, d, seed=1000 * n + round(100 * d))
+              for n in passkey_lengths for d in settings.passkey_depths]
+    fmts = settings.formats
+    half = settings.window - settings.window // 2
+    work = (num_windows * len(fmts) * settings.window + len(fmts) * profile_len
+            + len(fmts) * sum(t.prompt_ids.shape[0] for t in trials))
+    bar = tqdm(total=work, unit="tok", unit_scale=True, desc="eval", disable=not settings.progress,
+               file=sys.stderr, dynamic_ncols=True)
+
+    acc = {f: {"nll": 0.0, "kl": 0.0, "top1": 0} for f in fmts}
+    for w in range(num_windows):
+        window = ids[w * settings.window:(w + 1) * settings.window].to(device)
+        targets = window[settings.window // 2:]
+        reference = None
+        for f in fmts:  # "off" comes first
+            bar.set_description(f"perplexity window {w + 1}/{num_windows} {f.label}")
+            lp = window_logprobs(runner, f, window)
+            a = acc[f]
+            a["nll"] += float(-lp.gather(-1, targets[:, None]).sum())
+            if reference is None:
+                reference = lp
+            a["kl"] += float((reference.exp() * (reference - lp)).sum())
+            a["top1"] += int((reference.argmax(-1) == lp.argmax(-1)).sum())
+            del lp
+            bar.update(settings.window)
+        del reference
+
+    scored = num_windows * half
+    results = {}
+    for f in fmts:
+        a = acc[f]
+        results[f.label] = {
+            "ppl": math.exp(a["nll"] / scored),
+            "kl": a["kl"] / scored,
+            "top1": a["top1"] / scored,
+            "boundary_layers": f.boundary_layers,
+            "bytes_per_token_per_head": bytes_per_token_per_head(f, num_layers, head_dim, dtype),
+            "bytes_per_token_per_head_d128": bytes_per_token_per_head(f, num_layers, 128, dtype),
+        }
+    off_ppl = results[fmts[0].label]["ppl"]
+    for r in results.values():
+        r["ppl_increase_pct"] = 100.0 * (r["ppl"] / off_ppl - 1.0)
+
+    buckets = position_buckets(profile_len) if profile_len >= 2 else []
+    for f in fmts:
+        if not buckets:
+            break
+        bar.set_description(f"context profile {f.label}")
+        nll = profile_nll(runner, f, ids[:profile_len].to(device))
+        # token t (1..L-1) is predicted at position t - 1
+        results[f.label]["profile"] = {
+            "buckets": [[a, b] for a, b in buckets],
+            "ppl": [math.exp(float(nll[max(a - 1, 0):b - 1].mean())) if b - 1 > max(a - 1, 0) else float("nan")
+                    for a, b in buckets],
+        }
+        bar.update(profile_len)
+
+    for f in fmts:
+        passed: dict[int, list[bool]] = {}
+        for t in trials:
+            bar.set_description(f"passkey {t.length} depth {t.depth:.0%} {f.label}")
+            passed.setdefault(t.length, []).append(passkey_passes(runner, f, t.__class__(
+                t.length, t.depth, t.prompt_ids.to(device), t.answer_ids.to(device))))
+            bar.update(t.prompt_ids.shape[0])
+        results[f.label]["passkey"] = {str(n): sum(p) / len(p) for n, p in passed.items()}
+    bar.close()
+
+    return {
+        "model": settings.model,
+        "text": settings.text,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "window": settings.window,
+        "num_windows": num_windows,
+        "scored_tokens": scored,
+        "head_dim": head_dim,
+        "num_layers": num_layers,
+        "profile_tokens": profile_len if buckets else 0,
+        "passkey_depths": list(settings.passkey_depths),
+        "formats": results,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x.strip().lower().replace("k", "")) * (1024 if x.strip().lower().endswith("k") else 1)
+                     for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token counts") from None
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="measure what each page format costs in quality (perplexity, KL, "
+                              "top-1 agreement, context profile, passkey retrieval, bytes per token)")
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct), a transformers folder, or a .gguf file")
+    p.add_argument("--text", required=True, help="UTF-8 text file to measure perplexity on")
+    p.add_argument("--formats", nargs="+", default=[DEFAULT_FORMATS], metavar="FORMAT",
+                   help="formats, comma-separated: off,q8,turboquant,'turboquant:k=q4_0,v=q4_0,rotate_keys'; "
+                        "add boundary_layers=N after a format to keep its first and last N layers dense")
+    p.add_argument("--boundary-layers", type=int, default=0, help="boundary layers for formats that give none")
+    p.add_argument("--window", type=int, default=2048, help="tokens per perplexity window (half prefilled, "
+                   "half scored; default 2048)")
+    p.add_argument("--max-tokens", type=int, default=8192, help="text tokens used for the windows (default 8192)")
+    p.add_argument("--profile-tokens", type=int, default=None,
+                   help="length of the context-degradation profile (default: the model's context length; 0 skips)")
+    p.add_argument("--passkey-lengths", type=_ints, default=PASSKEY_LENGTHS,
+                   help="passkey prompt lengths (default 1k,2k,4k,8k; empty skips)")
+    p.add_argument("--passkey-depths", type=_floats, default=PASSKEY_DEPTHS,
+                   help="where the pass key sits, 0..1 (default 0.1,0.3,0.5,0.7,0.9)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="model dtype (default fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--json", default=None, metavar="OUT.json", help="write the report as JSON")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a plot (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .quality_report import format_table, write_plot
+
+    settings = EvalSettings(model=args.model, text=args.text,
+                            formats=parse_formats(args.formats, args.boundary_layers), window=args.window,
+                            max_tokens=args.max_tokens, profile_tokens=args.profile_tokens,
+                            passkey_lengths=tuple(args.passkey_lengths), passkey_depths=tuple(args.passkey_depths),
+                            device=args.device, dtype=args.dtype, progress=not args.no_progress)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib: pip install 'pagedkv[plot]' (or drop --plot)") from None
+    start = time.perf_counter()
+    report = run_eval(settings)
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    report["command"] = "pagedkv eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else None
+    print(format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        write_plot(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,87 @@
+"""The `pagedkv eval` report as a text table and as a plot."""
+
+from __future__ import annotations
+
+import math
+
+
+def _pct(x: float) -> str:
+    return "-" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
+
+
+def format_table(report: dict) -> str:
+    """A Markdown table: one row per format."""
+    results = report["formats"]
+    lengths = sorted({int(n) for r in results.values() for n in r.get("passkey", {})})
+    head = ["format", f"bytes/token/head (D={report['head_dim']})", "bytes/token/head (D=128)", "ppl",
+            "ppl vs off", "KL", "top-1"] + [f"passkey {n // 1024}K" if n % 1024 == 0 else f"passkey {n}"
+                                             for n in lengths]
+    rows = []
+    for label, r in results.items():
+        passkey = r.get("passkey", {})
+        rows.append([f"`{label}`", f"{r['bytes_per_token_per_head']:.1f}".rstrip("0").rstrip("."),
+                     f"{r['bytes_per_token_per_head_d128']:.1f}".rstrip("0").rstrip("."), f"{r['ppl']:.3f}",
+                     f"{r['ppl_increase_pct']:+.2f}%", f"{r['kl']:.5f}", f"{100 * r['top1']:.2f}%"]
+                    + [_pct(passkey.get(str(n))) for n in lengths])
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_plot(report: dict, path: str) -> None:
+    """Three panels: perplexity increase and bytes per format, perplexity by position, passkey accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    results = report["formats"]
+    labels = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+
+    ax = axes[0]
+    y = list(range(len(labels)))
+    inc = [results[label]["ppl_increase_pct"] for label in labels]
+    bars = ax.barh(y, inc, color=["#888888"] + ["#3b75af"] * (len(labels) - 1))
+    for bar, label in zip(bars, labels):
+        b = results[label]["bytes_per_token_per_head"]
+        ax.annotate(f" {b:.0f} B", (max(bar.get_width(), 0), bar.get_y() + bar.get_height() / 2), va="center",
+                    fontsize=8)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("perplexity increase vs off (%)")
+    ax.set_title(f"{report['scored_tokens']} scored tokens, window {report['window']}\n"
+                 f"(bytes per token per KV head at head_dim {report['head_dim']})", fontsize=9)
+
+    ax = axes[1]
+    for label in labels:
+        prof = results[label].get("profile")
+        if prof:
+            mids = [(a + b) / 2 for a, b in prof["buckets"]]
+            ax.plot(mids, prof["ppl"], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token position")
+    ax.set_ylabel("perplexity in bucket")
+    ax.set_title(f"context profile ({report['profile_tokens']} tokens)", fontsize=9)
+    ax.legend(fontsize=7)
+
+    ax = axes[2]
+    for label in labels:
+        pk = results[label].get("passkey") or {}
+        if pk:
+            xs = sorted(int(n) for n in pk)
+            ax.plot(xs, [100 * pk[str(n)] for n in xs], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-5, 105)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("passkey retrieval (%)")
+    ax.set_title(f"passkey at depths {', '.join(f'{d:g}' for d in report['passkey_depths'])}", fontsize=9)
+    ax.legend(fontsize=7)
+
+    fig.suptitle(f"pagedkv eval: {report['model']} on {Path(report['text']).name} ({report['device']}, "
+                 f"{report['dtype']})", fontsize=11)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

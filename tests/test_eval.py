@@ -1,0 +1,89 @@
+"""`pagedkv eval`: format lists, measurement helpers, and one small end-to-end run on the default model."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv import ConfigError, KVFormat
+from pagedkv.cli import main
+from pagedkv.evaluate import EvalFormat, bytes_per_token_per_head, parse_formats, passkey_trial, position_buckets
+
+TEXT = Path(__file__).parent / "data" / "pride-and-prejudice-opening.txt"
+
+
+def test_format_lists_keep_turboquant_options_with_their_format_and_put_off_first():
+    fmts = parse_formats(["q8,turboquant:k=q4_0,v=q4_0,rotate_keys,boundary_layers=2", "turboquant,off"])
+    assert [f.label for f in fmts] == [
+        "off", "q8", "turboquant:k=q4_0,v=q4_0,rotate_keys,boundary_layers=2", "turboquant:k=q8_0,v=q3_0"]
+    assert fmts[2] == EvalFormat(KVFormat(kind="turboquant", k_quant="q4_0", v_quant="q4_0", rotate_keys=True), 2)
+
+
+def test_the_boundary_option_applies_to_quantized_formats_that_give_none():
+    fmts = parse_formats("off,q4,q8:boundary_layers=1", boundary_layers=3)
+    assert [(f.label, f.boundary_layers) for f in fmts] == [("off", 0), ("q4:boundary_layers=3", 3),
+                                                            ("q8:boundary_layers=1", 1)]
+
+
+@pytest.mark.parametrize("bad", ["q9", "rotate_keys,q8", "turboquant:k=q3_0", "q8:boundary_layers=x"])
+def test_bad_format_lists_raise_config_errors(bad):
+    with pytest.raises(ConfigError):
+        parse_formats(bad)
+
+
+def test_bytes_per_token_average_over_layers_with_dense_boundary_layers():
+    tq = EvalFormat(KVFormat.parse("turboquant"))
+    assert bytes_per_token_per_head(tq, 30, 128, torch.bfloat16) == 200
+    bounded = EvalFormat(KVFormat.parse("turboquant"), boundary_layers=2)
+    # 4 dense bfloat16 layers (2 x 128 x 2 bytes) and 26 TurboQuant layers
+    assert bytes_per_token_per_head(bounded, 30, 128, torch.bfloat16) == pytest.approx((4 * 512 + 26 * 200) / 30)
+
+
+def test_position_buckets_double_up_to_the_length():
+    assert position_buckets(3000) == [(0, 256), (256, 512), (512, 1024), (1024, 2048), (2048, 3000)]
+    assert position_buckets(100) == [(0, 100)]
+
+
+def test_passkey_prompts_have_about_the_asked_length_and_hide_the_key_at_the_depth(smollm2):
+    _, tokenizer = smollm2
+    for depth in (0.0, 0.5, 1.0):
+        trial = passkey_trial(tokenizer, 1024, depth, seed=3)
+        assert 1024 - 30 <= trial.prompt_ids.shape[0] + trial.answer_ids.shape[0] <= 1024
+        text = tokenizer.decode(trial.prompt_ids)
+        key = tokenizer.decode(trial.answer_ids).strip()
+        assert len(key) == 5 and key.isdigit()
+        where = text.index(f"The pass key is {key}") / len(text)
+        assert abs(where - depth) < 0.1
+        assert text.endswith("What is the pass key? The pass key is")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
+def test_eval_writes_a_table_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "q.json", tmp_path / "q.png"
+    rc = main(["eval", "--model", "default", "--text", str(TEXT), "--formats", "off,q8,turboquant",
+               "--window", "256", "--max-tokens", "512", "--profile-tokens", "300", "--passkey-lengths", "200",
+               "--passkey-depths", "0.5", "--json", str(out_json), "--plot", str(out_png), "--no-progress"])
+    assert rc == 0
+    report = json.loads(out_json.read_text())
+    assert report["scored_tokens"] == 256 and report["num_windows"] == 2
+    res = report["formats"]
+    assert list(res) == ["off", "q8", "turboquant:k=q8_0,v=q3_0"]
+    off, q8, tq = res.values()
+    assert off["kl"] == 0 and off["top1"] == 1 and off["ppl_increase_pct"] == 0
+    assert 1 < off["ppl"] < 100
+    assert 0 < q8["kl"] < tq["kl"] < 0.2 and q8["top1"] > 0.9
+    assert [r["bytes_per_token_per_head"] for r in res.values()] == [512, 136, 100]  # float32 model, head_dim 64
+    assert [r["bytes_per_token_per_head_d128"] for r in res.values()] == [1024, 264, 200]
+    assert off["profile"]["buckets"] == [[0, 256], [256, 300]] and len(off["profile"]["ppl"]) == 2
+    assert set(off["passkey"]) == {"200"} and off["passkey"]["200"] in (0.0, 1.0)
+    table = capsys.readouterr().out
+    assert "| `turboquant:k=q8_0,v=q3_0` | 100 | 200 |" in table
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_reports_a_bad_format_without_a_traceback(capsys):
+    assert main(["eval", "--text", str(TEXT), "--formats", "off,q5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown page format 'q5'" in err and "accepted forms" in err and "Traceback" not in err
