@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import pagedkv
 from pagedkv import KVFormat, PagedKVCache
 from pagedkv.compat.mtplx import VllmMetalPagedKVCache, install_vllm_metal_paged_attention_kv_cache
 
@@ -38,12 +37,12 @@ def test_the_seed_environment_variables_are_read_as_aliases(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
-def test_the_seed_example_runs_with_only_its_import_line_changed(capsys):
+def test_the_seed_example_runs_with_only_its_import_line_changed(smollm2, capsys):
     source = SEED_EXAMPLE.read_text()
     assert source.startswith("from mtplx.cache_state import VllmMetalPagedKVCache\n")
     source = source.replace("from mtplx.cache_state import", "from pagedkv.compat.mtplx import", 1)
 
-    model, tokenizer = pagedkv.load_model("default")
+    model, tokenizer = smollm2
     install_vllm_metal_paged_attention_kv_cache(model)
     batch = tokenizer(["It is a truth universally acknowledged, that a single man"], return_tensors="pt")
     namespace = {"model": model, "input_ids": batch.input_ids, "mask": batch.attention_mask}
