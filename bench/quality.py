@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from pagedkv.cli import main  # noqa: E402
 
 TEXT = ROOT.parent / "shared" / "data" / "pride-and-prejudice.txt"
-FORMATS = ("off,q8,q4,turboquant,turboquant:k=q8_0,v=q4_0,turboquant:k=q4_0,v=q4_0,"
+FORMATS = ("off,q8,turboquant,turboquant:k=q8_0,v=q4_0,turboquant:k=q4_0,v=q4_0,"
            "turboquant:k=q4_0,v=q4_0,rotate_keys,turboquant:k=q4_0,v=q4_0,rotate_keys,boundary_layers=2")
 
 
