@@ -16,7 +16,7 @@ import triton.language as tl
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .page_view import PageView, page_view
-from .tiles import attend_tiles, find_sequence, load_queries, rotate_rows
+from .tiles import attend_range, find_sequence, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles
 
 
@@ -50,7 +50,7 @@ def paged_attention_kernel(
     KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, ROTATE_Q: tl.constexpr, ROTATE_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)   # last blocks (the longest causal rows) start first
     kv_head = tl.program_id(1)
     seq, q_start, q_len, first, context, token, head, row_ok = query_block_rows(
         q_block, kv_head, query_start_loc_ptr, seq_lens_ptr, num_seqs, GROUP, BLOCK_M, BLOCK_Q)
@@ -71,8 +71,9 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = attend_tiles(
-        q, acc, m_i, l_i, q_pos, kv_lo, kv_hi, block_table_ptr + seq.to(tl.int64) * stride_bt,
+    acc, m_i, l_i = attend_range(
+        q, acc, m_i, l_i, q_pos, kv_lo, kv_hi, context + first, context + tl.minimum(first + BLOCK_Q, q_len) - 1,
+        block_table_ptr + seq.to(tl.int64) * stride_bt,
         k_ptr + head_off * k_strides[2], v_ptr + head_off * v_strides[2],
         ks_ptr + head_off * ks_strides[2], kz_ptr + head_off * ks_strides[2], vs_ptr + head_off * vs_strides[2],
         codebook_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),

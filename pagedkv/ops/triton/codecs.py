@@ -21,7 +21,7 @@ GROUP = tl.constexpr(32)   # TurboQuant's quantization group along head_dim
 
 
 @triton.constexpr_function
-def chunk_bytes(bits):
+def chunk_bytes(bits):  # (for pack_codes)
     """Bytes of the shortest run of b-bit codes that ends on a byte boundary (`packing._chunk`)."""
     return {1: 1, 2: 1, 4: 1, 8: 1, 6: 3}.get(bits, bits)
 
@@ -41,28 +41,113 @@ def round_half_even(x):
 
 
 @triton.jit
-def unpack_codes(ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
-    """Codes [N, HEAD_DIM] int32 of the bitstreams starting at ptr + row [N] (bits [i*BITS, (i+1)*BITS))."""
+def load_words(ptr, row, in_range, UNIT_BYTES: tl.constexpr, UNITS: tl.constexpr, K: tl.constexpr):
+    """int32 word K of each UNIT_BYTES-byte unit of the rows at ptr + row [N]: [N, UNITS]."""
+    offs = tl.arange(0, UNITS) * UNIT_BYTES + 4 * K
+    p = (ptr + row[:, None] + offs[None, :]).to(tl.pointer_type(tl.int32))
+    return tl.load(p, mask=in_range[:, None], other=0)
+
+
+@triton.jit
+def join4(c0, c1, c2, c3):
+    """[..., 4] holding c0, c1, c2, c3 in this order (join appends a last dim: the outer join picks the low bit)."""
+    x = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+    return tl.reshape(x, [x.shape[0], x.shape[1], 4])
+
+
+@triton.jit
+def join8(c0, c1, c2, c3, c4, c5, c6, c7):
+    x = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(x, [x.shape[0], x.shape[1], 8])
+
+
+@triton.jit
+def split_fields(x, BITS: tl.constexpr, PER: tl.constexpr):
+    """x [N, J] int32 holding PER codes of BITS bits each (lowest first) -> [N, J * PER], each code next
+    to its neighbours in the same thread (joins keep the new axis in-thread; a broadcast would not)."""
+    M: tl.constexpr = (1 << BITS) - 1
+    if PER == 2:
+        f = tl.join(x & M, (x >> BITS) & M)
+    elif PER == 4:
+        f = join4(x & M, (x >> BITS) & M, (x >> 2 * BITS) & M, (x >> 3 * BITS) & M)
+    else:
+        tl.static_assert(PER == 8, "2, 4 or 8 codes per field group")
+        f = join8(x & M, (x >> BITS) & M, (x >> 2 * BITS) & M, (x >> 3 * BITS) & M,
+                  (x >> 4 * BITS) & M, (x >> 5 * BITS) & M, (x >> 6 * BITS) & M, (x >> 7 * BITS) & M)
+    return tl.reshape(f, [x.shape[0], x.shape[1] * PER])
+
+
+@triton.jit
+def unpack_codes(ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr):
+    """Codes [N, HEAD_DIM] int32 of the little-endian bitstreams at ptr + row [N] (code i in bits
+    [i*BITS, (i+1)*BITS)); 8-bit codes are read as the page's dtype (int8: signed).
+
+    8-, 4- and 2-bit codes are read as bytes; 3-, 6- and 5-bit codes as int32 words (a row holds 4*BITS
+    bytes per 32 codes, so words never straddle rows). Codes are cut out with shifts known at compile
+    time: no per-code loads or gathers."""
     N: tl.constexpr = row.shape[0]
     if BITS == 8:
         offs = tl.arange(0, HEAD_DIM)
         codes = tl.load(ptr + row[:, None] + offs[None, :], mask=in_range[:, None], other=0).to(tl.int32)
-    else:
-        CB: tl.constexpr = chunk_bytes(BITS)
-        CC: tl.constexpr = chunk_codes(BITS)
-        offs_j = tl.arange(0, HEAD_DIM // CC)
-        base = ptr + row[:, None] + offs_j[None, :] * CB
-        if CB <= 3:
-            word = tl.zeros([N, HEAD_DIM // CC], dtype=tl.int32)
-        else:
-            word = tl.zeros([N, HEAD_DIM // CC], dtype=tl.int64)
-        for k in tl.static_range(CB):
-            byte = tl.load(base + k, mask=in_range[:, None], other=0)
-            word = word | (byte.to(word.dtype) << (8 * k))
-        shifts = tl.arange(0, CC) * BITS
-        fields = (word[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)   # [N, HEAD_DIM // CC, CC]
-        codes = tl.reshape(fields, [N, HEAD_DIM]).to(tl.int32)
+    elif BITS == 4 or BITS == 2:
+        offs = tl.arange(0, HEAD_DIM * BITS // 8)
+        x = tl.load(ptr + row[:, None] + offs[None, :], mask=in_range[:, None], other=0).to(tl.int32)
+        codes = split_fields(x, BITS, 8 // BITS)
+    elif BITS == 3 or BITS == 6:                       # 3 words = 4 chunks of 24 bits
+        UNITS: tl.constexpr = HEAD_DIM * BITS // 96
+        w0 = load_words(ptr, row, in_range, 12, UNITS, 0)
+        w1 = load_words(ptr, row, in_range, 12, UNITS, 1)
+        w2 = load_words(ptr, row, in_range, 12, UNITS, 2)
+        chunks = join4(w0 & 0xFFFFFF, ((w0 >> 24) & 0xFF) | ((w1 & 0xFFFF) << 8),
+                       ((w1 >> 16) & 0xFFFF) | ((w2 & 0xFF) << 16), (w2 >> 8) & 0xFFFFFF)
+        codes = split_fields(tl.reshape(chunks, [N, UNITS * 4]), BITS, 24 // BITS)
+    else:                                              # BITS == 5: 5 words = 8 chunks of 20 bits
+        tl.static_assert(BITS == 5, "packed codes of 2, 3, 4, 5, 6 or 8 bits")
+        UNITS: tl.constexpr = HEAD_DIM // 32
+        w0 = load_words(ptr, row, in_range, 20, UNITS, 0)
+        w1 = load_words(ptr, row, in_range, 20, UNITS, 1)
+        w2 = load_words(ptr, row, in_range, 20, UNITS, 2)
+        w3 = load_words(ptr, row, in_range, 20, UNITS, 3)
+        w4 = load_words(ptr, row, in_range, 20, UNITS, 4)
+        chunks = join8(w0 & 0xFFFFF, ((w0 >> 20) & 0xFFF) | ((w1 & 0xFF) << 12), (w1 >> 8) & 0xFFFFF,
+                       ((w1 >> 28) & 0xF) | ((w2 & 0xFFFF) << 4), ((w2 >> 16) & 0xFFFF) | ((w3 & 0xF) << 16),
+                       (w3 >> 4) & 0xFFFFF, ((w3 >> 24) & 0xFF) | ((w4 & 0xFFF) << 8), (w4 >> 12) & 0xFFFFF)
+        codes = split_fields(tl.reshape(chunks, [N, UNITS * 8]), 5, 4)
     return codes
+
+
+@triton.jit
+def int_to_float(c):
+    """Exact float32 of int32 c, |c| < 2**22, by its bits (2**23 + 2**22 + c) - (2**23 + 2**22): two full-rate
+    operations instead of a quarter-rate conversion."""
+    return (c + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def pick4(b0, b1, cb_ptr):
+    return tl.where(b1, tl.where(b0, tl.load(cb_ptr + 3), tl.load(cb_ptr + 2)),
+                    tl.where(b0, tl.load(cb_ptr + 1), tl.load(cb_ptr)))
+
+
+@triton.jit
+def codebook_lookup(codes, cb_ptr, BITS: tl.constexpr):
+    """codebook[codes] (float32): a select tree over the centroids for up to 4 bits, a gather beyond."""
+    if BITS > 4:
+        v = tl.load(cb_ptr + codes)
+    else:
+        b0 = (codes & 1) != 0
+        b1 = (codes & 2) != 0
+        if BITS == 1:
+            v = tl.where(b0, tl.load(cb_ptr + 1), tl.load(cb_ptr))
+        elif BITS == 2:
+            v = pick4(b0, b1, cb_ptr)
+        else:
+            b2 = (codes & 4) != 0
+            v = tl.where(b2, pick4(b0, b1, cb_ptr + 4), pick4(b0, b1, cb_ptr))
+            if BITS == 4:
+                b3 = (codes & 8) != 0
+                v = tl.where(b3, tl.where(b2, pick4(b0, b1, cb_ptr + 12), pick4(b0, b1, cb_ptr + 8)), v)
+    return v
 
 
 @triton.jit
@@ -106,15 +191,18 @@ def load_keys(k_ptr, ks_ptr, kz_ptr, block, slot, in_range, k_strides, ks_stride
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row = block * k_strides[0] + slot * k_strides[1]
     if KIND == KVQUANT:
-        codes = unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS)
+        codes = unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS, K_BITS == 8)
         if K_BITS != 8:
             codes = codes - ((1 << (K_BITS - 1)) - 1)
-        k = codes.to(DTYPE)
+        k = int_to_float(codes).to(DTYPE)
     elif KIND == TURBOQUANT:  # (code + zero) * scale per group of 32 (signed int8 codes for 8 bits)
-        codes = tl.reshape(unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS), [N, HEAD_DIM // GROUP, GROUP])
+        codes = tl.reshape(unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS, K_BITS == 8),
+                           [N, HEAD_DIM // GROUP, GROUP])
         zero = load_group_scales(kz_ptr, block, slot, in_range, ks_strides, HEAD_DIM)
         scale = load_group_scales(ks_ptr, block, slot, in_range, ks_strides, HEAD_DIM)
-        k = tl.reshape((codes.to(tl.float32) + zero) * scale, [N, HEAD_DIM]).to(DTYPE)
+        # (bits of 2**23 + 2**22 + code) + (zero - 2**23 - 2**22) == code + zero exactly: integers below 2**24
+        biased = (codes + 0x4B400000).to(tl.float32, bitcast=True)
+        k = tl.reshape((biased + (zero - 12582912.0)) * scale, [N, HEAD_DIM]).to(DTYPE)
     else:
         mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DTYPE)
@@ -132,14 +220,14 @@ def load_values(v_ptr, vs_ptr, codebook_ptr, block, slot, in_range, v_strides, v
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row = block * v_strides[0] + slot * v_strides[1]
     if KIND == KVQUANT:
-        codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS)
+        codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, V_BITS == 8)
         if V_BITS != 8:
             codes = codes - ((1 << (V_BITS - 1)) - 1)
-        v = codes.to(DTYPE)
+        v = int_to_float(codes).to(DTYPE)
     elif KIND == TURBOQUANT:  # codebook[code] * rms scale per group of 32
-        codes = tl.reshape(unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS), [N, HEAD_DIM // GROUP, GROUP])
+        codes = tl.reshape(unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False), [N, HEAD_DIM // GROUP, GROUP])
         scale = load_group_scales(vs_ptr, block, slot, in_range, vs_strides, HEAD_DIM)
-        v = tl.reshape(tl.load(codebook_ptr + codes) * scale, [N, HEAD_DIM]).to(DTYPE)
+        v = tl.reshape(codebook_lookup(codes, codebook_ptr, V_BITS) * scale, [N, HEAD_DIM]).to(DTYPE)
     else:
         mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DTYPE)
@@ -213,20 +301,39 @@ def encode_turboquant_keys(ptr, s_ptr, z_ptr, row, s_row, x, HEAD_DIM: tl.conste
 
 
 @triton.jit
-def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, row, s_row, x, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
-    """Quantize rotated values x [R, HEAD_DIM] float32: RMS scale per group of 32 (fp16), then the
-    nearest Lloyd-Max centroid (`codebook.nearest_centroid`: the number of midpoints below x / scale)."""
+def nearest_centroid(y, thresholds_ptr, BITS: tl.constexpr):
+    """`codebook.nearest_centroid`: the number of sorted midpoints below y (a binary search)."""
+    codes = tl.zeros(y.shape, dtype=tl.int32)
+    for step in tl.static_range(BITS):
+        probe = codes + (1 << (BITS - 1 - step))
+        codes = tl.where(tl.load(thresholds_ptr + probe - 1) < y, probe, codes)
+    return codes
+
+
+@triton.jit
+def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, row, s_row, x,
+                             HEAD_DIM: tl.constexpr, BITS: tl.constexpr, NUM_MULTIPLIERS: tl.constexpr):
+    """Quantize rotated values x [R, HEAD_DIM] float32 per group of 32 as `turboquant._encode_values`: for
+    each fp16 scale rms * multiplier (in grid order), the nearest centroids of x / scale; keep the first
+    scale of least squared error."""
     R: tl.constexpr = x.shape[0]
     G: tl.constexpr = HEAD_DIM // GROUP
     g = tl.reshape(x, [R, G, GROUP])
-    scale16 = tl.sqrt_rn(tl.sum(g * g, axis=2) / GROUP).to(tl.float16)
-    s = scale16.to(tl.float32)
-    s = tl.where(s > 0, s, 1.0)
-    y = g / s[:, :, None]
-    codes = tl.zeros([R, G, GROUP], dtype=tl.int32)
-    for step in tl.static_range(BITS):   # binary search over the 2**BITS - 1 sorted midpoints
-        probe = codes + (1 << (BITS - 1 - step))
-        codes = tl.where(tl.load(thresholds_ptr + probe - 1) < y, probe, codes)
-    pack_codes(ptr, row, tl.reshape(codes, [R, HEAD_DIM]), HEAD_DIM, BITS)
+    rms = tl.sqrt_rn(tl.sum(g * g, axis=2) / GROUP)
+    best_err = tl.full([R, G], float("inf"), dtype=tl.float32)
+    best_scale = tl.zeros([R, G], dtype=tl.float16)
+    best_codes = tl.zeros([R, G, GROUP], dtype=tl.int32)
+    for i in range(NUM_MULTIPLIERS):
+        scale16 = (rms * tl.load(multipliers_ptr + i)).to(tl.float16)
+        s = scale16.to(tl.float32)
+        s = tl.where(s > 0, s, 1.0)[:, :, None]
+        codes = nearest_centroid(g / s, thresholds_ptr, BITS)
+        d = tl.load(codebook_ptr + codes) * s - g
+        err = tl.sum(d * d, axis=2)
+        better = err < best_err
+        best_err = tl.where(better, err, best_err)
+        best_scale = tl.where(better, scale16, best_scale)
+        best_codes = tl.where(better[:, :, None], codes, best_codes)
+    pack_codes(ptr, row, tl.reshape(best_codes, [R, HEAD_DIM]), HEAD_DIM, BITS)
     offs_g = tl.arange(0, G)
-    tl.store(s_ptr + s_row[:, None] + offs_g[None, :], scale16)
+    tl.store(s_ptr + s_row[:, None] + offs_g[None, :], best_scale)

@@ -21,12 +21,12 @@ from .page_view import PageView, page_view
 @triton.jit
 def write_kv_kernel(
     key_ptr, value_ptr, slot_mapping_ptr,
-    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, thresholds_ptr, key_signs_ptr, value_signs_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, key_signs_ptr, value_signs_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     k_strides, v_strides, ks_strides, vs_strides,      # (block, slot, head) of each page tensor
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, ROTATE_KEYS: tl.constexpr,
-    LOG2_HEAD_DIM: tl.constexpr, SQRT_HEAD_DIM: tl.constexpr,
+    LOG2_HEAD_DIM: tl.constexpr, SQRT_HEAD_DIM: tl.constexpr, NUM_MULTIPLIERS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -55,7 +55,8 @@ def write_kv_kernel(
             x = fwht(x * tl.load(key_signs_ptr + offs_d)[None, :], HEAD_DIM, LOG2_HEAD_DIM) / SQRT_HEAD_DIM
         encode_turboquant_keys(k_ptr, ks_ptr, kz_ptr, k_row, ks_row, x, HEAD_DIM, K_BITS)
         x = fwht(value.to(tl.float32) * tl.load(value_signs_ptr + offs_d)[None, :], HEAD_DIM, LOG2_HEAD_DIM) / SQRT_HEAD_DIM
-        encode_turboquant_values(v_ptr, vs_ptr, thresholds_ptr, v_row, vs_row, x, HEAD_DIM, V_BITS)
+        encode_turboquant_values(v_ptr, vs_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, v_row, vs_row, x,
+                                 HEAD_DIM, V_BITS, NUM_MULTIPLIERS)
     else:
         tl.store(k_ptr + k_row[:, None] + offs_d[None, :], key.to(k_ptr.dtype.element_ty), mask=d_ok)
         tl.store(v_ptr + v_row[:, None] + offs_d[None, :], value.to(v_ptr.dtype.element_ty), mask=d_ok)
@@ -83,11 +84,13 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
         return
     write_kv_kernel[(num_input_tokens, num_kv_heads)](
         key, value, slots, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
-        view.aux("thresholds"), view.aux("key_signs"), view.aux("value_signs"),
+        view.aux("thresholds"), view.aux("codebook"), view.aux("scale_multipliers"), view.aux("key_signs"),
+        view.aux("value_signs"),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         _stride3(view.k), _stride3(view.v), _stride3(view.k_scale), _stride3(view.v_scale),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size,
         KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_KEYS=view.rotate_keys,
-        LOG2_HEAD_DIM=head_dim.bit_length() - 1, SQRT_HEAD_DIM=math.sqrt(head_dim), num_warps=1,
+        LOG2_HEAD_DIM=head_dim.bit_length() - 1, SQRT_HEAD_DIM=math.sqrt(head_dim),
+        NUM_MULTIPLIERS=0 if view.scale_multipliers is None else view.scale_multipliers.numel(), num_warps=1,
     )

@@ -37,6 +37,7 @@ class PageView:
     key_signs: torch.Tensor | None = None     # [head_dim] float32 +-1 of the key rotation (rotate_keys)
     q_rotation: torch.Tensor | None = None    # [head_dim, head_dim] float32: q_rot = q @ q_rotation
     out_rotation: torch.Tensor | None = None  # [head_dim, head_dim] float32: out = out_rot @ out_rotation
+    scale_multipliers: torch.Tensor | None = None  # [m] float32 value-scale grid (multiples of the RMS)
     rotate_keys: bool = False
     rotate_out: bool = False
 
@@ -50,6 +51,7 @@ _derived: "weakref.WeakKeyDictionary[PageFormat, dict]" = weakref.WeakKeyDiction
 
 def _turboquant_tensors(fmt) -> dict:
     if fmt not in _derived:
+        from ...formats import turboquant
         from ...formats.hadamard import rotate, unrotate
 
         eye = torch.eye(fmt.head_dim, dtype=torch.float32, device=fmt.device)
@@ -61,6 +63,8 @@ def _turboquant_tensors(fmt) -> dict:
             "out_rotation": unrotate(eye, fmt.value_signs).contiguous(),
             "key_signs": None if fmt.key_signs is None else fmt.key_signs.float().contiguous(),
             "q_rotation": None if fmt.key_signs is None else rotate(eye, fmt.key_signs).contiguous(),
+            "scale_multipliers": torch.tensor(getattr(turboquant, "SCALE_GRID", [1.0]), dtype=torch.float32,
+                                              device=fmt.device),
         }
     return _derived[fmt]
 

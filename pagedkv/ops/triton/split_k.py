@@ -18,7 +18,7 @@ from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .attention import check_inputs, dot_precision, launch_args, query_block_rows, stride3
 from .page_view import page_view
-from .tiles import attend_tiles, load_queries, rotate_rows
+from .tiles import attend_range, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles
 
 
@@ -60,8 +60,9 @@ def split_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = attend_tiles(
-        q, acc, m_i, l_i, q_pos, kv_lo, kv_hi, block_table_ptr + seq.to(tl.int64) * stride_bt,
+    acc, m_i, l_i = attend_range(
+        q, acc, m_i, l_i, q_pos, kv_lo, kv_hi, context + first, context + tl.minimum(first + BLOCK_Q, q_len) - 1,
+        block_table_ptr + seq.to(tl.int64) * stride_bt,
         k_ptr + head_off * k_strides[2], v_ptr + head_off * v_strides[2],
         ks_ptr + head_off * ks_strides[2], kz_ptr + head_off * ks_strides[2], vs_ptr + head_off * vs_strides[2],
         codebook_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),

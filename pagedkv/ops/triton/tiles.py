@@ -66,14 +66,20 @@ def attend_tiles(
     k_strides, v_strides, ks_strides, vs_strides,   # (block, slot) strides; the KV head offset is already in the pointers
     qk_scale, softcap, sliding_window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, MASKED: tl.constexpr,
     KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over keys [kv_lo, kv_hi): returns the updated (acc, m_i, l_i), scores in log2 units."""
+    """Online softmax over keys [kv_lo, kv_hi): returns the updated (acc, m_i, l_i), scores in log2 units.
+
+    MASKED=False is for ranges every row sees whole (kv_hi a multiple of TILE_N): no causal, window or
+    bounds checks."""
     offs_t = tl.arange(0, TILE_N)
     for tile_start in range(kv_lo, kv_hi, TILE_N):
         offs_n = tile_start + offs_t
-        in_range = offs_n < kv_hi
+        if MASKED:
+            in_range = offs_n < kv_hi
+        else:
+            in_range = offs_t < TILE_N
         block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         slot = offs_n % BLOCK_SIZE
         k = load_keys(k_ptr, ks_ptr, kz_ptr, block, slot, in_range, k_strides, ks_strides,
@@ -85,12 +91,16 @@ def attend_tiles(
             s = softcap * tanh(s * (qk_scale / softcap)) * LOG2E
         else:
             s = s * (qk_scale * LOG2E)
-        visible = in_range[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = in_range[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MASKED:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -100,4 +110,37 @@ def attend_tiles(
             p = p * load_token_scales(vs_ptr, block, slot, in_range, vs_strides)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def attend_range(
+    q, acc, m_i, l_i, q_pos, kv_lo, kv_hi, min_pos, max_pos, block_table_row_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, k_strides, v_strides, ks_strides, vs_strides,
+    qk_scale, softcap, sliding_window,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Keys [kv_lo, kv_hi) for query rows at positions [min_pos, max_pos]: whole tiles that every row
+    sees (keys <= min_pos, and > max_pos - window) run without masks; the tiles at the window's start and
+    at the causal diagonal run masked."""
+    full_hi = tl.minimum((min_pos + 1) // TILE_N * TILE_N, kv_hi)
+    full_lo = kv_lo
+    if USE_WINDOW:
+        full_lo = tl.maximum(tl.cdiv(max_pos - sliding_window + 1, TILE_N) * TILE_N, kv_lo)
+    full_lo = tl.minimum(full_lo, kv_hi)
+    full_hi = tl.maximum(full_hi, full_lo)
+    acc, m_i, l_i = attend_tiles(
+        q, acc, m_i, l_i, q_pos, kv_lo, full_lo, block_table_row_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr,
+        codebook_ptr, k_strides, v_strides, ks_strides, vs_strides, qk_scale, softcap, sliding_window,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, True, KIND, K_BITS, V_BITS, DOT_PRECISION)
+    acc, m_i, l_i = attend_tiles(
+        q, acc, m_i, l_i, q_pos, full_lo, full_hi, block_table_row_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr,
+        codebook_ptr, k_strides, v_strides, ks_strides, vs_strides, qk_scale, softcap, sliding_window,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, False, KIND, K_BITS, V_BITS, DOT_PRECISION)
+    acc, m_i, l_i = attend_tiles(
+        q, acc, m_i, l_i, q_pos, full_hi, kv_hi, block_table_row_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr,
+        codebook_ptr, k_strides, v_strides, ks_strides, vs_strides, qk_scale, softcap, sliding_window,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, True, KIND, K_BITS, V_BITS, DOT_PRECISION)
     return acc, m_i, l_i
