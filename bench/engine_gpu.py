@@ -37,7 +37,7 @@ DEVICE = "cuda"
 
 def sync():
     if DEVICE == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def build_model(num_layers: int, tiny: bool = False):
@@ -93,7 +93,51 @@ def dynamic_cache_decode(model, batch: int, context: int, steps: int, warm: int 
     return batch * steps / elapsed
 
 
-def engine_decode(llm: LLM, batch: int, context: int, steps: int, eager_steps: int = 0, warm: int = 3) -> dict:
+def kernel_group(name: str) -> str:
+    lowered = name.lower()
+    if "attention" in lowered or "reduce_splits" in lowered:
+        return "paged attention"
+    if "write" in lowered or "encode" in lowered:
+        return "cache write"
+    if any(k in lowered for k in ("gemm", "gemv", "cutlass", "nvjet", "sm90", "cublas", "matmul")):
+        return "matmul"
+    return "other"
+
+
+def profile_replay(graphs, batch: int, replays: int = 20) -> dict:
+    """GPU time of the decode step alone (graph replays timed with CUDA events), and where it goes."""
+    import bisect
+
+    bs = graphs.batch_sizes[bisect.bisect_left(graphs.batch_sizes, batch)]
+    graph = graphs.graphs[bs]  # replays rewrite the last step's slots with the same keys/values
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    sync()
+    out = {"gpu_ms_per_step": start.elapsed_time(end) / replays}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            sync()
+        groups: dict[str, float] = {}
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t and not e.key.startswith("cudaGraph"):
+                groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + t / 5 / 1e3
+        out["gpu_ms_by_kernel_group"] = {k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}
+    except Exception as exc:  # the breakdown is a bonus; the event timing above is the number
+        out["gpu_ms_by_kernel_group"] = f"unavailable: {type(exc).__name__}: {exc}"
+    return out
+
+
+def engine_decode(llm: LLM, batch: int, context: int, steps: int, eager_steps: int = 0, warm: int = 3,
+                  profile: bool = False) -> dict:
     """Decode tokens/s of the pagedkv engine, `batch` requests at `context` tokens of context."""
     engine = llm.engine
     prompts = random_prompts(batch, context, engine.vocab_size, seed=batch)
@@ -119,8 +163,15 @@ def engine_decode(llm: LLM, batch: int, context: int, steps: int, eager_steps: i
 
     tok_s, ms_per_step, replays = timed(steps)
     out = {"tokens_per_s": tok_s, "ms_per_step": ms_per_step, "graph_replays": replays, "prefill_s": prefill_s}
+    if profile:
+        try:
+            out.update(profile_replay(engine.runner.graphs, batch))
+        except Exception as exc:
+            out["profile_error"] = f"{type(exc).__name__}: {exc}"
     if eager_steps:
         graphs, engine.runner.graphs = engine.runner.graphs, None
+        for _ in range(warm):  # kernels for the eager shapes compile here, not in the timed steps
+            engine.step()
         out["eager_tokens_per_s"], out["eager_ms_per_step"], _ = timed(eager_steps)
         engine.runner.graphs = graphs
     for r in rids:
@@ -208,7 +259,8 @@ def main(argv=None) -> int:
         per = results.setdefault("pagedkv", {}).setdefault(fmt, {"decode": {}})
         for b in args.batches:
             eager = args.eager_steps if b == max_batch else 0
-            per["decode"][b] = engine_decode(llm, b, args.context, args.decode_steps, eager_steps=eager)
+            per["decode"][b] = engine_decode(llm, b, args.context, args.decode_steps, eager_steps=eager,
+                                             profile=not args.tiny)
             print(f"pagedkv {fmt}, batch {b}: {per['decode'][b]}", flush=True)
         per["generate"] = engine_generate_run(llm, prompts, args.new_tokens)
         print(f"pagedkv {fmt} generate: {per['generate']}", flush=True)
@@ -228,6 +280,10 @@ def main(argv=None) -> int:
         cells = [f"{per['decode'][b]['tokens_per_s']:.0f} ({per['decode'][b]['tokens_per_s'] / results['dynamic_cache'][b]:.1f}x)"
                  for b in args.batches]
         print(f"| pagedkv {fmt}, CUDA graphs | " + " | ".join(cells) + " |")
+        if "gpu_ms_per_step" in per["decode"][max_batch]:
+            print(f"| pagedkv {fmt}: engine step / GPU replay alone (ms) | " + " | ".join(
+                f"{per['decode'][b]['ms_per_step']:.2f} / {per['decode'][b].get('gpu_ms_per_step', float('nan')):.2f}"
+                for b in args.batches) + " |")
         eager = per["decode"][max_batch].get("eager_tokens_per_s")
         if eager:
             print(f"| pagedkv {fmt}, eager (graphs off) | " + " | ".join(["-"] * (len(args.batches) - 1)) + f" | {eager:.0f} |")
@@ -239,6 +295,9 @@ def main(argv=None) -> int:
         g = per["generate"]
         ratio = f" ({g['tokens_per_s'] / gb['tokens_per_s']:.1f}x)" if "tokens_per_s" in gb else ""
         print(f"| pagedkv {fmt} LLM.generate | {g['tokens_per_s']:.0f}{ratio} | {g['seconds']:.2f} s |")
+    for fmt, per in results.get("pagedkv", {}).items():
+        print(f"GPU time of one decode step at batch {max_batch} by kernel group, {fmt}: "
+              f"{per['decode'][max_batch].get('gpu_ms_by_kernel_group')}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "engine_gpu.json").write_text(json.dumps(results, indent=2, default=str))

@@ -92,6 +92,7 @@ def test_graph_decode_matches_eager(tensor_driven_kernels, options):
     assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
     graphs = llm.engine.runner.graphs
     assert graphs.num_replays > 20  # decode steps went through the buckets, not the eager path
+    assert llm.stats()["steps_queued_ahead"] > 10  # and most were queued behind the step in flight
     if options.get("dynamic"):
         assert llm.engine.cache.grow_events > 0 and graphs.num_captures > 1  # re-captured over the new pages
     assert llm.stats()["blocks_used"] == 0
@@ -106,3 +107,38 @@ def test_full_pool_in_a_graph_step_preempts_and_recovers(tensor_driven_kernels):
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == reference_tokens
     assert llm.stats()["preemptions"] > 0 and llm.stats()["blocks_used"] == 0
+
+
+def test_steps_queued_ahead_drop_tokens_of_requests_that_stopped(tensor_driven_kernels):
+    """Stop tokens end requests at steps the engine cannot foresee: the step queued behind them is dropped."""
+    model = tiny_llama()
+    prompts, _ = requests()
+    eager_llm = LLM(model, enforce_eager=True, num_blocks=64, block_size=4)
+    free_run = eager_llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[o.token_ids[3 + i]])
+              for i, o in enumerate(free_run)]
+    expected = [o.token_ids for o in eager_llm.generate(prompts, params)]
+    assert any(len(t) < 20 for t in expected)
+    llm = graph_llm(model, num_blocks=64, block_size=4)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert [o.outputs[0].finish_reason for o in outputs] == [("stop" if len(t) < 20 else "length") for t in expected]
+    assert llm.engine.runner.graphs.num_replays > 5 and llm.stats()["blocks_used"] == 0
+
+
+def test_abort_while_a_step_is_in_flight(tensor_driven_kernels):
+    model = tiny_llama()
+    prompts, _ = requests()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = LLM(model, enforce_eager=True, num_blocks=64, block_size=4).generate(prompts[0], params)[0].token_ids
+    engine = graph_llm(model, num_blocks=64, block_size=4).engine
+    keep = engine.add_request(prompts[0], params)
+    drop = engine.add_request(prompts[1], SamplingParams(max_tokens=30, ignore_eos=True))
+    while engine._in_flight is None:
+        engine.step()
+    assert engine.abort(drop).outputs[0].finish_reason == "abort"
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[keep].token_ids == expected and drop not in done
+    assert engine.cache.pool.num_used == 0 and not engine.cache.seqs

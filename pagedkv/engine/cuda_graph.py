@@ -43,12 +43,10 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, **dev)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, **dev)
         self.block_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, **dev)
-        # pinned host mirrors, filled in numpy and copied up in one transfer each
-        pin = dict(pin_memory=self.device.type == "cuda")
-        self.host_ints = torch.zeros(3, max_bs, dtype=torch.int64, **pin)  # ids, positions, slots
-        self.host_lens = torch.ones(max_bs, dtype=torch.int32, **pin)
-        self.host_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, **pin)
-        self._rows: list[tuple[int, int] | None] = [None] * max_bs  # (seq_id, blocks) each host_table row holds
+        # pinned host mirrors, filled in numpy and copied up without waiting; two sets, used in turn, so a
+        # step can be prepared while the copies of the step before it are still queued
+        self.host = [_HostMirror(max_bs, max_blocks_per_seq, pin=self.device.type == "cuda") for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -90,7 +88,8 @@ class CUDAGraphRunner:
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.block_table.zero_()
-        self._rows = [None] * len(self._rows)
+        for host in self.host:
+            host.forget_rows()
         for bs in reversed(self.batch_sizes):
             self.cache.plan = self._metadata(bs)
             try:
@@ -116,33 +115,36 @@ class CUDAGraphRunner:
         return graph, logits
 
     # ------------------------------------------------------------------------------------------
-    def _fill_host(self, seqs: list[Sequence], slots: list[list[int]], bs: int) -> None:
+    def _fill_host(self, host: "_HostMirror", seqs: list[Sequence], slots: list[list[int]], bs: int,
+                   lookahead: int) -> None:
         n = len(seqs)
-        ints = self.host_ints.numpy()
+        ints = host.ints.numpy()
         ints[0, :n] = [s.token_ids[-1] for s in seqs]
-        ints[1, :n] = [s.num_computed_tokens for s in seqs]
+        ints[1, :n] = [s.num_computed_tokens + lookahead for s in seqs]
         ints[2, :n] = [per[0] for per in slots]
         ints[2, n:bs] = -1
-        lens = self.host_lens.numpy()
+        lens = host.lens.numpy()
         lens[:n] = ints[1, :n] + 1
         lens[n:bs] = 1
-        table = self.host_table.numpy()
+        table, rows = host.table.numpy(), host.rows
         for i, s in enumerate(seqs):
             block_ids = self.cache.seqs[s.seq_id].block_ids
             state = (s.seq_id, len(block_ids))
-            if self._rows[i] != state:
-                old = self._rows[i]
+            if rows[i] != state:
+                old = rows[i]
                 start = old[1] if old is not None and old[0] == s.seq_id and old[1] < len(block_ids) else 0
                 table[i, start:len(block_ids)] = block_ids[start:]
-                self._rows[i] = state
+                rows[i] = state
         for i in range(n, bs):
-            if self._rows[i] is not None:
+            if rows[i] is not None:
                 table[i, 0] = 0
-                self._rows[i] = None
+                rows[i] = None
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One decode step of `seqs` (each feeds its last token); returns logits [len(seqs), vocab].
+    def run(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None, lookahead: int = 0) -> torch.Tensor:
+        """One decode step of `seqs`; returns logits [len(seqs), vocab] (the replay is queued, not awaited).
 
+        Each sequence feeds its last token, or `input_ids[i]` ([len(seqs)] int64 on the device: tokens
+        sampled by a step still in flight, whose position is `lookahead` (1) past the computed ones).
         Raises CacheCapacityError (cache untouched) when a new block does not fit.
         """
         n = len(seqs)
@@ -158,12 +160,30 @@ class CUDAGraphRunner:
                     self.cache.trim(1, seq_id)
                 raise
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-        self._fill_host(seqs, slots, bs)
-        self.input_ids[0, :bs].copy_(self.host_ints[0, :bs], non_blocking=True)
-        self.position_ids[0, :bs].copy_(self.host_ints[1, :bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(self.host_ints[2, :bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(self.host_lens[:bs], non_blocking=True)
-        self.block_table[:bs].copy_(self.host_table[:bs], non_blocking=True)
+        host = self.host[self._turn]
+        self._turn ^= 1
+        self._fill_host(host, seqs, slots, bs, lookahead)
+        self.input_ids[0, :bs].copy_(host.ints[0, :bs], non_blocking=True)
+        if input_ids is not None:
+            self.input_ids[0, :n].copy_(input_ids)
+        self.position_ids[0, :bs].copy_(host.ints[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(host.ints[2, :bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(host.lens[:bs], non_blocking=True)
+        self.block_table[:bs].copy_(host.table[:bs], non_blocking=True)
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.logits[bs][:n]
+
+
+class _HostMirror:
+    """Host copies of the static buffers: ints [3, max_bs] (input ids, positions, slots), lens [max_bs],
+    table [max_bs, max_blocks]; `rows` remembers which (seq_id, blocks) each table row holds."""
+
+    def __init__(self, max_bs: int, max_blocks: int, pin: bool):
+        self.ints = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pin)
+        self.lens = torch.ones(max_bs, dtype=torch.int32, pin_memory=pin)
+        self.table = torch.zeros(max_bs, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.rows: list[tuple[int, int] | None] = [None] * max_bs
+
+    def forget_rows(self) -> None:
+        self.rows = [None] * len(self.rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +25,20 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
+
+
+@dataclass
+class _Step:
+    """A forward pass whose sampled tokens may still be on their way to the host."""
+
+    batch: ScheduledBatch
+    sampled: list[Sequence]  # the sequences that get a token, in the order of `tokens`
+    tokens: torch.Tensor | None  # [len(sampled)] int64, on the model's device
+    host: torch.Tensor | None  # pinned host copy being filled (CUDA), else None
+    event: "torch.cuda.Event | None"  # recorded after the copy
+    is_graph: bool  # replayed from a CUDA graph: the next decode step may be queued behind it
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:
@@ -61,6 +74,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_finished = 0
         self.num_steps = 0
+        self.num_steps_ahead = 0  # decode steps queued behind one in flight
+        self._in_flight: _Step | None = None  # a decode step queued on the GPU, tokens not read yet
+        self._token_buffers: list[torch.Tensor] | None = None  # pinned, for the sampled tokens of two steps
 
     # ------------------------------------------------------------------------------------------
     # requests
@@ -126,12 +142,22 @@ class LLMEngine:
         return seq.output(self.detokenizer.visible_text(seq))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ------------------------------------------------------------------------------------------
     # one step
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; returns the outputs of streaming requests that advanced and of finished ones."""
+        """Run one forward pass; returns the outputs of streaming requests that advanced and of finished ones.
+
+        Decode steps replayed from CUDA graphs run one step ahead: the next step is queued on the GPU
+        (fed the device-side tokens of the step in flight) before the host reads the tokens of the step
+        in flight and does its bookkeeping, so host work overlaps GPU work. A sequence that turns out to
+        have finished wasted one queued token, which is dropped.
+        """
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._in_flight = self._run_ahead(step)
+            return self._finish(step)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -144,12 +170,62 @@ class LLMEngine:
             self._fail(batch.seqs, f"{type(exc).__name__}: {exc}")
             return [seq.output(seq.text) for seq in batch.seqs]
         self.num_steps += 1
-        self.scheduler.after_step(batch)
-        sampled = [batch.seqs[i] for i in rows]
-        tokens = self.sampler(logits, sampled) if sampled else []
+        step = self._sample(batch, [batch.seqs[i] for i in rows], logits, is_graph=self.runner.last_run_was_graph)
+        if step.is_graph:
+            self._in_flight = step
+            return []
+        return self._finish(step)
+
+    def _sample(self, batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, is_graph: bool) -> "_Step":
+        """Queue sampling and the copy of the tokens to the host; nothing waits for the GPU here."""
+        tokens = self.sampler.sample(logits, sampled) if sampled else None
+        host = event = None
+        if tokens is not None and tokens.is_cuda:
+            if self._token_buffers is None:
+                self._token_buffers = [torch.empty(self.config.max_num_seqs, dtype=torch.int64, pin_memory=True)
+                                       for _ in range(2)]
+            host = self._token_buffers[self.num_steps % 2][:len(sampled)]
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return _Step(batch, sampled, tokens, host, event, is_graph)
+
+    def _run_ahead(self, step: "_Step") -> "_Step | None":
+        """Queue the decode step after `step` (still in flight), or None when it has to go through the scheduler."""
+        if (not step.is_graph or self.runner.graphs is None or self.scheduler.waiting
+                or len(step.sampled) != len(self.scheduler.running)):
+            return None
+        keep = [i for i, s in enumerate(step.sampled)
+                if not s.is_finished and s.num_output_tokens + 1 < s.params.max_tokens and len(s) + 1 < self.max_model_len]
+        seqs = [step.sampled[i] for i in keep]
+        bs = self.cache.block_size
+        if (not seqs or not self.runner.graphs.can_run(len(seqs))
+                or sum((s.num_computed_tokens + 1) % bs == 0 for s in seqs) > self.scheduler.free_blocks()):
+            return None
+        input_ids = step.tokens if len(keep) == len(step.sampled) else step.tokens[torch.tensor(keep, device=step.tokens.device)]
+        try:
+            logits = self.runner.run_ahead(seqs, input_ids)
+        except CacheCapacityError:
+            return None
+        self.num_steps += 1
+        self.num_steps_ahead += 1
+        return self._sample(ScheduledBatch(seqs, [1] * len(seqs)), seqs, logits, is_graph=True)
+
+    def _finish(self, step: "_Step") -> list[RequestOutput]:
+        """Read a step's tokens (waiting for them if need be) and advance its sequences."""
+        if step.tokens is None:
+            tokens = []
+        elif step.event is not None:
+            step.event.synchronize()
+            tokens = step.host.tolist()
+        else:
+            tokens = step.tokens.tolist()
+        self.scheduler.after_step(step.batch)
         now = time.perf_counter()
         outputs = []
-        for seq, token in zip(sampled, tokens):
+        for seq, token in zip(step.sampled, tokens):
+            if seq.is_finished:  # aborted, or finished by the step before (a token queued ahead)
+                continue
             seq.token_ids.append(token)
             self.num_generated_tokens += 1
             if seq.metrics.first_token_time is None:
@@ -206,6 +282,7 @@ class LLMEngine:
             "block_size": cache.block_size,
             "kv_format": str(cache.config.kv_format),
             "cuda_graph_replays": graphs.num_replays if graphs else 0,
+            "steps_queued_ahead": self.num_steps_ahead,
         }
         out.update(self.prefix.as_dict())
         return out

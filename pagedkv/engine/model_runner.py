@@ -27,9 +27,19 @@ class ModelRunner:
         self.cache_kwarg = cache_kwarg(model)
         self.device = next(model.parameters()).device
         self.graphs = None
+        self.last_run_was_graph = False
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))
+
+    def can_replay(self, batch: ScheduledBatch) -> bool:
+        return self.graphs is not None and batch.is_decode and self.graphs.can_run(len(batch.seqs))
+
+    @torch.inference_mode()
+    def run_ahead(self, seqs: list, input_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step queued behind one still in flight: `input_ids` [len(seqs)] are that step's sampled
+        tokens, on the device; returns logits [len(seqs), vocab]. Raises CacheCapacityError (cache untouched)."""
+        return self.graphs.run(seqs, input_ids=input_ids, lookahead=1)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
@@ -39,9 +49,12 @@ class ModelRunner:
         """
         seqs, counts = batch.seqs, batch.num_new_tokens
         sample_idx = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_computed_tokens + n == len(s)]
-        if self.graphs is not None and batch.is_decode and self.graphs.can_run(len(seqs)):
+        self.last_run_was_graph = False
+        if self.can_replay(batch):
             try:
-                return self.graphs.run(seqs), sample_idx
+                logits = self.graphs.run(seqs)
+                self.last_run_was_graph = True
+                return logits, sample_idx
             except CacheCapacityError:
                 raise
             except Exception as exc:  # a model or kernel that cannot be captured: stay correct, run eagerly

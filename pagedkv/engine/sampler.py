@@ -22,8 +22,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits: [num_seqs, vocab] (row i for seqs[i]) -> the next token id of each sequence."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits: [num_seqs, vocab] (row i for seqs[i]) -> next token ids [num_seqs] int64, on logits' device.
+
+        Launches work only (no host synchronisation), so the caller decides when to read the tokens.
+        """
         tokens = logits.argmax(dim=-1)  # [num_seqs]
         for i, seq in enumerate(seqs):
             p = seq.params
@@ -34,4 +37,7 @@ class Sampler:
             if p.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(device=logits.device).manual_seed(p.seed)
             tokens[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
-        return tokens.tolist()
+        return tokens
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return self.sample(logits, seqs).tolist()

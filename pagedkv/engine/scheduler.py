@@ -79,6 +79,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
+        if not self.waiting and 0 < len(self.running) <= budget:  # steady decoding: everyone takes one token
+            if all(s.num_uncomputed_tokens == 1 for s in self.running):
+                bs = self.cache.block_size
+                if sum(s.num_computed_tokens % bs == 0 for s in self.running) <= self.free_blocks():
+                    return ScheduledBatch(list(self.running), [1] * len(self.running))
         planned: dict[int, tuple[Sequence, int, int]] = {}  # seq_id -> (seq, tokens, blocks)
         reserved = 0
         preempted = False
@@ -177,9 +182,12 @@ class Scheduler:
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance the sequences of a finished forward pass and register their newly full blocks."""
+        bs = self.cache.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.is_finished:  # aborted while its step was in flight: its blocks are gone
+                continue
             seq.num_computed_tokens += n
-            if self.prefix.enabled:
+            if self.prefix.enabled and seq.num_computed_tokens // bs > seq.num_registered_blocks:
                 self.prefix.block_hashes(seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
                 seq.num_registered_blocks = self.prefix.register(seq.seq_id, seq.block_hashes,
                                                                  seq.num_registered_blocks, seq.num_computed_tokens)
