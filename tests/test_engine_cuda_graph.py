@@ -142,3 +142,29 @@ def test_abort_while_a_step_is_in_flight(tensor_driven_kernels):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done[keep].token_ids == expected and drop not in done
     assert engine.cache.pool.num_used == 0 and not engine.cache.seqs
+
+
+def test_a_failing_replay_turns_graphs_off_and_requests_still_finish_right(tensor_driven_kernels):
+    model = tiny_llama()
+    prompts, params = requests()
+    expected = [o.token_ids for o in LLM(model, enforce_eager=True, num_blocks=64, block_size=4).generate(prompts, params)]
+    llm = graph_llm(model, num_blocks=64, block_size=4)
+    graphs = llm.engine.runner.graphs
+    real_capture = graphs._capture
+
+    def capture_failing_later(bs):
+        graph, logits = real_capture(bs)
+        replay = graph.replay
+
+        def flaky():
+            if graphs.num_replays >= 6:
+                raise RuntimeError("replay failed")
+            replay()
+
+        return _Replay(flaky), logits
+
+    graphs._capture = capture_failing_later
+    with pytest.warns(RuntimeWarning, match="CUDA graphs are off"):
+        outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.engine.runner.graphs is None and llm.stats()["blocks_used"] == 0

@@ -152,25 +152,25 @@ class CUDAGraphRunner:
             self.capture()
         seq_ids = [s.seq_id for s in seqs]
         slots = self.cache.reserve(seq_ids, [1] * n)
-        if self._pages_key != self._current_pages_key():  # the reservation grew the pool
-            try:
+        try:
+            if self._pages_key != self._current_pages_key():  # the reservation grew the pool
                 self.capture()
-            except Exception:
-                for seq_id in seq_ids:
-                    self.cache.trim(1, seq_id)
-                raise
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-        host = self.host[self._turn]
-        self._turn ^= 1
-        self._fill_host(host, seqs, slots, bs, lookahead)
-        self.input_ids[0, :bs].copy_(host.ints[0, :bs], non_blocking=True)
-        if input_ids is not None:
-            self.input_ids[0, :n].copy_(input_ids)
-        self.position_ids[0, :bs].copy_(host.ints[1, :bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(host.ints[2, :bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(host.lens[:bs], non_blocking=True)
-        self.block_table[:bs].copy_(host.table[:bs], non_blocking=True)
-        self.graphs[bs].replay()
+            bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+            host = self.host[self._turn]
+            self._turn ^= 1
+            self._fill_host(host, seqs, slots, bs, lookahead)
+            self.input_ids[0, :bs].copy_(host.ints[0, :bs], non_blocking=True)
+            if input_ids is not None:
+                self.input_ids[0, :n].copy_(input_ids)
+            self.position_ids[0, :bs].copy_(host.ints[1, :bs], non_blocking=True)
+            self.slot_mapping[:bs].copy_(host.ints[2, :bs], non_blocking=True)
+            self.seq_lens[:bs].copy_(host.lens[:bs], non_blocking=True)
+            self.block_table[:bs].copy_(host.table[:bs], non_blocking=True)
+            self.graphs[bs].replay()
+        except Exception:  # leave the cache as it was: the reserved slots were never written
+            for seq_id in seq_ids:
+                self.cache.trim(1, seq_id)
+            raise
         self.num_replays += 1
         return self.logits[bs][:n]
 

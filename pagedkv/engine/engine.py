@@ -207,6 +207,9 @@ class LLMEngine:
             logits = self.runner.run_ahead(seqs, input_ids)
         except CacheCapacityError:
             return None
+        except Exception as exc:  # e.g. a failed re-capture: the scheduler's path runs the step eagerly
+            self.runner.disable_graphs(exc)
+            return None
         self.num_steps += 1
         self.num_steps_ahead += 1
         return self._sample(ScheduledBatch(seqs, [1] * len(seqs)), seqs, logits, is_graph=True)

@@ -32,6 +32,11 @@ class ModelRunner:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))
 
+    def disable_graphs(self, exc: Exception) -> None:
+        warnings.warn(f"pagedkv: CUDA graphs are off for this engine, decoding eagerly ({type(exc).__name__}: {exc})",
+                      RuntimeWarning, stacklevel=3)
+        self.graphs = None
+
     def can_replay(self, batch: ScheduledBatch) -> bool:
         return self.graphs is not None and batch.is_decode and self.graphs.can_run(len(batch.seqs))
 
@@ -58,9 +63,7 @@ class ModelRunner:
             except CacheCapacityError:
                 raise
             except Exception as exc:  # a model or kernel that cannot be captured: stay correct, run eagerly
-                warnings.warn(f"pagedkv: CUDA graphs are off for this engine, decoding eagerly "
-                              f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
-                self.graphs = None
+                self.disable_graphs(exc)
         input_ids, positions, last_rows = [], [], []
         for s, n in zip(seqs, counts):
             start = s.num_computed_tokens
