@@ -16,15 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from .config import FORMAT_HELP, KVFormat
 from .errors import ConfigError
+from .passkey import PasskeyTrial, passkey_trial
 
 DEFAULT_FORMATS = "off,q8,turboquant"
 PASSKEY_LENGTHS = (1024, 2048, 4096, 8192)
@@ -165,48 +168,12 @@ def profile_nll(runner: Runner, fmt: EvalFormat, ids: torch.Tensor) -> torch.Ten
 
 # ------------------------------------------------------------------------------------------------
 # passkey retrieval
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-PASSKEY_INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
-                 "Find it and memorize it. I will quiz you about it.\n")
-PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
-
-
-@dataclass(frozen=True)
-class PasskeyTrial:
-    length: int
-    depth: float
-    prompt_ids: torch.Tensor  # [n] the prompt, about `length` tokens
-    answer_ids: torch.Tensor  # [m] the pass key's tokens
-
-
-def passkey_trial(tokenizer, length: int, depth: float, seed: int) -> PasskeyTrial:
-    """A prompt that, with its answer, fits in `length` tokens; a 5-digit pass key at `depth` (0 = start,
-    1 = end) of the filler."""
-    rng = torch.Generator().manual_seed(seed)
-    passkey = str(int(torch.randint(10000, 100000, (1,), generator=rng)))
-    needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
-    answer = tokenizer(" " + passkey, add_special_tokens=False, return_tensors="pt").input_ids[0]
-    budget = length - answer.shape[0]
-
-    def prompt_ids(reps: int) -> torch.Tensor:
-        before = round(reps * depth)
-        text = PASSKEY_INTRO + FILLER * before + needle + FILLER * (reps - before) + PASSKEY_QUESTION
-        return tokenizer(text, return_tensors="pt").input_ids[0]
-
-    unit = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
-    reps = max(1, (budget - prompt_ids(0).shape[0]) // unit + 1)
-    prompt = prompt_ids(reps)
-    while prompt.shape[0] > budget and reps > 1:
-        reps -= 1
-        prompt = prompt_ids(reps)
-    return PasskeyTrial(length, depth, prompt, answer)
-
-
 def passkey_passes(runner: Runner, fmt: EvalFormat, trial: PasskeyTrial) -> bool:
     """Whether greedy decoding after the prompt yields the pass key (checked in one teacher-forced pass)."""
-    ids = torch.cat([trial.prompt_ids, trial.answer_ids[:-1]])
+    device = runner.model.device
+    ids = torch.cat([trial.prompt_ids, trial.answer_ids[:-1]]).to(device)
     lp = runner.forward(runner.cache(fmt), ids[None], logits_to_keep=trial.answer_ids.shape[0])
-    return bool(torch.equal(lp.argmax(-1), trial.answer_ids))
+    return bool(torch.equal(lp.argmax(-1), trial.answer_ids.to(device)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -267,8 +234,53 @@ def _read_tokens(tokenizer, path: str, num_tokens: int) -> torch.Tensor:
     return ids[:num_tokens]
 
 
-def run_eval(settings: EvalSettings) -> dict:
-    """Measure every format; returns the report (also what `--json` writes)."""
+def measure_windows(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor, window: int, bar) -> dict:
+    """Perplexity, KL and top-1 agreement against fmts[0] ("off") over consecutive windows of `ids`."""
+    num_windows = ids.shape[0] // window
+    acc = {f: {"nll": 0.0, "kl": 0.0, "top1": 0} for f in fmts}
+    for w in range(num_windows):
+        tokens = ids[w * window:(w + 1) * window]
+        targets = tokens[window // 2:]
+        reference = None
+        for f in fmts:
+            bar.set_description(f"perplexity window {w + 1}/{num_windows} {f.label}")
+            lp = window_logprobs(runner, f, tokens)  # [scored, vocab]
+            if reference is None:
+                reference = lp
+            acc[f]["nll"] += float(-lp.gather(-1, targets[:, None]).sum())
+            acc[f]["kl"] += float((reference.exp() * (reference - lp)).sum())
+            acc[f]["top1"] += int((reference.argmax(-1) == lp.argmax(-1)).sum())
+            bar.update(window)
+    scored = num_windows * (window - window // 2)
+    return {f: {"ppl": math.exp(a["nll"] / scored), "kl": a["kl"] / scored, "top1": a["top1"] / scored}
+            for f, a in acc.items()}
+
+
+def measure_profile(runner: Runner, fmt: EvalFormat, ids: torch.Tensor) -> dict:
+    """Perplexity per position bucket over `ids` [L] fed through one cache."""
+    buckets = position_buckets(ids.shape[0])
+    nll = profile_nll(runner, fmt, ids)  # nll[j] scores token j + 1
+    ppl = [math.exp(float(nll[max(a - 1, 0):b - 1].mean())) if b - 1 > max(a - 1, 0) else float("nan")
+           for a, b in buckets]
+    return {"buckets": [[a, b] for a, b in buckets], "ppl": ppl}
+
+
+def measure_passkey(runner: Runner, fmt: EvalFormat, trials: list[PasskeyTrial], bar) -> dict:
+    """Passkey accuracy per prompt length."""
+    passed: dict[int, list[bool]] = {}
+    for t in trials:
+        bar.set_description(f"passkey {t.length} depth {t.depth:.0%} {fmt.label}")
+        passed.setdefault(t.length, []).append(passkey_passes(runner, fmt, t))
+        bar.update(t.prompt_ids.shape[0])
+    return {str(n): sum(p) / len(p) for n, p in passed.items()}
+
+
+def run_eval(settings: EvalSettings, checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Measure every format; returns the report (also what `--json` writes).
+
+    `checkpoint(report)`, when given, receives the report so far after each completed measurement
+    (long runs keep what they measured); `report["complete"]` is False until the end.
+    """
     from tqdm.auto import tqdm
 
     from .cli import resolve_device_dtype
@@ -285,96 +297,61 @@ def run_eval(settings: EvalSettings) -> dict:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     context = getattr(cfg, "max_position_embeddings", None) or settings.max_tokens
     profile_len = context if settings.profile_tokens is None else min(settings.profile_tokens, context)
-    passkey_lengths = [n for n in settings.passkey_lengths if n <= context]
 
-    num_windows = settings.max_tokens // settings.window
-    ids = _read_tokens(tokenizer, settings.text, max(num_windows * settings.window, profile_len))
-    num_windows = min(num_windows, ids.shape[0] // settings.window)
+    window = settings.window
+    ids = _read_tokens(tokenizer, settings.text, max(settings.max_tokens // window * window, profile_len))
+    num_windows = min(settings.max_tokens, ids.shape[0]) // window
     if num_windows == 0:
-        raise ConfigError(f"--text {settings.text!r} has {ids.shape[0]} tokens, fewer than one --window of "
-                          f"{settings.window}")
+        raise ConfigError(f"--text {settings.text!r} has {ids.shape[0]} tokens, fewer than one --window of {window}")
+    ids = ids.to(device)
     profile_len = min(profile_len, ids.shape[0])
     trials = [passkey_trial(tokenizer, n, d, seed=1000 * n + round(100 * d))
-              for n in passkey_lengths for d in settings.passkey_depths]
+              for n in settings.passkey_lengths if n <= context for d in settings.passkey_depths]
     fmts = settings.formats
-    half = settings.window - settings.window // 2
-    work = (num_windows * len(fmts) * settings.window + len(fmts) * profile_len
-            + len(fmts) * sum(t.prompt_ids.shape[0] for t in trials))
+    work = len(fmts) * (num_windows * window + profile_len + sum(t.prompt_ids.shape[0] for t in trials))
     bar = tqdm(total=work, unit="tok", unit_scale=True, desc="eval", disable=not settings.progress,
                file=sys.stderr, dynamic_ncols=True)
 
-    acc = {f: {"nll": 0.0, "kl": 0.0, "top1": 0} for f in fmts}
-    for w in range(num_windows):
-        window = ids[w * settings.window:(w + 1) * settings.window].to(device)
-        targets = window[settings.window // 2:]
-        reference = None
-        for f in fmts:  # "off" comes first
-            bar.set_description(f"perplexity window {w + 1}/{num_windows} {f.label}")
-            lp = window_logprobs(runner, f, window)
-            a = acc[f]
-            a["nll"] += float(-lp.gather(-1, targets[:, None]).sum())
-            if reference is None:
-                reference = lp
-            a["kl"] += float((reference.exp() * (reference - lp)).sum())
-            a["top1"] += int((reference.argmax(-1) == lp.argmax(-1)).sum())
-            del lp
-            bar.update(settings.window)
-        del reference
-
-    scored = num_windows * half
     results = {}
-    for f in fmts:
-        a = acc[f]
-        results[f.label] = {
-            "ppl": math.exp(a["nll"] / scored),
-            "kl": a["kl"] / scored,
-            "top1": a["top1"] / scored,
-            "boundary_layers": f.boundary_layers,
-            "bytes_per_token_per_head": bytes_per_token_per_head(f, num_layers, head_dim, dtype),
-            "bytes_per_token_per_head_d128": bytes_per_token_per_head(f, num_layers, 128, dtype),
-        }
-    off_ppl = results[fmts[0].label]["ppl"]
-    for r in results.values():
-        r["ppl_increase_pct"] = 100.0 * (r["ppl"] / off_ppl - 1.0)
-
-    buckets = position_buckets(profile_len) if profile_len >= 2 else []
-    for f in fmts:
-        if not buckets:
-            break
-        bar.set_description(f"context profile {f.label}")
-        nll = profile_nll(runner, f, ids[:profile_len].to(device))
-        # token t (1..L-1) is predicted at position t - 1
-        results[f.label]["profile"] = {
-            "buckets": [[a, b] for a, b in buckets],
-            "ppl": [math.exp(float(nll[max(a - 1, 0):b - 1].mean())) if b - 1 > max(a - 1, 0) else float("nan")
-                    for a, b in buckets],
-        }
-        bar.update(profile_len)
-
-    for f in fmts:
-        passed: dict[int, list[bool]] = {}
-        for t in trials:
-            bar.set_description(f"passkey {t.length} depth {t.depth:.0%} {f.label}")
-            passed.setdefault(t.length, []).append(passkey_passes(runner, f, t.__class__(
-                t.length, t.depth, t.prompt_ids.to(device), t.answer_ids.to(device))))
-            bar.update(t.prompt_ids.shape[0])
-        results[f.label]["passkey"] = {str(n): sum(p) / len(p) for n, p in passed.items()}
-    bar.close()
-
-    return {
+    report = {
         "model": settings.model,
         "text": settings.text,
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
-        "window": settings.window,
+        "window": window,
         "num_windows": num_windows,
-        "scored_tokens": scored,
+        "scored_tokens": num_windows * (window - window // 2),
         "head_dim": head_dim,
         "num_layers": num_layers,
-        "profile_tokens": profile_len if buckets else 0,
+        "profile_tokens": profile_len if profile_len >= 2 else 0,
         "passkey_depths": list(settings.passkey_depths),
         "formats": results,
+        "complete": False,
     }
+    save = checkpoint or (lambda report: None)
+    scores = measure_windows(runner, fmts, ids[:num_windows * window], window, bar)
+    for f in fmts:
+        results[f.label] = {
+            **scores[f],
+            "ppl_increase_pct": 100.0 * (scores[f]["ppl"] / scores[fmts[0]]["ppl"] - 1.0),
+            "boundary_layers": f.boundary_layers,
+            "bytes_per_token_per_head": bytes_per_token_per_head(f, num_layers, head_dim, dtype),
+            "bytes_per_token_per_head_d128": bytes_per_token_per_head(f, num_layers, 128, dtype),
+        }
+    save(report)
+    if profile_len >= 2:
+        for f in fmts:
+            bar.set_description(f"context profile {f.label}")
+            results[f.label]["profile"] = measure_profile(runner, f, ids[:profile_len])
+            bar.update(profile_len)
+            save(report)
+    if trials:
+        for f in fmts:
+            results[f.label]["passkey"] = measure_passkey(runner, f, trials, bar)
+            save(report)
+    bar.close()
+    report["complete"] = True
+    return report
 
 
 # ------------------------------------------------------------------------------------------------
@@ -387,11 +364,16 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x.strip().lower().replace("k", "")) * (1024 if x.strip().lower().endswith("k") else 1)
-                     for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token counts") from None
+    """'1k,2048' -> (1024, 2048)."""
+    out = []
+    for item in (x.strip().lower() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            out.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token counts") from None
+    return tuple(out)
 
 
 def register_cli(subparsers) -> None:
@@ -435,13 +417,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
         except ImportError:
             raise ConfigError("--plot needs matplotlib: pip install 'pagedkv[plot]' (or drop --plot)") from None
     start = time.perf_counter()
-    report = run_eval(settings)
-    report["seconds"] = round(time.perf_counter() - start, 1)
-    report["command"] = "pagedkv eval " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["eval"] else None
+    command = "pagedkv eval " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["eval"] else None
+
+    def write_json(report: dict) -> None:
+        if args.json:
+            report.update(seconds=round(time.perf_counter() - start, 1), command=command)
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+    report = run_eval(settings, checkpoint=write_json)
+    write_json(report)
     print(format_table(report))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
         write_plot(report, args.plot)

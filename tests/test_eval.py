@@ -8,7 +8,8 @@ import torch
 
 from pagedkv import ConfigError, KVFormat
 from pagedkv.cli import main
-from pagedkv.evaluate import EvalFormat, bytes_per_token_per_head, parse_formats, passkey_trial, position_buckets
+from pagedkv.evaluate import EvalFormat, bytes_per_token_per_head, parse_formats, position_buckets
+from pagedkv.passkey import passkey_trial
 
 TEXT = Path(__file__).parent / "data" / "pride-and-prejudice-opening.txt"
 
@@ -87,3 +88,9 @@ def test_eval_reports_a_bad_format_without_a_traceback(capsys):
     assert main(["eval", "--text", str(TEXT), "--formats", "off,q5"]) == 2
     err = capsys.readouterr().err
     assert "unknown page format 'q5'" in err and "accepted forms" in err and "Traceback" not in err
+
+
+def test_passkey_lengths_accept_k_suffixes():
+    from pagedkv.evaluate import _ints
+
+    assert _ints("1k,2K, 3000,") == (1024, 2048, 3000)
