@@ -43,7 +43,7 @@ DECODE_SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 PREFILL_CHUNK, PREFILL_CONTEXTS = 2048, [0, 8192]
 FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "turboquant:k=q8_0,v=q4_0",
            "turboquant:k=q4_0,v=q2_0"]
-SWEEP_FORMATS, SWEEP_SHAPES = ("off", "turboquant", "q4"), ((1, 32768), (64, 8192))
+SWEEP_FORMATS, SWEEP_SHAPES = ("off", "turboquant"), ((1, 32768), (32, 4096), (64, 8192))
 DEV = torch.device("cuda")
 SCALE = HEAD_DIM ** -0.5
 
@@ -100,12 +100,26 @@ def warm_up(seconds: float = 2.0) -> None:
 
 
 def copy_bandwidth() -> dict:
-    n = 1 << 28  # 1 GiB of float32 per buffer
+    """Device-to-device copy of 1 GiB buffers, bytes read + written: the faster of a copy kernel timed in a
+    graph (`torch.mul(src, 1, out=dst)`) and `copy_` timed eagerly with events (a memcpy node in a graph
+    may run on the copy engines, which are slower)."""
+    n = 1 << 28
     src = [torch.randn(n, device=DEV) for _ in range(2)]
     dst = [torch.empty_like(s) for s in src]
-    ms = time_per_call([lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)])
+    kernel_ms = time_per_call([lambda s=s, d=d: torch.mul(s, 1.0, out=d) for s, d in zip(src, dst)])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(20):
+        start.record()
+        dst[i % 2].copy_(src[i % 2])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    memcpy_ms = statistics.median(times[2:])
     del src, dst
-    return {"bytes": 2 * 4 * n, "ms": ms, "gbps": 2 * 4 * n / ms / 1e6}
+    ms = min(kernel_ms, memcpy_ms)
+    return {"bytes": 2 * 4 * n, "ms": ms, "gbps": 2 * 4 * n / ms / 1e6,
+            "kernel_gbps": 2 * 4 * n / kernel_ms / 1e6, "memcpy_gbps": 2 * 4 * n / memcpy_ms / 1e6}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,23 +232,21 @@ def bench_decode(formats, shapes, gen, tiles_for=None) -> list[dict]:
 
 
 def decode_sweep(spec, layers, metas, queries, copies):
-    """Time tile shapes (varlen kernel, and split-K with several split counts) for one decode case."""
+    """Time the varlen kernel against split-K with several split counts (default tiles) for one decode case."""
+    from pagedkv.ops.triton.tuning import choose_tiles, is_packed, split_tiles
+
     out = {}
     num_seqs = metas[0].block_table.shape[0]
-    for tiles in [TileConfig(16, 64, 4, 2), TileConfig(16, 128, 4, 2), TileConfig(16, 32, 4, 2), TileConfig(16, 64, 4, 3),
-                  TileConfig(16, 128, 8, 2)]:
-        key = f"bm{tiles.block_m}_n{tiles.tile_n}_w{tiles.num_warps}_s{tiles.num_stages}"
-        try:
-            if num_seqs * NUM_KV_HEADS < 132:
-                for splits in (16, 32, 64):
-                    out[f"{key}_split{splits}"] = time_per_call(
-                        [lambda q=queries[i % copies], p=p, f=f, m=m, t=tiles, s=splits: split_k.paged_attention(
-                            q, p, f, m, scale=SCALE, num_splits=s, tiles=t) for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
-            else:
-                out[key] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m, t=tiles: attention.paged_attention(
-                    q, p, f, m, scale=SCALE, tiles=t) for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
-        except Exception as e:  # noqa: BLE001 - a tile shape that does not fit is a data point, not a failure
-            out[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    fmt = layers[0][0]
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    calls = lambda fn: [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)  # noqa: E731
+                        for i, ((f, p, _), m) in enumerate(zip(layers, metas))]
+    packed = is_packed(fmt.spec.kind, getattr(fmt, "bits", getattr(fmt, "key_bits", 16)))
+    tiles = choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, packed=packed)
+    out["varlen"] = time_per_call(calls(lambda q, p, f, m: attention.paged_attention(q, p, f, m, scale=SCALE, tiles=tiles)))
+    for splits in ((16, 32, 64) if num_seqs == 1 else (2, 3, 4)):
+        out[f"split{splits}"] = time_per_call(calls(lambda q, p, f, m, s=splits: split_k.paged_attention(
+            q, p, f, m, scale=SCALE, num_splits=s, tiles=split_tiles(group, HEAD_DIM))))
     return out
 
 
@@ -288,10 +300,9 @@ def bench_prefill(formats, gen, sweep=False) -> list[dict]:
             row = {"format": spec, "context": context, "chunk": PREFILL_CHUNK, "ms": ms, "sdpa_ms": sdpa_ms,
                    "sdpa_kind": sdpa_kind, "sdpa_all_ms": sdpa_all, "speedup_vs_sdpa": sdpa_ms / ms,
                    "tflops": flops / ms / 1e9, "rel_err": err}
-            if sweep and spec in ("off", "turboquant"):
+            if sweep and spec == "off":
                 row["sweep"] = {}
-                for tiles in [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3),
-                              TileConfig(128, 64, 8, 2), TileConfig(64, 128, 4, 2)]:
+                for tiles in [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)]:
                     key = f"bm{tiles.block_m}_n{tiles.tile_n}_w{tiles.num_warps}_s{tiles.num_stages}"
                     try:
                         row["sweep"][key] = time_per_call([lambda t=tiles: attention.paged_attention(
@@ -376,7 +387,8 @@ def main() -> None:
               "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE}}
     warm_up()
     result["copy"] = copy_bandwidth()
-    print(f"copy bandwidth: {result['copy']['gbps']:.0f} GB/s (read + write)", flush=True)
+    print(f"copy bandwidth: {result['copy']['gbps']:.0f} GB/s (read + write; kernel {result['copy']['kernel_gbps']:.0f}, "
+          f"memcpy {result['copy']['memcpy_gbps']:.0f})", flush=True)
     shapes = DECODE_SHAPES[:2] if args.quick else DECODE_SHAPES
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -385,11 +397,72 @@ def main() -> None:
              ("write", lambda: bench_writes(formats, gen))]
     for name, run in parts:
         result[name] = [] if name in skip else run()
+        result["targets"] = check_targets(result)
         result["seconds"] = time.time() - started
         out.with_suffix(".json").write_text(json.dumps(result, indent=1))  # kept if a later part fails
     if result["decode"]:
         plot(result, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(markdown(result))
     print_tables(result)
+
+
+TARGETS = [  # (what, format, shape or context, measure, bound): the issue's "done when" for one run
+    ("dense decode speed vs SDPA", "off", (32, 4096), "speedup_vs_sdpa", (">=", 1.0)),
+    ("dense decode speed vs SDPA", "off", (64, 8192), "speedup_vs_sdpa", (">=", 1.0)),
+    ("dense decode speed vs SDPA (split-K)", "off", (1, 32768), "speedup_vs_sdpa", (">=", 1.2)),
+    ("dense decode bandwidth / copy bandwidth", "off", (64, 8192), "copy_fraction", (">=", 0.85)),
+    ("TurboQuant q8_0/q3_0 time / SDPA bf16 time", "turboquant", (64, 8192), "time_vs_sdpa", ("<=", 0.5)),
+    ("TurboQuant q8_0/q3_0 time / SDPA bf16 time", "turboquant", (1, 32768), "time_vs_sdpa", ("<=", 0.5)),
+    ("KV-Quant q8 time / SDPA bf16 time", "q8", (64, 8192), "time_vs_sdpa", ("<=", 0.65)),
+    ("KV-Quant q8 time / SDPA bf16 time", "q8", (1, 32768), "time_vs_sdpa", ("<=", 0.65)),
+    ("KV-Quant q4 time / SDPA bf16 time", "q4", (64, 8192), "time_vs_sdpa", ("<=", 0.45)),
+    ("KV-Quant q4 time / SDPA bf16 time", "q4", (1, 32768), "time_vs_sdpa", ("<=", 0.45)),
+    ("dense prefill speed vs SDPA causal", "off", 0, "speedup_vs_sdpa", (">=", 0.8)),
+    ("dense prefill speed vs SDPA causal", "off", 8192, "speedup_vs_sdpa", (">=", 0.8)),
+]
+
+
+def check_targets(result: dict) -> list[dict]:
+    rows = []
+    for what, spec, where, measure, (op, bound) in TARGETS:
+        if isinstance(where, tuple):
+            match = [r for r in result["decode"] if r["format"] == spec and (r["batch"], r["context"]) == where]
+        else:
+            match = [r for r in result["prefill"] if r["format"] == spec and r["context"] == where]
+        if not match:
+            continue
+        r = match[0]
+        value = r["gbps"] / result["copy"]["gbps"] if measure == "copy_fraction" else r[measure]
+        ok = value >= bound if op == ">=" else value <= bound
+        rows.append({"target": what, "format": spec, "where": list(where) if isinstance(where, tuple) else where,
+                     "measured": value, "required": f"{op} {bound}", "met": ok})
+    return rows
+
+
+def markdown(result: dict) -> str:
+    """The tables of BENCHMARKS.md's kernel section."""
+    copy = result["copy"]["gbps"]
+    lines = ["| format | batch | context | time (us) | SDPA bf16 (us) | time / SDPA | GB/s | % of copy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["decode"]:
+        lines.append(f"| {r['format']} | {r['batch']} | {r['context']} | {r['ms'] * 1e3:.1f} | {r['sdpa_ms'] * 1e3:.1f} | "
+                     f"{r['time_vs_sdpa']:.2f} | {r['gbps']:.0f} | {100 * r['gbps'] / copy:.0f}% |")
+    lines += ["", "| format | context | chunk | time (ms) | SDPA causal (ms) | speed vs SDPA | TFLOP/s |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["prefill"]:
+        lines.append(f"| {r['format']} | {r['context']} | {r['chunk']} | {r['ms']:.3f} | {r['sdpa_ms']:.3f} | "
+                     f"{r['speedup_vs_sdpa']:.2f} | {r['tflops']:.0f} |")
+    lines += ["", "| format | write_kv, 64 decode tokens (us) | ns/token | 2,048-token chunk (us) | ns/token |",
+              "| --- | --- | --- | --- | --- |"]
+    by = {(r["format"], r["phase"]): r for r in result["write"]}
+    for spec in dict.fromkeys(r["format"] for r in result["write"]):
+        d, p = by[(spec, "decode")], by[(spec, "prefill")]
+        lines.append(f"| {spec} | {d['ms'] * 1e3:.1f} | {d['ns_per_token']:.1f} | {p['ms'] * 1e3:.1f} | {p['ns_per_token']:.1f} |")
+    lines += ["", "| target | format | where | measured | required | |", "| --- | --- | --- | --- | --- | --- |"]
+    for t in result.get("targets", []):
+        lines.append(f"| {t['target']} | {t['format']} | {t['where']} | {t['measured']:.3f} | {t['required']} | "
+                     f"{'met' if t['met'] else '**missed**'} |")
+    return "\n".join(lines) + "\n"
 
 
 def print_tables(result: dict) -> None:
@@ -402,6 +475,10 @@ def print_tables(result: dict) -> None:
     print(f"{'prefill':28s} {'ctx':>6s} {'ms':>8s} {'sdpa ms':>8s} {'x sdpa':>7s} {'TFLOP/s':>8s}")
     for r in result["prefill"]:
         print(f"{r['format']:28s} {r['context']:6d} {r['ms']:8.3f} {r['sdpa_ms']:8.3f} {r['speedup_vs_sdpa']:7.2f} {r['tflops']:8.0f}")
+    print("targets")
+    for t in result.get("targets", []):
+        print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']:44s} {t['format']:11s} {str(t['where']):12s} "
+              f"{t['measured']:6.3f} (required {t['required']})")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
-from .page_view import PageView, page_view
+from .page_view import KVQUANT, TURBOQUANT, PageView, page_view
 from .tiles import attend_range, find_sequence, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles
 
@@ -124,7 +124,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = meta.block_table.shape[0]
     group = num_q_heads // view.num_kv_heads
-    tiles = tiles or choose_tiles(num_tokens, num_seqs, group, head_dim, query.device)
+    tiles = tiles or choose_tiles(num_tokens, num_seqs, group, head_dim, query.device,
+                                  packed=view.kind == TURBOQUANT or (view.kind == KVQUANT and view.k_bits < 8))
     block_q = tiles.block_m // group
     out = torch.empty_like(query)
     if num_tokens == 0:

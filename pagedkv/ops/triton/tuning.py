@@ -2,8 +2,9 @@
 
 Decode-like batches (about one query token per sequence) use 16-row tiles: the rows are the query
 heads of one KV head's group, and the kernel is bound by reading pages. Prefill uses 128-row tiles
-and is bound by the matrix units. Split-K is taken when the (query block, KV head) programs would
-not fill the GPU, so that long contexts of few sequences are spread over all multiprocessors.
+and is bound by the matrix units. Split-K is taken when the (sequence, KV head) programs would not
+fill one wave of the GPU, so that long contexts of few sequences are spread over all multiprocessors.
+The defaults come from `bench/kernels.py --sweep` on an H200 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -27,13 +28,26 @@ def is_decode_like(num_tokens: int, num_seqs: int) -> bool:
     return num_tokens <= 2 * num_seqs
 
 
-def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, device: torch.device) -> TileConfig:
+def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, device: torch.device,
+                 packed: bool = False) -> TileConfig:
+    """`packed`: sub-byte or TurboQuant pages, whose tiles are small enough to stream 128 keys per step."""
     rows = max(16, triton.next_power_of_2(group))
     if device.type != "cuda":  # the interpreter: small tiles keep CPU tests quick
         return TileConfig(rows, 16, 4, 1)
     if is_decode_like(num_tokens, num_seqs):
-        return TileConfig(rows, 64, 4, 3)
-    return TileConfig(max(128, rows), 64 if head_dim <= 128 else 32, 8, 3)
+        return TileConfig(rows, 128 if packed and head_dim <= 128 else 64, 4, 2)
+    if head_dim <= 128:
+        return TileConfig(max(128, rows), 128, 8, 2)
+    return TileConfig(max(64, rows), 64, 4, 2)
+
+
+def is_packed(kind: str, key_bits: int) -> bool:
+    return kind == "turboquant" or (kind == "kvquant" and key_bits < 8)
+
+
+def split_tiles(group: int, head_dim: int) -> TileConfig:
+    """Tiles of the split-K kernel (decode of few, long sequences)."""
+    return TileConfig(max(16, triton.next_power_of_2(group)), 128 if head_dim <= 128 else 64, 4, 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,19 +55,25 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-MIN_SPLIT_TOKENS = 256   # keys per split at least, so each split streams enough to hide its latency
+CTAS_PER_SM = 3            # resident decode programs per multiprocessor (registers bound it)
+MIN_SPLIT_TOKENS = 1024    # keys per split at least, so each split streams long enough to hide latency
 MAX_SPLITS = 64
 
 
-def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.device) -> int:
-    """How many key ranges each (query block, KV head) is split into; 1 means no split-K.
+def splits_for(num_programs: int, capacity_tokens: int, num_sms: int) -> int:
+    """Key ranges per program: 1 when the programs fill a wave, else enough for about two waves.
 
     `capacity_tokens` is the block table's reach (max_blocks * block_size), a shape, not a length.
     """
+    wave = CTAS_PER_SM * num_sms
+    if num_programs >= wave:
+        return 1
+    splits = min(MAX_SPLITS, triton.cdiv(2 * wave, max(num_programs, 1)), capacity_tokens // MIN_SPLIT_TOKENS)
+    return max(1, splits)
+
+
+def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
-    sms = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-    if num_programs >= sms:
-        return 1
-    splits = min(MAX_SPLITS, triton.cdiv(2 * sms, num_programs), capacity_tokens // MIN_SPLIT_TOKENS)
-    return max(1, splits)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return splits_for(num_programs, capacity_tokens, multiprocessor_count(index))
