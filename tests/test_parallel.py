@@ -368,3 +368,41 @@ def test_serve_tensor_parallel_2_answers_like_one_process_and_stops_on_ctrl_c(ti
     llm = LLM(tiny_llama, device="cpu", kv_format="q8")
     expected = [o.text for o in llm.generate(["Hello there", "Paged caches"], SamplingParams(max_tokens=12))]
     assert [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])] == expected
+
+
+# ----------------------------------------------------------------------------------------------
+# the real default model: SmolLM2-135M has 3 KV heads, so it shards over 3 ranks (oversubscribed on 2 cores).
+# It runs in float64: in float32 the row-parallel all-reduce sums in another order than one matmul (logits
+# differ by ~5e-5), and over 30 layers a coarse format (q6, TurboQuant) turns one rounding flip into another
+# greedy token, as a different CPU thread count does in one process. float64 leaves no such flip.
+SMOLLM2_PROMPT = "The capital of France is"
+
+
+def _smollm2_greedy(model, tokenizer, cache):
+    ids = tokenizer(SMOLLM2_PROMPT, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, cache=cache)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _smollm2_work(group, folder):
+    model, tokenizer = load_sharded_model(folder, group, dtype=torch.float64)
+    if not group.is_leader:
+        return [c.formats[0].num_kv_heads for c in follow(model, group)]
+    with lead(model, group):
+        caches = {fmt: install_sharded_cache(model, kv_format=fmt) for fmt in FORMATS}
+        return {fmt: _smollm2_greedy(model, tokenizer, cache) for fmt, cache in caches.items()}
+
+
+@pytest.mark.slow
+def test_smollm2_on_three_gloo_ranks_equals_single_process_for_every_format():
+    from pagedkv import load_model
+    from pagedkv.models import resolve_model_dir
+
+    model, tokenizer = load_model("default", dtype=torch.float64)
+    expected = {fmt: _smollm2_greedy(model, tokenizer, install_paged_kv_cache(model, kv_format=fmt)) for fmt in FORMATS}
+    folder, _ = resolve_model_dir("default")
+    leader, *followers = launch(_smollm2_work, 3, "cpu", str(folder))
+    assert leader == expected
+    assert "Paris" in tokenizer.decode(leader["off"])
+    assert followers == [[1] * len(FORMATS)] * 2  # one of the 3 KV heads per rank
