@@ -296,6 +296,14 @@ def test_more_ranks_than_cpu_cores_or_gpus_is_refused():
         check_tensor_parallel(gpus + 1, 8 * (gpus + 1), 8 * (gpus + 1), "cuda")
 
 
+def test_an_indexed_device_is_refused_because_rank_r_runs_on_device_r():
+    from pagedkv.parallel.commands import resolve_parallel_device
+
+    assert resolve_parallel_device("cuda", 2) == "cuda" and resolve_parallel_device("cpu", 2) == "cpu"
+    with pytest.raises(ConfigError, match="pass --device cuda"):
+        resolve_parallel_device("cuda:1", 2)
+
+
 def test_check_model_reads_the_heads_from_the_config(tmp_path):
     from transformers import LlamaConfig
 

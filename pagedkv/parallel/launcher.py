@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import PagedKVError
+from ..errors import ConfigError, PagedKVError
 from .group import TensorParallelGroup, init_group
 
 # NVLink SHARP (multicast) collectives are left off in every rank this module starts.
@@ -59,7 +59,7 @@ def launch(fn: Callable[..., Any], world_size: int, device_type: str, *args) -> 
     """
     if _under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
-            raise PagedKVError(f"--tensor-parallel {world_size} but torchrun started {os.environ['WORLD_SIZE']} "
+            raise ConfigError(f"--tensor-parallel {world_size} but torchrun started {os.environ['WORLD_SIZE']} "
                                "processes; make them equal")
         os.environ.update(RANK_ENVIRONMENT)
         return [_run_rank(int(os.environ["RANK"]), world_size, device_type, "env://", fn, args)]
