@@ -426,9 +426,9 @@ def check_targets(result: dict) -> list[dict]:
     rows = []
     for what, spec, where, measure, (op, bound) in TARGETS:
         if isinstance(where, tuple):
-            match = [r for r in result["decode"] if r["format"] == spec and (r["batch"], r["context"]) == where]
+            match = [r for r in result.get("decode", []) if r["format"] == spec and (r["batch"], r["context"]) == where]
         else:
-            match = [r for r in result["prefill"] if r["format"] == spec and r["context"] == where]
+            match = [r for r in result.get("prefill", []) if r["format"] == spec and r["context"] == where]
         if not match:
             continue
         r = match[0]
