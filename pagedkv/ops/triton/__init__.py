@@ -13,9 +13,11 @@ def supports(device: torch.device, fmt) -> tuple[bool, str | None]:
     if torch.device(device).type != "cuda":
         return False, "cpu_device: tensors are not on a CUDA device"
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         return False, "no_triton: the triton package is not installed"
+    if not hasattr(triton, "constexpr_function"):
+        return False, f"old_triton: the kernels need triton >= 3.5, found {triton.__version__}"
     from .page_view import is_supported
 
     return is_supported(fmt)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
-from .page_view import KVQUANT, TURBOQUANT, PageView, page_view
+from .page_view import KVQUANT, TURBOQUANT, PageView, page_view, stride3
 from .tiles import attend_range, find_sequence, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles
 
@@ -92,11 +92,6 @@ def launch_args(view: PageView):
     """The page-tensor arguments every attention kernel takes, in kernel order."""
     return (view.k, view.v, view.k_scale, view.k_zero, view.v_scale, view.aux("codebook"), view.aux("q_rotation"),
             view.aux("out_rotation"))
-
-
-def stride3(t: torch.Tensor) -> tuple[int, int, int]:
-    assert t.stride(-1) == 1, f"page tensors need a contiguous last dim, got strides {t.stride()}"
-    return (t.stride(0), t.stride(1), t.stride(2))
 
 
 def check_inputs(query: torch.Tensor, view: PageView, meta: AttentionMetadata) -> None:

@@ -15,7 +15,7 @@ import triton.language as tl
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .codecs import KVQUANT, TURBOQUANT, encode_kvquant, encode_turboquant_keys, encode_turboquant_values, fwht
-from .page_view import PageView, page_view
+from .page_view import PageView, page_view, stride3
 
 
 @triton.jit
@@ -62,11 +62,6 @@ def write_kv_kernel(
         tl.store(v_ptr + v_row[:, None] + offs_d[None, :], value.to(v_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _stride3(t: torch.Tensor) -> tuple[int, int, int]:
-    assert t.stride(-1) == 1, f"page tensors need a contiguous last dim, got strides {t.stride()}"
-    return (t.stride(0), t.stride(1), t.stride(2))
-
-
 def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor, value: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """Same contract as `reference.write_kv`: key, value [num_input_tokens, num_kv_heads, head_dim];
@@ -87,7 +82,7 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
         view.aux("thresholds"), view.aux("codebook"), view.aux("scale_multipliers"), view.aux("key_signs"),
         view.aux("value_signs"),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        _stride3(view.k), _stride3(view.v), _stride3(view.k_scale), _stride3(view.v_scale),
+        stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size,
         KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_KEYS=view.rotate_keys,

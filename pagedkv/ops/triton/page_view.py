@@ -46,6 +46,12 @@ class PageView:
         return self.k if t is None else t
 
 
+def stride3(t: torch.Tensor) -> tuple[int, int, int]:
+    """(block, slot, head) strides of a page tensor, whose last dim must be contiguous."""
+    assert t.stride(-1) == 1, f"page tensors need a contiguous last dim, got strides {t.stride()}"
+    return (t.stride(0), t.stride(1), t.stride(2))
+
+
 _derived: "weakref.WeakKeyDictionary[PageFormat, dict]" = weakref.WeakKeyDictionary()
 
 

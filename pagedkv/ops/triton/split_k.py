@@ -16,8 +16,8 @@ import triton.language as tl
 
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
-from .attention import check_inputs, dot_precision, launch_args, query_block_rows, stride3
-from .page_view import KVQUANT, TURBOQUANT, page_view
+from .attention import check_inputs, dot_precision, launch_args, query_block_rows
+from .page_view import KVQUANT, TURBOQUANT, page_view, stride3
 from .tiles import attend_range, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles
 
@@ -45,7 +45,6 @@ def split_attention_kernel(
     if first >= q_len:
         return
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_ok = offs_d < HEAD_DIM
     q_rows = (q_start + token).to(tl.int64)
     q = load_queries(q_ptr, q_rows, head, row_ok, stride_qt, stride_qh, q_rotation_ptr,
                      HEAD_DIM, HEAD_DIM_PAD, ROTATE_Q, DOT_PRECISION)
