@@ -17,7 +17,7 @@ def supports(device: torch.device, fmt) -> tuple[bool, str | None]:
     except ImportError:
         return False, "no_triton: the triton package is not installed"
     if not hasattr(triton, "constexpr_function"):
-        return False, f"old_triton: the kernels need triton >= 3.5, found {triton.__version__}"
+        return False, f"old_triton: the kernels need triton.constexpr_function (triton 3.6 is tested), found {triton.__version__}"
     from .page_view import is_supported
 
     return is_supported(fmt)
