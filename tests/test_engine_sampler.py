@@ -1,0 +1,59 @@
+"""Sampling: top-k and top-p masks, seeds, and greedy rows, on hand-made logits."""
+
+
+import pytest
+import torch
+
+from pagedkv.engine.sampler import Sampler, apply_top_k_top_p
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sequence import Sequence
+from pagedkv.errors import ConfigError
+
+LOGITS = torch.log(torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]))  # probabilities, in vocabulary order
+
+
+def kept(mask_logits: torch.Tensor) -> list[int]:
+    return torch.isfinite(mask_logits).nonzero().flatten().tolist()
+
+
+def test_top_k_keeps_the_k_most_likely_tokens():
+    assert kept(apply_top_k_top_p(LOGITS, 2, 1.0)) == [1, 3]
+    assert kept(apply_top_k_top_p(LOGITS, 0, 1.0)) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("top_p, expected", [(0.4, [1]), (0.5, [1, 3]), (0.7, [1, 3]), (0.71, [1, 3, 4]), (1.0, [0, 1, 2, 3, 4])])
+def test_top_p_keeps_the_smallest_nucleus_reaching_p(top_p, expected):
+    assert kept(apply_top_k_top_p(LOGITS, 0, top_p)) == expected
+
+
+def seq(params: SamplingParams, i: int = 0) -> Sequence:
+    return Sequence(f"r{i}", i, [1, 2, 3], params)
+
+
+def test_seeded_rows_repeat_and_greedy_rows_take_the_argmax():
+    logits = torch.stack([LOGITS, LOGITS, LOGITS])
+    sampler = Sampler()
+    draws = []
+    for _ in range(2):
+        seqs = [seq(SamplingParams(temperature=1.0, seed=7), 0), seq(SamplingParams(), 1),
+                seq(SamplingParams(temperature=1.0, seed=8), 2)]
+        draws.append([sampler(logits, seqs) for _ in range(20)])
+    assert draws[0] == draws[1]  # same seeds, same draws
+    assert all(row[1] == 1 for row in draws[0])  # greedy
+    assert len({row[0] for row in draws[0]}) > 1  # sampled rows do vary from step to step
+
+
+def test_sampled_frequencies_follow_the_tempered_distribution():
+    s = seq(SamplingParams(temperature=2.0, seed=0))
+    counts = torch.zeros(5)
+    for _ in range(4000):
+        counts[Sampler()(LOGITS[None], [s])[0]] += 1
+    expected = torch.softmax(LOGITS / 2.0, -1)
+    assert torch.allclose(counts / counts.sum(), expected, atol=0.03)
+
+
+def test_bad_sampling_values_are_refused():
+    for kwargs in ({"temperature": -0.1}, {"top_p": 1.5}, {"top_k": -2}, {"max_tokens": 0}, {"stop": [""]}):
+        with pytest.raises(ConfigError):
+            SamplingParams(**kwargs)
+    assert SamplingParams(stop="x").stop == ("x",)
