@@ -1,6 +1,5 @@
 """Sampling: top-k and top-p masks, seeds, and greedy rows, on hand-made logits."""
 
-
 import pytest
 import torch
 
