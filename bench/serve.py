@@ -85,7 +85,8 @@ def start_server(args, port: int) -> subprocess.Popen:
 
     cmd = [sys.executable, "-m", "pagedkv", "serve", "--model", args.model, "--port", str(port), "--device", "cpu",
            "--num-blocks", str(args.num_blocks), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     deadline = time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -217,13 +218,14 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads on every side")
     p.add_argument("--skip-generate-batch", action="store_true")
     p.add_argument("--out", default=None, help="folder for serve.json and serve.md")
     args = p.parse_args(argv)
 
     import torch
 
-    torch.set_num_threads(min(os.cpu_count() or 1, 8))
+    torch.set_num_threads(args.threads)
     from pagedkv import load_model
 
     _, tokenizer = load_model(args.model)
@@ -239,7 +241,7 @@ def main(argv=None) -> int:
 
     head = (f"{args.num_prompts} requests, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
             f"{args.max_tokens} new tokens each (greedy, EOS ignored); model {args.model}; "
-            f"{datetime.date.today().isoformat()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+            f"{datetime.date.today().isoformat()}, {os.cpu_count()} CPU cores, {args.threads} torch thread(s), torch {torch.__version__}, "
             f"transformers {transformers.__version__}")
     command = "python bench/serve.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = f"{head}\n\n{table(rows)}\n\nCommand: `{command}`\n"
