@@ -42,3 +42,13 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """R^T y along the last dim (the inverse of `rotate`)."""
     return fwht(y) * signs / math.sqrt(y.shape[-1])
+
+
+def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:
+    """[n, n] float32 M with `x @ M == rotate(x, signs)` (and `y @ M.T == unrotate(y, signs)`).
+
+    One matrix product costs a handful of tiny tensor operations where the butterflies cost dozens, which
+    is what a single decode token pays for; kernels read the same matrix.
+    """
+    n = signs.shape[0]
+    return rotate(torch.eye(n, dtype=torch.float32, device=signs.device), signs.float())

@@ -28,7 +28,7 @@ import torch
 from ..errors import ConfigError
 from .base import PageFormat
 from .codebook import lloyd_max_codebook, nearest_centroid
-from .hadamard import KEY_SEED, VALUE_SEED, random_signs, rotate, unrotate
+from .hadamard import KEY_SEED, VALUE_SEED, random_signs, rotation_matrix
 from .packing import pack_bits, packed_width, unpack_bits
 
 GROUP = 32
@@ -83,6 +83,9 @@ class TurboQuantFormat(PageFormat):
         self.scale_grid = torch.tensor(SCALE_GRID, dtype=torch.float32, device=self.device)
         self.value_signs = random_signs(head_dim, VALUE_SEED).to(self.device)  # [D] +-1 float32
         self.key_signs = random_signs(head_dim, KEY_SEED).to(self.device) if spec.rotate_keys else None
+        # x @ rotation == R x (hadamard.rotate); y @ rotation.T == R^T y
+        self.value_rotation = rotation_matrix(self.value_signs)  # [D, D] float32
+        self.key_rotation = rotation_matrix(self.key_signs) if spec.rotate_keys else None
 
     def page_spec(self):
         key_dtype = torch.int8 if self.key_signed else torch.uint8
@@ -97,8 +100,8 @@ class TurboQuantFormat(PageFormat):
     # keys ---------------------------------------------------------------------------------------
     def _encode_keys(self, key: torch.Tensor) -> dict[str, torch.Tensor]:
         x = key.float()
-        if self.key_signs is not None:
-            x = rotate(x, self.key_signs)
+        if self.key_rotation is not None:
+            x = x @ self.key_rotation
         codes, scale, zero = quantize_keys(x, self.key_bits, self.key_signed)
         packed = codes.to(torch.int8) if self.key_signed else pack_bits(codes, self.key_bits)
         return {"k": packed, "k_scale": scale, "k_zero": zero}
@@ -111,7 +114,7 @@ class TurboQuantFormat(PageFormat):
 
     # values -------------------------------------------------------------------------------------
     def _encode_values(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        x = rotate(value.float(), self.value_signs)
+        x = value.float() @ self.value_rotation
         g = x.reshape(*x.shape[:-1], self.groups, GROUP)  # [N, H, groups, 32]
         per_token = len(SCALE_GRID) * g[0].numel()
         step = max(1, SEARCH_ELEMENTS // per_token)  # bound the search's memory on long prefills
@@ -145,18 +148,18 @@ class TurboQuantFormat(PageFormat):
 
     def decode(self, parts):
         k = self._decode_keys(parts)
-        if self.key_signs is not None:
-            k = unrotate(k, self.key_signs)
-        v = unrotate(self._decode_values(parts), self.value_signs)
+        if self.key_rotation is not None:
+            k = k @ self.key_rotation.T
+        v = self._decode_values(parts) @ self.value_rotation.T
         return k.to(self.dtype), v.to(self.dtype)
 
     def attention_query(self, query):
-        if self.key_signs is None:
+        if self.key_rotation is None:
             return query
-        return rotate(query.float(), self.key_signs)
+        return query.float() @ self.key_rotation
 
     def decode_for_attention(self, parts):
         return self._decode_keys(parts), self._decode_values(parts)
 
     def attention_output(self, out):
-        return unrotate(out.float(), self.value_signs)
+        return out.float() @ self.value_rotation.T
