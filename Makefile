@@ -24,7 +24,7 @@ demo: $(BIN)/.installed
 	$(BIN)/pagedkv generate --max-new-tokens 96 --stats "$(PROMPT)"
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 	$(MAKE) test-oldest
 
 .venv-oldest/.installed: $(BIN)/.installed
