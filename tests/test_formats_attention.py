@@ -56,3 +56,13 @@ def test_reference_attention_over_pages_equals_dense_attention_over_decoded_kv(s
         k_hat, v_hat = fmt.decode(fmt.encode(k, v))
         expected = dense_attention(query[qsl[i]:qsl[i + 1]], k_hat, v_hat, scale)
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("spec", FORMATS)
+def test_an_empty_write_encodes_and_decodes_to_nothing(spec):
+    fmt = make_format(KVFormat.parse(spec), 2, 64, torch.float32, "cpu")
+    parts = fmt.encode(torch.zeros(0, 2, 64), torch.zeros(0, 2, 64))
+    assert {name: tuple(p.shape) for name, p in parts.items()} == {
+        name: (0, 2, width) for name, (width, _) in fmt.page_spec().items()}
+    k, v = fmt.decode(parts)
+    assert k.shape == v.shape == (0, 2, 64)

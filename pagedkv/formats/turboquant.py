@@ -23,6 +23,8 @@ Page tensors per KV head: "k" (codes), "k_scale", "k_zero" (groups, fp16), "v" (
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import ConfigError
@@ -50,7 +52,7 @@ def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_keys(x: torch.Tensor, bits: int, signed: bool):
     """x: [..., D] float32 -> codes [..., D] int64, scale [..., D/32] fp16, zero [..., D/32] fp16."""
-    g = x.reshape(*x.shape[:-1], -1, GROUP)
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
     hi, lo = g.amax(-1), g.amin(-1)
     levels = 254 if signed else (1 << bits) - 1
     amax = torch.maximum(hi.abs(), lo.abs())
@@ -65,7 +67,7 @@ def quantize_keys(x: torch.Tensor, bits: int, signed: bool):
 
 def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """codes [..., D], scale/zero [..., D/32] -> [..., D] float32."""
-    g = codes.float().reshape(*codes.shape[:-1], -1, GROUP)
+    g = codes.float().reshape(*codes.shape[:-1], codes.shape[-1] // GROUP, GROUP)
     return ((g + zero.float()[..., None]) * scale.float()[..., None]).reshape(codes.shape)
 
 
@@ -116,11 +118,10 @@ class TurboQuantFormat(PageFormat):
     def _encode_values(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
         x = value.float() @ self.value_rotation
         g = x.reshape(*x.shape[:-1], self.groups, GROUP)  # [N, H, groups, 32]
-        per_token = len(SCALE_GRID) * g[0].numel()
-        step = max(1, SEARCH_ELEMENTS // per_token)  # bound the search's memory on long prefills
-        pieces = [self._search_value_scales(g[i:i + step]) for i in range(0, g.shape[0], step)]
-        codes = torch.cat([c for c, _ in pieces]) if len(pieces) != 1 else pieces[0][0]
-        scale = torch.cat([s for _, s in pieces]) if len(pieces) != 1 else pieces[0][1]
+        step = max(1, SEARCH_ELEMENTS // (len(SCALE_GRID) * math.prod(g.shape[1:])))  # bounds the search's memory
+        pieces = [self._search_value_scales(g[i:i + step]) for i in range(0, max(g.shape[0], 1), step)]
+        codes = torch.cat([c for c, _ in pieces])
+        scale = torch.cat([s for _, s in pieces])
         return {"v": pack_bits(codes.reshape(x.shape), self.value_bits), "v_scale": scale}
 
     def _search_value_scales(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
