@@ -5,6 +5,12 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Without a GPU the Triton kernel tests (tests/triton) run under Triton's interpreter, which is chosen when
+# Triton decorates a function, its own library included; `import pagedkv` imports Triton (through
+# transformers and torch._dynamo), so the choice is made here, before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def smollm2():

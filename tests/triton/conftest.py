@@ -1,7 +1,7 @@
 """Kernel tests run compiled on a CUDA device when there is one, else under the Triton interpreter on the CPU.
 
-The interpreter is chosen when Triton decorates a kernel, so the variable is set here, before any
-kernel module is imported (pagedkv imports them only on first use).
+The interpreter is chosen when Triton decorates a function (its own library too), so tests/conftest.py
+sets TRITON_INTERPRET before anything imports Triton; it is set here again for runs of this folder alone.
 """
 
 import os
@@ -9,7 +9,7 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
     def _allow_scalar_loop_bounds() -> None:
         """Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with int(), which
