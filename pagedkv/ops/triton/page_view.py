@@ -58,19 +58,17 @@ _derived: "weakref.WeakKeyDictionary[PageFormat, dict]" = weakref.WeakKeyDiction
 def _turboquant_tensors(fmt) -> dict:
     if fmt not in _derived:
         from ...formats import turboquant
-        from ...formats.hadamard import rotate, unrotate
 
-        eye = torch.eye(fmt.head_dim, dtype=torch.float32, device=fmt.device)
         cb = fmt.codebook.float().contiguous()
+        key_rotation = fmt.key_rotation          # x @ key_rotation == hadamard.rotate(x, key_signs), or None
         _derived[fmt] = {
             "codebook": cb,
             "thresholds": ((cb[1:] + cb[:-1]) / 2).contiguous(),   # as in codebook.nearest_centroid
             "value_signs": fmt.value_signs.float().contiguous(),
-            "out_rotation": unrotate(eye, fmt.value_signs).contiguous(),
+            "out_rotation": fmt.value_rotation.T.contiguous(),      # out = out_rot @ value_rotation.T
             "key_signs": None if fmt.key_signs is None else fmt.key_signs.float().contiguous(),
-            "q_rotation": None if fmt.key_signs is None else rotate(eye, fmt.key_signs).contiguous(),
-            "scale_multipliers": torch.tensor(getattr(turboquant, "SCALE_GRID", [1.0]), dtype=torch.float32,
-                                              device=fmt.device),
+            "q_rotation": None if key_rotation is None else key_rotation.contiguous(),
+            "scale_multipliers": torch.tensor(turboquant.SCALE_GRID, dtype=torch.float32, device=fmt.device),
         }
     return _derived[fmt]
 
