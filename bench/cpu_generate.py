@@ -47,6 +47,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts to use")
     ap.add_argument("--formats", default="off", help="comma-separated page formats to measure against DynamicCache")
     ap.add_argument("--out", default="bench/results/cpu_generate")
     args = ap.parse_args()
@@ -57,10 +58,11 @@ def main():
     results = {n: [] for n in names}
     run_once(model, tok, PROMPTS[0], DynamicCache(), 8)  # warm up both paths
     run_once(model, tok, PROMPTS[0], pagedkv.install_paged_kv_cache(model), 8)
-    total = args.runs * len(PROMPTS) * len(names)
+    prompts = PROMPTS[: max(1, args.prompts)]
+    total = args.runs * len(prompts) * len(names)
     done = 0
     for r in range(args.runs):
-        for prompt in PROMPTS:
+        for prompt in prompts:
             order = names if r % 2 == 0 else names[::-1]
             for name in order:
                 if name == "DynamicCache":
@@ -74,7 +76,7 @@ def main():
     print(file=sys.stderr)
     base = statistics.median(results["DynamicCache"])
     rows = []
-    print(f"\nSmolLM2 greedy, {args.new_tokens} new tokens, {args.threads} threads, {args.runs} runs x {len(PROMPTS)} prompts")
+    print(f"\nSmolLM2 greedy, {args.new_tokens} new tokens, {args.threads} threads, {args.runs} runs x {len(prompts)} prompts")
     print(f"{'cache':<26}{'median tok/s':>14}{'ratio vs DynamicCache':>24}")
     for name in names:
         med = statistics.median(results[name])
