@@ -35,7 +35,7 @@ test: $(BIN)/.installed
 	touch $@
 
 test-oldest: .venv-oldest/.installed
-	.venv-oldest/bin/python -m pytest -q tests/test_hf.py
+	.venv-oldest/bin/python -m pytest -q --quick tests/test_hf.py
 
 bench-cpu: $(BIN)/.installed
 	$(BIN)/python bench/cpu_generate.py
