@@ -25,7 +25,7 @@ FORMATS = ("off,q8,turboquant,turboquant:k=q8_0,v=q4_0,turboquant:k=q4_0,v=q4_0,
 def default_args() -> list[str]:
     out = ROOT / "bench" / "results"
     return ["eval", "--model", "default", "--text", str(TEXT), "--formats", FORMATS, "--window", "2048",
-            "--max-tokens", "8192", "--passkey-lengths", "1k,2k,4k,8k", "--passkey-depths", "0.25,0.5,0.75",
+            "--max-tokens", "8192", "--passkey-lengths", "1k,2k,4k,8k", "--passkey-depths", "0.5",
             "--json", str(out / "quality.json"), "--plot", str(out / "quality.png")]
 
 

@@ -376,6 +376,21 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _command_line(args: argparse.Namespace, settings: EvalSettings) -> str:
+    """The command that reproduces this run (recorded in the JSON)."""
+    parts = ["pagedkv", "eval", "--model", settings.model, "--text", settings.text,
+             "--formats", ",".join(f.label for f in settings.formats), "--window", str(settings.window),
+             "--max-tokens", str(settings.max_tokens)]
+    if settings.profile_tokens is not None:
+        parts += ["--profile-tokens", str(settings.profile_tokens)]
+    parts += ["--passkey-lengths", ",".join(map(str, settings.passkey_lengths)),
+              "--passkey-depths", ",".join(f"{d:g}" for d in settings.passkey_depths)]
+    for flag in ("device", "dtype", "json", "plot"):
+        if getattr(args, flag):
+            parts += [f"--{flag}", getattr(args, flag)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser("eval", help="measure what each page format costs in quality (perplexity, KL, "
                               "top-1 agreement, context profile, passkey retrieval, bytes per token)")
@@ -417,7 +432,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         except ImportError:
             raise ConfigError("--plot needs matplotlib: pip install 'pagedkv[plot]' (or drop --plot)") from None
     start = time.perf_counter()
-    command = "pagedkv eval " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["eval"] else None
+    command = _command_line(args, settings)
 
     def write_json(report: dict) -> None:
         if args.json:

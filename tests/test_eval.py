@@ -68,6 +68,8 @@ def test_eval_writes_a_table_json_and_plot(tmp_path, capsys):
                "--passkey-depths", "0.5", "--json", str(out_json), "--plot", str(out_png), "--no-progress"])
     assert rc == 0
     report = json.loads(out_json.read_text())
+    assert report["complete"] is True
+    assert report["command"].startswith("pagedkv eval --model default --text ") and "--window 256" in report["command"]
     assert report["scored_tokens"] == 256 and report["num_windows"] == 2
     res = report["formats"]
     assert list(res) == ["off", "q8", "turboquant:k=q8_0,v=q3_0"]
