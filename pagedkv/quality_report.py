@@ -29,7 +29,7 @@ def format_table(report: dict) -> str:
 
 
 def write_plot(report: dict, path: str) -> None:
-    """Three panels: perplexity increase and bytes per format, perplexity by position, passkey accuracy."""
+    """Three panels: perplexity increase and bytes per format, the increase by position, passkey accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,12 +38,13 @@ def write_plot(report: dict, path: str) -> None:
 
     results = report["formats"]
     labels = list(results)
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    color = {label: f"C{k % 10}" for k, label in enumerate(labels)}  # one colour per format in every panel
+    fig, axes = plt.subplots(1, 3, figsize=(18, 6))
 
     ax = axes[0]
     y = list(range(len(labels)))
     inc = [results[label]["ppl_increase_pct"] for label in labels]
-    bars = ax.barh(y, inc, color=["#888888"] + ["#3b75af"] * (len(labels) - 1))
+    bars = ax.barh(y, inc, color=[color[label] for label in labels])
     for bar, label in zip(bars, labels):
         b = results[label]["bytes_per_token_per_head"]
         ax.annotate(f" {b:.0f} B", (max(bar.get_width(), 0), bar.get_y() + bar.get_height() / 2), va="center",
@@ -55,33 +56,38 @@ def write_plot(report: dict, path: str) -> None:
                  f"(bytes per token per KV head at head_dim {report['head_dim']})", fontsize=9)
 
     ax = axes[1]
-    for label in labels:
+    off = results[labels[0]].get("profile")
+    for label in labels[1:]:
         prof = results[label].get("profile")
-        if prof:
+        if prof and off:
             mids = [(a + b) / 2 for a, b in prof["buckets"]]
-            ax.plot(mids, prof["ppl"], marker="o", label=label)
+            ax.plot(mids, [100 * (p / q - 1) for p, q in zip(prof["ppl"], off["ppl"])], marker="o",
+                    color=color[label])
+    ax.axhline(0, color="#888888", lw=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("token position")
-    ax.set_ylabel("perplexity in bucket")
-    ax.set_title(f"context profile ({report['profile_tokens']} tokens)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_xlabel("token position (bucket centre)")
+    ax.set_ylabel("perplexity increase vs off in bucket (%)")
+    ax.set_title(f"context profile ({report['profile_tokens']} tokens, one stretch of the text)", fontsize=9)
 
     ax = axes[2]
-    for label in labels:
+    lengths = sorted({int(n) for label in labels for n in results[label].get("passkey", {})})
+    width = 0.8 / max(len(labels), 1)
+    for k, label in enumerate(labels):
         pk = results[label].get("passkey") or {}
-        if pk:
-            xs = sorted(int(n) for n in pk)
-            ax.plot(xs, [100 * pk[str(n)] for n in xs], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-5, 105)
+        xs = [i + (k - (len(labels) - 1) / 2) * width for i in range(len(lengths))]
+        ax.bar(xs, [100 * pk.get(str(n), float("nan")) for n in lengths], width=width, label=label,
+               color=color[label])
+    ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths])
+    ax.set_ylim(0, 105)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("passkey retrieval (%)")
     ax.set_title(f"passkey at depths {', '.join(f'{d:g}' for d in report['passkey_depths'])}", fontsize=9)
-    ax.legend(fontsize=7)
+    handles, names = ax.get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False)
 
     fig.suptitle(f"pagedkv eval: {report['model']} on {Path(report['text']).name} ({report['device']}, "
                  f"{report['dtype']})", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
