@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
-from .page_view import KVQUANT, TURBOQUANT, PageView, page_view, stride3
+from .page_view import KVQUANT, TURBOQUANT, PageView, decode_table, page_view, stride3
 from .tiles import attend_range, find_sequence, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles
 
@@ -39,7 +39,7 @@ def query_block_rows(q_block, kv_head, query_start_loc_ptr, seq_lens_ptr, num_se
 @triton.jit
 def paged_attention_kernel(
     out_ptr, q_ptr,
-    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, q_rotation_ptr, out_rotation_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, table_ptr, q_rotation_ptr, out_rotation_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,   # (block, slot, head) of each page tensor
@@ -60,7 +60,7 @@ def paged_attention_kernel(
     d_ok = offs_d < HEAD_DIM
     q_rows = (q_start + token).to(tl.int64)
     q = load_queries(q_ptr, q_rows, head, row_ok, stride_qt, stride_qh, q_rotation_ptr,
-                     HEAD_DIM, HEAD_DIM_PAD, ROTATE_Q, DOT_PRECISION)                # [BLOCK_M, HEAD_DIM_PAD]
+                     HEAD_DIM, HEAD_DIM_PAD, ROTATE_Q, DOT_PRECISION, KIND)                # [BLOCK_M, HEAD_DIM_PAD]
     q_pos = context + token
     kv_hi = context + tl.minimum(first + BLOCK_Q, q_len)
     kv_lo = 0
@@ -76,7 +76,7 @@ def paged_attention_kernel(
         block_table_ptr + seq.to(tl.int64) * stride_bt,
         k_ptr + head_off * k_strides[2], v_ptr + head_off * v_strides[2],
         ks_ptr + head_off * ks_strides[2], kz_ptr + head_off * ks_strides[2], vs_ptr + head_off * vs_strides[2],
-        codebook_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),
+        table_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),
         (ks_strides[0], ks_strides[1]), (vs_strides[0], vs_strides[1]),
         qk_scale, softcap, sliding_window,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, KIND, K_BITS, V_BITS, DOT_PRECISION)
@@ -88,9 +88,9 @@ def paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def launch_args(view: PageView):
-    """The page-tensor arguments every attention kernel takes, in kernel order."""
-    return (view.k, view.v, view.k_scale, view.k_zero, view.v_scale, view.aux("codebook"), view.aux("q_rotation"),
+def launch_args(view: PageView, dtype: torch.dtype):
+    """The page-tensor arguments every attention kernel takes, in kernel order, for queries of `dtype`."""
+    return (view.k, view.v, view.k_scale, view.k_zero, view.v_scale, decode_table(view, dtype), view.aux("q_rotation"),
             view.aux("out_rotation"))
 
 
@@ -127,7 +127,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         return out
     grid = (num_tokens // block_q + num_seqs, view.num_kv_heads)
     paged_attention_kernel[grid](
-        out, query, *launch_args(view),
+        out, query, *launch_args(view, query.dtype),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),

@@ -124,33 +124,6 @@ def int_to_float(c):
 
 
 @triton.jit
-def pick4(b0, b1, cb_ptr):
-    return tl.where(b1, tl.where(b0, tl.load(cb_ptr + 3), tl.load(cb_ptr + 2)),
-                    tl.where(b0, tl.load(cb_ptr + 1), tl.load(cb_ptr)))
-
-
-@triton.jit
-def codebook_lookup(codes, cb_ptr, BITS: tl.constexpr):
-    """codebook[codes] (float32): a select tree over the centroids for up to 4 bits, a gather beyond."""
-    if BITS > 4:
-        v = tl.load(cb_ptr + codes)
-    else:
-        b0 = (codes & 1) != 0
-        b1 = (codes & 2) != 0
-        if BITS == 1:
-            v = tl.where(b0, tl.load(cb_ptr + 1), tl.load(cb_ptr))
-        elif BITS == 2:
-            v = pick4(b0, b1, cb_ptr)
-        else:
-            b2 = (codes & 4) != 0
-            v = tl.where(b2, pick4(b0, b1, cb_ptr + 4), pick4(b0, b1, cb_ptr))
-            if BITS == 4:
-                b3 = (codes & 8) != 0
-                v = tl.where(b3, tl.where(b2, pick4(b0, b1, cb_ptr + 12), pick4(b0, b1, cb_ptr + 8)), v)
-    return v
-
-
-@triton.jit
 def pack_codes(ptr, row, codes, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
     """Store codes [R, HEAD_DIM] (int32 in [0, 2**BITS)) as bitstreams at ptr + row [R]."""
     R: tl.constexpr = row.shape[0]
@@ -181,28 +154,70 @@ def load_group_scales(ptr, block, slot, in_range, strides, HEAD_DIM: tl.constexp
     return f[:, :, None]
 
 
+@triton.constexpr_function
+def compute_dtype(kind, dtype):
+    """The dtype keys and values of a page format are rebuilt in for `tl.dot` with queries of `dtype`.
+
+    TurboQuant rebuilds 16-bit keys and values in float16 whatever the queries' 16-bit dtype: its fp16
+    scales and zero points then need no conversion, code + zero (|.| <= 1151) is exact, and float16 keeps
+    3 more mantissa bits than bfloat16. Values of a TurboQuant page are bounded by its fp16 scales."""
+    if kind == TURBOQUANT and dtype != tl.float32:
+        return tl.float16
+    return dtype
+
+
+@triton.constexpr_function
+def uses_pair_table(kind, bits):
+    """Whether codes of `bits` bits are decoded two at a time through a table (see `lookup_pairs`)."""
+    return (kind == TURBOQUANT and bits in (2, 3, 4)) or (kind == KVQUANT and bits == 4)
+
+
 @triton.jit
-def load_keys(k_ptr, ks_ptr, kz_ptr, block, slot, in_range, k_strides, ks_strides,
+def lookup_pairs(table_ptr, ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+    """Decoded elements [N, HEAD_DIM] of the b-bit bitstreams at ptr + row [N], two codes per table entry:
+    two neighbouring codes are one 2b-bit field of the stream (the low code in the low bits), and
+    table[field] holds both decoded elements side by side (`page_view.decode_table`), so one 2-element
+    load replaces per-element unpacking, conversion and codebook selects."""
+    N: tl.constexpr = row.shape[0]
+    fields = unpack_codes(ptr, row, in_range, HEAD_DIM // 2, 2 * BITS, False)       # [N, HEAD_DIM // 2]
+    offs2 = tl.arange(0, 2)
+    pairs = tl.load(table_ptr + (fields * 2)[:, :, None] + offs2[None, None, :])      # [N, HEAD_DIM // 2, 2]
+    return tl.reshape(pairs, [N, HEAD_DIM])
+
+
+@triton.jit
+def load_keys(k_ptr, ks_ptr, kz_ptr, table_ptr, block, slot, in_range, k_strides, ks_strides,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr, DTYPE):
-    """Keys of slots (block, slot) [TILE_N] as [TILE_N, HEAD_DIM_PAD] in DTYPE, zeros outside `in_range`.
+    """Keys of slots (block, slot) [TILE_N] as [TILE_N, HEAD_DIM_PAD] in compute_dtype(KIND, DTYPE), zeros
+    outside `in_range`.
 
     KVQUANT returns the integer codes (exact in DTYPE): the caller scales score columns."""
     N: tl.constexpr = block.shape[0]
+    CDTYPE: tl.constexpr = compute_dtype(KIND, DTYPE)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row = block * k_strides[0] + slot * k_strides[1]
     if KIND == KVQUANT:
-        codes = unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS, K_BITS == 8)
-        if K_BITS != 8:
-            codes = codes - ((1 << (K_BITS - 1)) - 1)
-        k = int_to_float(codes).to(DTYPE)
+        if K_BITS == 8:   # int8 codes convert straight to the dot's dtype (exact; packed conversions)
+            k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(CDTYPE)
+        elif uses_pair_table(KIND, K_BITS):
+            k = lookup_pairs(table_ptr, k_ptr, row, in_range, HEAD_DIM, K_BITS)
+        else:
+            codes = unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS, False) - ((1 << (K_BITS - 1)) - 1)
+            k = int_to_float(codes).to(CDTYPE)
     elif KIND == TURBOQUANT:  # (code + zero) * scale per group of 32 (signed int8 codes for 8 bits)
-        codes = tl.reshape(unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS, K_BITS == 8),
-                           [N, HEAD_DIM // GROUP, GROUP])
         zero = load_group_scales(kz_ptr, block, slot, in_range, ks_strides, HEAD_DIM)
-        scale = load_group_scales(ks_ptr, block, slot, in_range, ks_strides, HEAD_DIM)
-        # (bits of 2**23 + 2**22 + code) + (zero - 2**23 - 2**22) == code + zero exactly: integers below 2**24
-        biased = (codes + 0x4B400000).to(tl.float32, bitcast=True)
-        k = tl.reshape((biased + (zero - 12582912.0)) * scale, [N, HEAD_DIM]).to(DTYPE)
+        scale = load_group_scales(ks_ptr, block, slot, in_range, ks_strides, HEAD_DIM).to(CDTYPE)
+        if K_BITS == 8 and CDTYPE == tl.float16:
+            # int8 code c -> the float16 whose bits are c + 0x6480, i.e. 1152 + c (1024 <= . < 2048, exact),
+            # minus 1152: an integer add and a packed half add instead of a quarter-rate conversion.
+            c = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(tl.int16)
+            codes = (c + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+        elif K_BITS == 8:
+            codes = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(CDTYPE)
+        else:
+            codes = int_to_float(unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS, False)).to(CDTYPE)
+        codes = tl.reshape(codes, [N, HEAD_DIM // GROUP, GROUP])
+        k = tl.reshape((codes + zero.to(CDTYPE)) * scale, [N, HEAD_DIM])
     else:
         mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DTYPE)
@@ -210,24 +225,34 @@ def load_keys(k_ptr, ks_ptr, kz_ptr, block, slot, in_range, k_strides, ks_stride
 
 
 @triton.jit
-def load_values(v_ptr, vs_ptr, codebook_ptr, block, slot, in_range, v_strides, vs_strides,
+def load_values(v_ptr, vs_ptr, table_ptr, block, slot, in_range, v_strides, vs_strides,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KIND: tl.constexpr, V_BITS: tl.constexpr, DTYPE):
-    """Values of slots (block, slot) [TILE_N] as [TILE_N, HEAD_DIM_PAD] in DTYPE, zeros outside `in_range`.
+    """Values of slots (block, slot) [TILE_N] as [TILE_N, HEAD_DIM_PAD] in compute_dtype(KIND, DTYPE), zeros
+    outside `in_range`.
 
     KVQUANT returns the integer codes: the caller scales probability columns. TURBOQUANT returns the
-    values in the rotated domain."""
+    values in the rotated domain; `table_ptr` holds its codebook (pairs of centroids for 2-4 bits)."""
     N: tl.constexpr = block.shape[0]
+    CDTYPE: tl.constexpr = compute_dtype(KIND, DTYPE)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row = block * v_strides[0] + slot * v_strides[1]
     if KIND == KVQUANT:
-        codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, V_BITS == 8)
-        if V_BITS != 8:
-            codes = codes - ((1 << (V_BITS - 1)) - 1)
-        v = int_to_float(codes).to(DTYPE)
+        if V_BITS == 8:
+            v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(CDTYPE)
+        elif uses_pair_table(KIND, V_BITS):
+            v = lookup_pairs(table_ptr, v_ptr, row, in_range, HEAD_DIM, V_BITS)
+        else:
+            codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False) - ((1 << (V_BITS - 1)) - 1)
+            v = int_to_float(codes).to(CDTYPE)
     elif KIND == TURBOQUANT:  # codebook[code] * rms scale per group of 32
-        codes = tl.reshape(unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False), [N, HEAD_DIM // GROUP, GROUP])
-        scale = load_group_scales(vs_ptr, block, slot, in_range, vs_strides, HEAD_DIM)
-        v = tl.reshape(codebook_lookup(codes, codebook_ptr, V_BITS) * scale, [N, HEAD_DIM]).to(DTYPE)
+        if uses_pair_table(KIND, V_BITS):
+            centroids = lookup_pairs(table_ptr, v_ptr, row, in_range, HEAD_DIM, V_BITS)
+        else:
+            codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False)
+            centroids = tl.load(table_ptr + codes)
+        centroids = tl.reshape(centroids, [N, HEAD_DIM // GROUP, GROUP])
+        scale = load_group_scales(vs_ptr, block, slot, in_range, vs_strides, HEAD_DIM).to(CDTYPE)
+        v = tl.reshape(centroids * scale, [N, HEAD_DIM])
     else:
         mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DTYPE)

@@ -40,6 +40,7 @@ class PageView:
     scale_multipliers: torch.Tensor | None = None  # [m] float32 value-scale grid (multiples of the RMS)
     rotate_keys: bool = False
     rotate_out: bool = False
+    tables: dict | None = None                # decode tables by (purpose, dtype), see `decode_table`
 
     def aux(self, name: str) -> torch.Tensor:
         t = getattr(self, name)
@@ -69,8 +70,42 @@ def _turboquant_tensors(fmt) -> dict:
             "key_signs": None if fmt.key_signs is None else fmt.key_signs.float().contiguous(),
             "q_rotation": None if key_rotation is None else key_rotation.contiguous(),
             "scale_multipliers": torch.tensor(turboquant.SCALE_GRID, dtype=torch.float32, device=fmt.device),
+            "tables": {},
         }
     return _derived[fmt]
+
+
+def _pair_table(elements: torch.Tensor, bits: int) -> torch.Tensor:
+    """[2**(2 bits), 2]: row f holds (elements[f & (2**bits - 1)], elements[f >> bits]), the two decoded
+    elements of a 2b-bit field of a little-endian stream of b-bit codes."""
+    f = torch.arange(1 << (2 * bits), device=elements.device)
+    mask = (1 << bits) - 1
+    return torch.stack([elements[f & mask], elements[f >> bits]], dim=1).contiguous()
+
+
+def decode_table(view: PageView, dtype: torch.dtype) -> torch.Tensor:
+    """The table the attention kernels decode codes through, for queries of `dtype` (`codecs.lookup_pairs`):
+    TurboQuant values: centroids in the kernels' compute dtype (float16 for 16-bit queries, float32
+    otherwise), as pairs for 2-4 bits; KV-Quant q4: pairs of signed codes (code - 7) in `dtype`. Built once
+    per (format, dtype), so a CUDA-graph capture after a first eager call allocates nothing."""
+    if view.kind == TURBOQUANT:
+        cdtype = torch.float32 if dtype == torch.float32 else torch.float16
+        key = ("values", cdtype)
+        elements, bits = view.codebook, view.v_bits
+    elif view.kind == KVQUANT and view.k_bits == 4:
+        cdtype = dtype
+        key = ("kvquant4", cdtype)
+        elements, bits = torch.arange(16, device=view.k.device, dtype=torch.float32) - 7, 4
+    else:
+        return view.k
+    tables = view.tables if view.kind == TURBOQUANT else _tables.setdefault(view.k.device, {})
+    if key not in tables:
+        table = _pair_table(elements, bits) if bits <= 4 else elements
+        tables[key] = table.to(cdtype).contiguous()
+    return tables[key]
+
+
+_tables: dict = {}   # KV-Quant tables by device (they depend on nothing else)
 
 
 def page_view(fmt: PageFormat, pages: dict[str, torch.Tensor]) -> PageView:

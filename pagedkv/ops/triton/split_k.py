@@ -25,7 +25,7 @@ from .tuning import TileConfig, choose_tiles
 @triton.jit
 def split_attention_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
-    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, q_rotation_ptr, out_rotation_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, table_ptr, q_rotation_ptr, out_rotation_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,
@@ -47,7 +47,7 @@ def split_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q_rows = (q_start + token).to(tl.int64)
     q = load_queries(q_ptr, q_rows, head, row_ok, stride_qt, stride_qh, q_rotation_ptr,
-                     HEAD_DIM, HEAD_DIM_PAD, ROTATE_Q, DOT_PRECISION)
+                     HEAD_DIM, HEAD_DIM_PAD, ROTATE_Q, DOT_PRECISION, KIND)
     q_pos = context + token
     chunk = tl.cdiv(tl.cdiv(context + q_len, num_splits), TILE_N) * TILE_N
     kv_lo = split * chunk
@@ -64,7 +64,7 @@ def split_attention_kernel(
         block_table_ptr + seq.to(tl.int64) * stride_bt,
         k_ptr + head_off * k_strides[2], v_ptr + head_off * v_strides[2],
         ks_ptr + head_off * ks_strides[2], kz_ptr + head_off * ks_strides[2], vs_ptr + head_off * vs_strides[2],
-        codebook_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),
+        table_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),
         (ks_strides[0], ks_strides[1]), (vs_strides[0], vs_strides[1]),
         qk_scale, softcap, sliding_window,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, KIND, K_BITS, V_BITS, DOT_PRECISION)
@@ -132,7 +132,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     grid = (num_tokens // block_q + num_seqs, view.num_kv_heads, num_splits)
     precision = dot_precision(query.dtype)
     split_attention_kernel[grid](
-        part_out, part_m, part_l, query, *launch_args(view),
+        part_out, part_m, part_l, query, *launch_args(view, query.dtype),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
