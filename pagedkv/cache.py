@@ -178,27 +178,33 @@ class PagedKVCache(Cache):
         Returns, per sequence, the slot of each new token. Raises CacheCapacityError (cache untouched)
         when the blocks do not fit.
         """
-        seqs = [self._seq(s) for s in seq_ids]
+        try:
+            seqs = [self.seqs[s] for s in seq_ids]
+        except KeyError as exc:
+            raise ConfigError(f"no sequence {exc.args[0]} in this cache (live: {sorted(self.seqs)})") from None
+        bs, ref_cnt = self.block_size, self.pool.ref_cnt
         new_blocks = 0
         for seq, n in zip(seqs, num_new_tokens):
             if n == 0:
                 continue
-            new_blocks += self.blocks_for(seq.num_tokens + n) - len(seq.block_ids)
-            if seq.num_tokens % self.block_size and self.pool.ref_cnt[seq.block_ids[-1]] > 1:
+            new_blocks += (seq.num_tokens + n + bs - 1) // bs - len(seq.block_ids)
+            if seq.num_tokens % bs and ref_cnt[seq.block_ids[-1]] > 1:
                 new_blocks += 1  # copy-on-write of a shared partial last block
-        live = len(self.seqs)
-        self._ensure_free(new_blocks, live)
+        self._ensure_free(new_blocks, len(self.seqs))
+        ref_cnt = self.pool.ref_cnt
         slots_per_seq = []
         for seq, n in zip(seqs, num_new_tokens):
-            if n and seq.num_tokens % self.block_size and self.pool.ref_cnt[seq.block_ids[-1]] > 1:
+            start, block_ids = seq.num_tokens, seq.block_ids
+            if n and start % bs and ref_cnt[block_ids[-1]] > 1:
                 self._copy_on_write(seq)
-            need = self.blocks_for(seq.num_tokens + n) - len(seq.block_ids)
+            need = (start + n + bs - 1) // bs - len(block_ids)
             if need > 0:
-                seq.block_ids.extend(self.pool.allocate(need))
-            bs = self.block_size
-            slots = [seq.block_ids[p // bs] * bs + p % bs for p in range(seq.num_tokens, seq.num_tokens + n)]
-            seq.num_tokens += n
-            slots_per_seq.append(slots)
+                block_ids.extend(self.pool.allocate(need))
+            if n == 1:  # a decode step
+                slots_per_seq.append([block_ids[start // bs] * bs + start % bs])
+            else:
+                slots_per_seq.append([block_ids[p // bs] * bs + p % bs for p in range(start, start + n)])
+            seq.num_tokens = start + n
         return slots_per_seq
 
     def _copy_on_write(self, seq: Sequence) -> None:
@@ -212,7 +218,7 @@ class PagedKVCache(Cache):
         seq.block_ids[-1] = new
 
     def trim(self, num_tokens: int, seq_id: int | None = None) -> int:
-        """Remove the last `num_tokens` tokens (speculative rollback), freeing whole blocks.
+        """Remove the last `num_tokens` tokens (speculative rollback), freeing whole blocks, the last one first.
 
         Without `seq_id`, trims every sequence of the current batch. Returns the tokens removed (per sequence).
         """
@@ -226,7 +232,7 @@ class PagedKVCache(Cache):
             seq.num_tokens -= n
             self.mirror.trim(sid, seq.num_tokens)
             keep = self.blocks_for(seq.num_tokens)
-            self.pool.decref(seq.block_ids[keep:])
+            self.pool.decref(reversed(seq.block_ids[keep:]))
             del seq.block_ids[keep:]
             removed = max(removed, n)
         if seq_id is None:

@@ -59,11 +59,13 @@ class BlockPool:
 
     def decref(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block; blocks reaching zero return to the free queue's tail."""
+        ref_cnt, free = self.ref_cnt, self._free
         for block_id in block_ids:
-            assert self.ref_cnt[block_id] > 0, f"block {block_id} freed twice"
-            self.ref_cnt[block_id] -= 1
-            if self.ref_cnt[block_id] == 0:
-                self._free[block_id] = None
+            count = ref_cnt[block_id]
+            assert count > 0, f"block {block_id} freed twice"
+            ref_cnt[block_id] = count - 1
+            if count == 1:
+                free[block_id] = None
 
     def reset(self) -> None:
         self._free = OrderedDict((i, None) for i in range(self.num_blocks))

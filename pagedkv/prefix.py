@@ -101,11 +101,8 @@ class PrefixCache:
 
     def release(self, seq_id: int) -> None:
         """Free a sequence, tail block first, so a prefix's first blocks are the last ones evicted."""
-        cache = self.cache
-        remaining = cache.seq_len(seq_id)
-        while remaining > 0:
-            remaining -= cache.trim((remaining - 1) % self.block_size + 1, seq_id)
-        cache.free(seq_id)
+        self.cache.trim(self.cache.seq_len(seq_id), seq_id)  # trim frees the last block first
+        self.cache.free(seq_id)
 
     def as_dict(self) -> dict:
         return {
