@@ -8,6 +8,10 @@ device buffers of fixed capacity, refilled before each replay:
     seq_lens: [max_bs] int32                          block_table:  [max_bs, max_blocks_per_seq] int32
     query_start_loc: [max_bs + 1] int32 = 0, 1, 2, ... (one new token per sequence, never changes)
 
+All but query_start_loc are views of one flat buffer (`_StepInputs`), filled on the host in a pinned
+twin and moved up with a single copy per step. The host keeps each block-table row between steps and
+only writes what changed: a decode step adds at most the block of its new token.
+
 A batch of n sequences runs in the smallest bucket >= n; the rows past n are padding (no write, one
 token of context) and their logits are dropped. Graphs are captured at the first decode step, when
 the page tensors exist, and again whenever the pool reallocates them (dynamic growth). They need the
@@ -23,6 +27,7 @@ import torch
 
 from .. import ops
 from ..cache import PagedKVCache
+from ..cache import Sequence as CacheSequence
 from ..ops.metadata import AttentionMetadata
 from .sequence import Sequence
 
@@ -36,21 +41,24 @@ class CUDAGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.device = next(model.parameters()).device
         max_bs, self.max_blocks = self.batch_sizes[-1], max_blocks_per_seq
-        dev = dict(device=self.device)
-        self.input_ids = torch.zeros(1, max_bs, dtype=torch.int64, **dev)
-        self.position_ids = torch.zeros(1, max_bs, dtype=torch.int64, **dev)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, **dev)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, **dev)
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, **dev)
-        self.block_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, **dev)
-        # pinned host mirrors, filled in numpy and copied up without waiting; two sets, used in turn, so a
-        # step can be prepared while the copies of the step before it are still queued
-        self.host = [_HostMirror(max_bs, max_blocks_per_seq, pin=self.device.type == "cuda") for _ in range(2)]
+        self.static = _StepInputs(max_bs, max_blocks_per_seq, self.device)
+        self.input_ids = self.static.ints[0:1]  # [1, max_bs]
+        self.position_ids = self.static.ints[1:2]  # [1, max_bs]
+        self.slot_mapping = self.static.ints[2]
+        self.seq_lens = self.static.seq_lens
+        self.block_table = self.static.block_table
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
+        # pinned host twins, filled in numpy and copied up without waiting; two, used in turn, so a step can
+        # be prepared while the copy of the step before it is still queued
+        self.host = [_StepInputs(max_bs, max_blocks_per_seq, pin=self.device.type == "cuda") for _ in range(2)]
         self._turn = 0
+        # per bucket: the prefix of the flat buffer its graph reads, on the device and in each host twin
+        self._copies = {bs: (self.static.prefix(bs), [host.prefix(bs) for host in self.host]) for bs in self.batch_sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
         self._pages_key = None
+        self._capturable: tuple[tuple, bool] | None = None  # (layers, layers without pages): is_capturable()
         self.num_replays = 0
         self.num_captures = 0
 
@@ -63,7 +71,13 @@ class CUDAGraphRunner:
         return all(ops.choose_backend(self.device, self.cache.config.kernels, f)[0] == "triton" for f in formats)
 
     def can_run(self, num_seqs: int) -> bool:
-        return num_seqs <= self.batch_sizes[-1] and self.is_capturable()
+        if num_seqs > self.batch_sizes[-1]:
+            return False
+        formats = self.cache.formats  # a layer's format is fixed once it has pages: ask again when a layer gets them
+        key = (len(formats), formats.count(None))
+        if self._capturable is None or self._capturable[0] != key:
+            self._capturable = (key, self.is_capturable())
+        return self._capturable[1]
 
     def _current_pages_key(self):
         return tuple(t.data_ptr() for p in self.cache.pages if p for t in p.values())
@@ -85,11 +99,8 @@ class CUDAGraphRunner:
         """Capture every bucket, largest first (they share one memory pool)."""
         self.graphs.clear()
         self.logits.clear()
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
-        self.block_table.zero_()
-        for host in self.host:
-            host.forget_rows()
+        for inputs in (self.static, *self.host):
+            inputs.clear()
         for bs in reversed(self.batch_sizes):
             self.cache.plan = self._metadata(bs)
             try:
@@ -115,57 +126,70 @@ class CUDAGraphRunner:
         return graph, logits
 
     # ------------------------------------------------------------------------------------------
-    def _fill_host(self, host: "_HostMirror", seqs: list[Sequence], slots: list[list[int]], bs: int,
-                   lookahead: int) -> None:
-        n = len(seqs)
-        ints = host.ints.numpy()
-        ints[0, :n] = [s.token_ids[-1] for s in seqs]
-        ints[1, :n] = [s.num_computed_tokens + lookahead for s in seqs]
+    def _fill_host(self, host: "_StepInputs", seqs: list[Sequence], held: list[CacheSequence],
+                   slots: list[list[int]], bs: int, with_input_ids: bool) -> None:
+        """Write the step's inputs into `host`: `held` are the cache's sequences (after the reservation)."""
+        n, block_size = len(seqs), self.cache.block_size
+        ints, lens, table = host.np_ints, host.np_seq_lens, host.np_block_table
+        if with_input_ids:
+            ints[0, :n] = [s.token_ids[-1] for s in seqs]
+        lens[:n] = [h.num_tokens for h in held]  # the new token included
+        ints[1, :n] = lens[:n] - 1
         ints[2, :n] = [per[0] for per in slots]
         ints[2, n:bs] = -1
-        lens = host.lens.numpy()
-        lens[:n] = ints[1, :n] + 1
         lens[n:bs] = 1
-        table, rows = host.table.numpy(), host.rows
-        for i, s in enumerate(seqs):
-            block_ids = self.cache.seqs[s.seq_id].block_ids
-            state = (s.seq_id, len(block_ids))
-            if rows[i] != state:
-                old = rows[i]
-                start = old[1] if old is not None and old[0] == s.seq_id and old[1] < len(block_ids) else 0
-                table[i, start:len(block_ids)] = block_ids[start:]
-                rows[i] = state
-        for i in range(n, bs):
-            if rows[i] is not None:
-                table[i, 0] = 0
-                rows[i] = None
+        num_blocks = (lens[:n] + block_size - 1) // block_size
+        self._update_block_table(host, held, num_blocks)
+        table[np.arange(n), num_blocks - 1] = ints[2, :n] // block_size  # the new token's block (maybe copied on write)
+        if any(r is not None for r in host.rows[n:bs]):  # padding: one token of context in block 0, never stored
+            table[n:bs, 0] = 0
+            host.rows[n:bs] = [None] * (bs - n)
 
-    def run(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None, lookahead: int = 0) -> torch.Tensor:
+    def _update_block_table(self, host: "_StepInputs", held: list[CacheSequence], num_blocks: np.ndarray) -> None:
+        """Rows 0..len(held)-1 of host's block table: the first num_blocks[i] blocks of held[i].
+
+        A row that held the same cache sequence last time it was filled lacks at most the blocks added
+        since; a sequence that moved up a row (one before it finished) takes its old row along.
+        """
+        n, table, rows, written = len(held), host.np_block_table, host.rows, host.num_written
+        if rows[:n] != held:
+            before = {id(r): j for j, r in enumerate(rows) if r is not None}
+            src = np.array([before.get(id(h), -1) for h in held])
+            moved = np.flatnonzero((src >= 0) & (src != np.arange(n)))
+            table[moved] = table[src[moved]]  # the right side is gathered into a copy first
+            written[moved] = written[src[moved]]
+            written[:n][src < 0] = 0
+            rows[:n] = held
+        for i in np.flatnonzero(written[:n] < num_blocks):
+            start, end = written[i], num_blocks[i]
+            table[i, start:end] = held[i].block_ids[start:end]
+        written[:n] = num_blocks
+
+    def run(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of `seqs`; returns logits [len(seqs), vocab] (the replay is queued, not awaited).
 
         Each sequence feeds its last token, or `input_ids[i]` ([len(seqs)] int64 on the device: tokens
-        sampled by a step still in flight, whose position is `lookahead` (1) past the computed ones).
+        sampled by a step still in flight, whose slots the cache has already reserved).
         Raises CacheCapacityError (cache untouched) when a new block does not fit.
         """
         n = len(seqs)
         if self._pages_key != self._current_pages_key():
             self.capture()
         seq_ids = [s.seq_id for s in seqs]
+        num_blocks = self.cache.pool.num_blocks
         slots = self.cache.reserve(seq_ids, [1] * n)
         try:
-            if self._pages_key != self._current_pages_key():  # the reservation grew the pool
+            if self.cache.pool.num_blocks != num_blocks:  # the reservation grew the pool: new page tensors
                 self.capture()
             bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-            host = self.host[self._turn]
+            turn = self._turn
             self._turn ^= 1
-            self._fill_host(host, seqs, slots, bs, lookahead)
-            self.input_ids[0, :bs].copy_(host.ints[0, :bs], non_blocking=True)
+            held = [self.cache.seqs[i] for i in seq_ids]
+            self._fill_host(self.host[turn], seqs, held, slots, bs, with_input_ids=input_ids is None)
+            static, host = self._copies[bs]
+            static.copy_(host[turn], non_blocking=True)
             if input_ids is not None:
                 self.input_ids[0, :n].copy_(input_ids)
-            self.position_ids[0, :bs].copy_(host.ints[1, :bs], non_blocking=True)
-            self.slot_mapping[:bs].copy_(host.ints[2, :bs], non_blocking=True)
-            self.seq_lens[:bs].copy_(host.lens[:bs], non_blocking=True)
-            self.block_table[:bs].copy_(host.table[:bs], non_blocking=True)
             self.graphs[bs].replay()
         except Exception:  # leave the cache as it was: the reserved slots were never written
             for seq_id in seq_ids:
@@ -175,15 +199,39 @@ class CUDAGraphRunner:
         return self.logits[bs][:n]
 
 
-class _HostMirror:
-    """Host copies of the static buffers: ints [3, max_bs] (input ids, positions, slots), lens [max_bs],
-    table [max_bs, max_blocks]; `rows` remembers which (seq_id, blocks) each table row holds."""
+class _StepInputs:
+    """A decode step's inputs as views of one flat buffer, so one copy moves them all (host twin: pinned).
 
-    def __init__(self, max_bs: int, max_blocks: int, pin: bool):
-        self.ints = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pin)
-        self.lens = torch.ones(max_bs, dtype=torch.int32, pin_memory=pin)
-        self.table = torch.zeros(max_bs, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.rows: list[tuple[int, int] | None] = [None] * max_bs
+    ints: [3, max_bs] int64 (input ids, positions, slots); seq_lens: [max_bs] int32; block_table:
+    [max_bs, max_blocks] int32. The block table comes last, so the inputs of a bucket of bs rows are
+    the buffer's first `prefix(bs)` bytes. On the host, `rows[i]` is the cache sequence whose blocks
+    table row i holds and `num_written[i]` how many of them.
+    """
 
-    def forget_rows(self) -> None:
+    def __init__(self, max_bs: int, max_blocks: int, device: torch.device | None = None, pin: bool = False):
+        ints_end = 3 * max_bs * 8
+        self.table_start = ints_end + -(-max_bs * 4 // 8) * 8
+        self.row_bytes = max_blocks * 4
+        self.flat = torch.zeros(self.table_start + max_bs * self.row_bytes, dtype=torch.uint8, device=device,
+                                pin_memory=pin)
+        self.ints = self.flat[:ints_end].view(torch.int64).view(3, max_bs)
+        self.seq_lens = self.flat[ints_end:ints_end + max_bs * 4].view(torch.int32)
+        self.block_table = self.flat[self.table_start:].view(torch.int32).view(max_bs, max_blocks)
+        if self.flat.device.type == "cpu":
+            self.np_ints, self.np_seq_lens, self.np_block_table = (
+                t.numpy() for t in (self.ints, self.seq_lens, self.block_table))
+        self.rows: list[CacheSequence | None] = [None] * max_bs
+        self.num_written = np.zeros(max_bs, dtype=np.int64)
+        self.clear()
+
+    def prefix(self, bs: int) -> torch.Tensor:
+        return self.flat[:self.table_start + bs * self.row_bytes]
+
+    def clear(self) -> None:
+        """Padding everywhere: no slot, one token of context in block 0."""
+        self.ints.zero_()
+        self.ints[2].fill_(-1)
+        self.seq_lens.fill_(1)
+        self.block_table.zero_()
         self.rows = [None] * len(self.rows)
+        self.num_written[:] = 0

@@ -77,6 +77,7 @@ class LLMEngine:
         self.num_steps_ahead = 0  # decode steps queued behind one in flight
         self._in_flight: _Step | None = None  # a decode step queued on the GPU, tokens not read yet
         self._token_buffers: list[torch.Tensor] | None = None  # pinned, for the sampled tokens of two steps
+        self._token_events: list[torch.cuda.Event] = []  # recorded after each buffer's copy
 
     # ------------------------------------------------------------------------------------------
     # requests
@@ -184,9 +185,11 @@ class LLMEngine:
             if self._token_buffers is None:
                 self._token_buffers = [torch.empty(self.config.max_num_seqs, dtype=torch.int64, pin_memory=True)
                                        for _ in range(2)]
-            host = self._token_buffers[self.num_steps % 2][:len(sampled)]
+                self._token_events = [torch.cuda.Event() for _ in range(2)]
+            turn = self.num_steps % 2  # two steps in flight at most, one of each parity
+            host = self._token_buffers[turn][:len(sampled)]
             host.copy_(tokens, non_blocking=True)
-            event = torch.cuda.Event()
+            event = self._token_events[turn]
             event.record()
         return _Step(batch, sampled, tokens, host, event, is_graph)
 
@@ -195,14 +198,17 @@ class LLMEngine:
         if (not step.is_graph or self.runner.graphs is None or self.scheduler.waiting
                 or len(step.sampled) != len(self.scheduler.running)):
             return None
-        keep = [i for i, s in enumerate(step.sampled)
-                if not s.is_finished and s.num_output_tokens + 1 < s.params.max_tokens and len(s) + 1 < self.max_model_len]
-        seqs = [step.sampled[i] for i in keep]
-        bs = self.cache.block_size
-        if (not seqs or not self.runner.graphs.can_run(len(seqs))
-                or sum((s.num_computed_tokens + 1) % bs == 0 for s in seqs) > self.scheduler.free_blocks()):
+        bs, max_model_len = self.cache.block_size, self.max_model_len
+        keep, seqs, new_blocks = [], [], 0
+        for i, s in enumerate(step.sampled):
+            length = len(s.token_ids) + 1  # once the token in flight lands
+            if not s.is_finished and length - s.num_prompt_tokens < s.params.max_tokens and length < max_model_len:
+                keep.append(i)
+                seqs.append(s)
+                new_blocks += (s.num_computed_tokens + 1) % bs == 0
+        if not seqs or not self.runner.graphs.can_run(len(seqs)) or new_blocks > self.scheduler.free_blocks():
             return None
-        input_ids = step.tokens if len(keep) == len(step.sampled) else step.tokens[torch.tensor(keep, device=step.tokens.device)]
+        input_ids = step.tokens if len(keep) == len(step.sampled) else step.tokens[self._to_device(keep, step.tokens)]
         try:
             logits = self.runner.run_ahead(seqs, input_ids)
         except CacheCapacityError:
@@ -213,6 +219,13 @@ class LLMEngine:
         self.num_steps += 1
         self.num_steps_ahead += 1
         return self._sample(ScheduledBatch(seqs, [1] * len(seqs)), seqs, logits, is_graph=True)
+
+    @staticmethod
+    def _to_device(values: list[int], like: torch.Tensor) -> torch.Tensor:
+        """An int64 tensor of `values` on `like`'s device, copied without waiting for the GPU."""
+        if not like.is_cuda:
+            return torch.tensor(values, dtype=torch.int64)
+        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(like.device, non_blocking=True)
 
     def _finish(self, step: "_Step") -> list[RequestOutput]:
         """Read a step's tokens (waiting for them if need be) and advance its sequences."""
@@ -233,27 +246,29 @@ class LLMEngine:
             self.num_generated_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            self._check_stop(seq, token)
-            if seq.is_finished:
+            if self._check_stop(seq, token):
                 self._retire(seq)
-            if seq.is_finished or seq.stream:
+                outputs.append(seq.output(self.detokenizer.visible_text(seq)))
+            elif seq.stream:
                 outputs.append(seq.output(self.detokenizer.visible_text(seq)))
         return outputs
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        """Finish `seq` if its newest token ends it; returns whether it is finished."""
         params = seq.params
-        if token in self.eos_token_ids and not params.ignore_eos:
-            seq.finish("stop", token)
-        elif token in params.stop_token_ids:
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish("stop", token)
         if seq.stream or params.stop:
             stop = self.detokenizer.update(seq)
             if stop is not None and not seq.is_finished:
                 seq.finish("stop", stop)
         if seq.is_finished:
-            return
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return True
+        length = len(seq.token_ids)
+        if length - seq.num_prompt_tokens >= params.max_tokens or length >= self.max_model_len:
             seq.finish("length")
+            return True
+        return False
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

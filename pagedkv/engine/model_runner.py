@@ -44,7 +44,7 @@ class ModelRunner:
     def run_ahead(self, seqs: list, input_ids: torch.Tensor) -> torch.Tensor:
         """A decode step queued behind one still in flight: `input_ids` [len(seqs)] are that step's sampled
         tokens, on the device; returns logits [len(seqs), vocab]. Raises CacheCapacityError (cache untouched)."""
-        return self.graphs.run(seqs, input_ids=input_ids, lookahead=1)
+        return self.graphs.run(seqs, input_ids=input_ids)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:

@@ -182,12 +182,12 @@ class Scheduler:
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance the sequences of a finished forward pass and register their newly full blocks."""
-        bs = self.cache.block_size
+        bs, prefix_caching = self.cache.block_size, self.prefix.enabled
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.is_finished:  # aborted while its step was in flight: its blocks are gone
                 continue
             seq.num_computed_tokens += n
-            if self.prefix.enabled and seq.num_computed_tokens // bs > seq.num_registered_blocks:
+            if prefix_caching and seq.num_computed_tokens // bs > seq.num_registered_blocks:
                 self.prefix.block_hashes(seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
                 seq.num_registered_blocks = self.prefix.register(seq.seq_id, seq.block_hashes,
                                                                  seq.num_registered_blocks, seq.num_computed_tokens)
