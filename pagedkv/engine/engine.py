@@ -78,6 +78,7 @@ class LLMEngine:
         self._in_flight: _Step | None = None  # a decode step queued on the GPU, tokens not read yet
         self._token_buffers: list[torch.Tensor] | None = None  # pinned, for the sampled tokens of two steps
         self._token_events: list[torch.cuda.Event] = []  # recorded after each buffer's copy
+        self._keep_buffers: list[torch.Tensor] = []  # pinned, the rows of a step's tokens the next step keeps
 
     # ------------------------------------------------------------------------------------------
     # requests
@@ -183,8 +184,9 @@ class LLMEngine:
         host = event = None
         if tokens is not None and tokens.is_cuda:
             if self._token_buffers is None:
-                self._token_buffers = [torch.empty(self.config.max_num_seqs, dtype=torch.int64, pin_memory=True)
-                                       for _ in range(2)]
+                size = self.config.max_num_seqs
+                self._token_buffers = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+                self._keep_buffers = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
                 self._token_events = [torch.cuda.Event() for _ in range(2)]
             turn = self.num_steps % 2  # two steps in flight at most, one of each parity
             host = self._token_buffers[turn][:len(sampled)]
@@ -208,7 +210,7 @@ class LLMEngine:
                 new_blocks += (s.num_computed_tokens + 1) % bs == 0
         if not seqs or not self.runner.graphs.can_run(len(seqs)) or new_blocks > self.scheduler.free_blocks():
             return None
-        input_ids = step.tokens if len(keep) == len(step.sampled) else step.tokens[self._to_device(keep, step.tokens)]
+        input_ids = step.tokens if len(keep) == len(step.sampled) else self._surviving_tokens(step, keep)
         try:
             logits = self.runner.run_ahead(seqs, input_ids)
         except CacheCapacityError:
@@ -220,12 +222,13 @@ class LLMEngine:
         self.num_steps_ahead += 1
         return self._sample(ScheduledBatch(seqs, [1] * len(seqs)), seqs, logits, is_graph=True)
 
-    @staticmethod
-    def _to_device(values: list[int], like: torch.Tensor) -> torch.Tensor:
-        """An int64 tensor of `values` on `like`'s device, copied without waiting for the GPU."""
-        if not like.is_cuda:
-            return torch.tensor(values, dtype=torch.int64)
-        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(like.device, non_blocking=True)
+    def _surviving_tokens(self, step: "_Step", keep: list[int]) -> torch.Tensor:
+        """The in-flight tokens of step.sampled[i] for i in `keep`, gathered on the device without waiting for it."""
+        if not step.tokens.is_cuda:
+            return step.tokens[torch.tensor(keep)]
+        host = self._keep_buffers[(self.num_steps + 1) % 2][:len(keep)]  # the turn of the step being queued
+        host.numpy()[:] = keep
+        return step.tokens[host.to(step.tokens.device, non_blocking=True)]
 
     def _finish(self, step: "_Step") -> list[RequestOutput]:
         """Read a step's tokens (waiting for them if need be) and advance its sequences."""
