@@ -48,6 +48,6 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
                                    query.device)
     if num_splits > 1:
         return split_k.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
-                                       softcap=softcap, num_splits=num_splits, tiles=split_tiles(group, head_dim))
+                                       softcap=softcap, num_splits=num_splits, tiles=split_tiles(group, head_dim, packed))
     return attention.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
                                      softcap=softcap, tiles=tiles)

@@ -120,7 +120,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     num_seqs = meta.block_table.shape[0]
     group = num_q_heads // view.num_kv_heads
     tiles = tiles or choose_tiles(num_tokens, num_seqs, group, head_dim, query.device,
-                                  packed=view.kind == TURBOQUANT or (view.kind == KVQUANT and view.k_bits < 8))
+                                  packed=view.kind == TURBOQUANT or (view.kind == KVQUANT and view.k_bits == 4))
     block_q = tiles.block_m // group
     head_dim_pad = triton.next_power_of_2(head_dim)
     out = torch.empty_like(query)

@@ -4,7 +4,13 @@ Decode-like batches (about one query token per sequence) use 16-row tiles: the r
 heads of one KV head's group, and the kernel is bound by reading pages. Prefill uses 128-row tiles
 and is bound by the matrix units. Split-K is taken when the (sequence, KV head) programs would not
 fill one wave of the GPU, so that long contexts of few sequences are spread over all multiprocessors.
-The defaults come from `bench/kernels.py --sweep` on an H200 (BENCHMARKS.md).
+
+Decode stages: the page loads of a tile sit behind one level of indirection (the block table), or
+two for packed formats (their decode tables), and Triton's software pipeliner divides `num_stages`
+among those levels. Below 5 stages (8 with a decode table) each page tile gets a single shared-memory
+buffer, so the next tile's copy is only issued after the current tile is consumed and nothing is in
+flight while a program computes; 5 (8) stages give two buffers and a real prefetch (seen in the
+compiled TTGIR for sm_90: `bench/kernel_report.py`).
 """
 
 from __future__ import annotations
@@ -30,24 +36,34 @@ def is_decode_like(num_tokens: int, num_seqs: int) -> bool:
 
 def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, device: torch.device,
                  packed: bool = False) -> TileConfig:
-    """`packed`: sub-byte or TurboQuant pages, whose tiles are small enough to stream 128 keys per step."""
+    """`packed`: pages read through a decode table (`is_packed`)."""
     rows = max(16, triton.next_power_of_2(group))
     if device.type != "cuda":  # the interpreter: small tiles keep CPU tests quick
         return TileConfig(rows, 16, 4, 1)
     if is_decode_like(num_tokens, num_seqs):
-        return TileConfig(rows, 128 if packed and head_dim <= 128 else 64, 4, 2)
+        return decode_tiles(rows, head_dim, packed)
     if head_dim <= 128:
         return TileConfig(max(128, rows), 128, 8, 2)
     return TileConfig(max(64, rows), 64, 4, 2)
 
 
 def is_packed(kind: str, key_bits: int) -> bool:
-    return kind == "turboquant" or (kind == "kvquant" and key_bits < 8)
+    """Formats whose pages are read through a second level of indirection, a decode table
+    (`codecs.lookup_pairs`, TurboQuant's codebook): TurboQuant and KV-Quant q4."""
+    return kind == "turboquant" or (kind == "kvquant" and key_bits == 4)
 
 
-def split_tiles(group: int, head_dim: int) -> TileConfig:
+def decode_tiles(rows: int, head_dim: int, packed: bool) -> TileConfig:
+    """64 keys per step, double-buffered (see the module docstring); head_dim 256 keeps one buffer so
+    that two programs still fit a multiprocessor's shared memory."""
+    if head_dim > 128:
+        return TileConfig(rows, 64, 4, 2)
+    return TileConfig(rows, 64, 4, 8 if packed else 5)
+
+
+def split_tiles(group: int, head_dim: int, packed: bool = False) -> TileConfig:
     """Tiles of the split-K kernel (decode of few, long sequences)."""
-    return TileConfig(max(16, triton.next_power_of_2(group)), 128 if head_dim <= 128 else 64, 4, 2)
+    return decode_tiles(max(16, triton.next_power_of_2(group)), head_dim, packed)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,154 @@
+"""What the compiler makes of the decode attention kernel for an H100/H200 (sm_90), without a GPU.
+
+    python bench/kernel_report.py [--formats off,q8,q4,turboquant] [--configs 64x4x5,128x4x2] [--json OUT]
+
+For each page format and tile config (keys per step x warps x pipeline stages) it compiles
+`paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
+wheel) and prints: registers per thread and spills (ptxas), how many shared-memory buffers the software
+pipeliner gave each page tile (1 = the next tile's copy waits for the current one to be consumed),
+and the instructions of the main key loop per key row (per warp x warps / keys per step): a static
+cost model for comparing kernel variants when no GPU is at hand. Time on a GPU is the only final word.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pagedkv.config import KVFormat  # noqa: E402
+from pagedkv.formats import make_format  # noqa: E402
+from pagedkv.ops.triton import attention  # noqa: E402
+from pagedkv.ops.triton.page_view import page_view, stride3  # noqa: E402
+from pagedkv.ops.triton.tuning import TileConfig, choose_tiles, is_packed  # noqa: E402
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16   # as bench/kernels.py
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+class _Sm90Target:
+    """Just enough of Triton's driver interface for `JITFunction.warmup` to compile for sm_90 on a CPU."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_benchmarker(self):
+        return None
+
+    def is_active(self):
+        return True
+
+    def map_python_to_cpp_type(self, t):
+        return t
+
+
+def compile_decode(spec: str, tiles: TileConfig, batch: int = 64, context: int = 8192):
+    fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
+    view = page_view(fmt, fmt.allocate_pages(4, BLOCK_SIZE))
+    q = torch.empty(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    table = torch.zeros(batch, context // BLOCK_SIZE, dtype=torch.int32)
+    lens, qsl = torch.zeros(batch, dtype=torch.int32), torch.zeros(batch + 1, dtype=torch.int32)
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    return attention.paged_attention_kernel.warmup(
+        out, q, *attention.launch_args(view, q.dtype), table, lens, qsl,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), table.stride(0),
+        stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
+        batch, 0.1, 1.0, 0,
+        GROUP=group, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_M=tiles.block_m,
+        BLOCK_Q=tiles.block_m // group, TILE_N=tiles.tile_n, USE_SOFTCAP=False, USE_WINDOW=False, KIND=view.kind,
+        K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_Q=view.rotate_keys, ROTATE_OUT=view.rotate_out,
+        DOT_PRECISION="tf32", num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=(1,))
+
+
+def sass_loops(sass: str) -> list[list[str]]:
+    """Bodies of the backward branches of a SASS listing (loops), longest first."""
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);", sass, re.M)]
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            loops.append([t for a, t in ins if lo <= a <= addr])
+    return sorted(loops, key=len, reverse=True)
+
+
+def report(spec: str, tiles: TileConfig) -> dict:
+    kernel = compile_decode(spec, tiles)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
+        ptx.write_text(kernel.asm["ptx"])
+        info = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)],
+                              capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    ttgir = kernel.asm["ttgir"]
+    buffers = sorted({int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x", ttgir)})
+    loop = sass_loops(sass)[0]
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
+    return {"format": spec, "tile_n": tiles.tile_n, "warps": tiles.num_warps, "stages": tiles.num_stages,
+            "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+            "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
+            "shared_bytes": kernel.metadata.shared, "page_tile_buffers": buffers,
+            "loop_instructions": len(loop), "per_key_row": round(len(loop) * tiles.num_warps / tiles.tile_n, 1),
+            "top_ops": dict(ops.most_common(8))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--formats", default="off,q8,q4,turboquant", help="','-separated; use ';' if a format has commas")
+    parser.add_argument("--configs", default="default",
+                        help="TILE_NxWARPSxSTAGES list, e.g. 64x4x5,128x4x2; 'default' = the decode defaults")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    driver.set_active(_Sm90Target())
+    formats = args.formats.split(";") if ";" in args.formats else args.formats.split(",")
+    rows = []
+    print(f"{'format':28s} {'tiles':>9s} {'regs':>5s} {'spill':>6s} {'smem KB':>8s} {'buffers':>8s} {'loop':>6s} {'/key row':>9s}")
+    for spec in formats:
+        fmt = KVFormat.parse(spec)
+        bits = int(fmt.mode[1:]) if fmt.kind == "kvquant" else 16
+        configs = ([choose_tiles(64, 64, 4, HEAD_DIM, torch.device("cuda"), packed=is_packed(fmt.kind, bits))]
+                   if args.configs == "default" else
+                   [TileConfig(16, *map(int, c.split("x"))) for c in args.configs.split(",")])
+        for tiles in configs:
+            r = report(spec, tiles)
+            rows.append(r)
+            shape = "{tile_n}x{warps}x{stages}".format(**r)
+            print(f"{spec:28s} {shape:>9s} {r['registers']:5d} {r['spill_bytes']:6d} "
+                  f"{r['shared_bytes'] / 1024:8.1f} {str(r['page_tile_buffers']):>8s} {r['loop_instructions']:6d} "
+                  f"{r['per_key_row']:9.1f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
