@@ -43,7 +43,7 @@ DECODE_SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 PREFILL_CHUNK, PREFILL_CONTEXTS = 2048, [0, 8192]
 FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "turboquant:k=q8_0,v=q4_0",
            "turboquant:k=q4_0,v=q2_0"]
-SWEEP_FORMATS, SWEEP_SHAPES = ("off", "turboquant"), ((1, 32768), (32, 4096), (64, 8192))
+SWEEP_FORMATS, SWEEP_SHAPES = ("off", "q8", "q4", "turboquant"), ((1, 32768), (64, 8192))
 DEV = torch.device("cuda")
 SCALE = HEAD_DIM ** -0.5
 
@@ -231,9 +231,14 @@ def bench_decode(formats, shapes, gen, tiles_for=None) -> list[dict]:
     return rows
 
 
+PREVIOUS_DECODE_TILES = {False: TileConfig(16, 64, 4, 2), True: TileConfig(16, 128, 4, 2)}  # defaults before 5/8 stages
+SWEEP_TILES = [TileConfig(16, 64, 4, 5), TileConfig(16, 64, 4, 8), TileConfig(16, 128, 4, 5), TileConfig(16, 32, 4, 5)]
+
+
 def decode_sweep(spec, layers, metas, queries, copies):
-    """Time the varlen kernel against split-K with several split counts (default tiles) for one decode case."""
-    from pagedkv.ops.triton.tuning import choose_tiles, is_packed, split_tiles
+    """Time other tile shapes (and split counts) for one decode case, with the default's own kernel
+    (varlen or split-K with the default number of splits): the previous defaults and a few others."""
+    from pagedkv.ops.triton.tuning import choose_num_splits, choose_tiles, is_packed, split_tiles
 
     out = {}
     num_seqs = metas[0].block_table.shape[0]
@@ -242,11 +247,26 @@ def decode_sweep(spec, layers, metas, queries, copies):
     calls = lambda fn: [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)  # noqa: E731
                         for i, ((f, p, _), m) in enumerate(zip(layers, metas))]
     packed = is_packed(fmt.spec.kind, getattr(fmt, "bits", getattr(fmt, "key_bits", 16)))
-    tiles = choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, packed=packed)
-    out["varlen"] = time_per_call(calls(lambda q, p, f, m: attention.paged_attention(q, p, f, m, scale=SCALE, tiles=tiles)))
-    for splits in ((16, 32, 64) if num_seqs == 1 else (2, 3, 4)):
-        out[f"split{splits}"] = time_per_call(calls(lambda q, p, f, m, s=splits: split_k.paged_attention(
-            q, p, f, m, scale=SCALE, num_splits=s, tiles=split_tiles(group, HEAD_DIM))))
+    default = choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, packed=packed)
+    splits = choose_num_splits(num_seqs * NUM_KV_HEADS, metas[0].block_table.shape[1] * BLOCK_SIZE, DEV)
+    candidates = [PREVIOUS_DECODE_TILES[packed]] + [t for t in SWEEP_TILES if t != default]
+
+    def run(tiles, num_splits):
+        if num_splits == 1:
+            return lambda q, p, f, m: attention.paged_attention(q, p, f, m, scale=SCALE, tiles=tiles)
+        return lambda q, p, f, m: split_k.paged_attention(q, p, f, m, scale=SCALE, num_splits=num_splits, tiles=tiles)
+
+    for tiles in candidates:
+        key = f"n{tiles.tile_n}_w{tiles.num_warps}_s{tiles.num_stages}" + (f"_split{splits}" if splits > 1 else "")
+        try:
+            out[key] = time_per_call(calls(run(tiles, splits)))
+        except Exception as e:  # noqa: BLE001  (a config that does not fit the GPU's shared memory)
+            out[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    for other in ([splits // 2, splits * 2] if splits > 1 else [2]):
+        tiles = split_tiles(group, HEAD_DIM, packed) if other > 1 else default
+        out[f"default_tiles_split{other}"] = time_per_call(calls(run(tiles, other)))
+    print("    sweep: " + ", ".join(f"{k} {v * 1e3:.1f} us" if isinstance(v, float) else f"{k} {v}"
+                                    for k, v in out.items()), flush=True)
     return out
 
 
