@@ -257,15 +257,15 @@ class LLMEngine:
         return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
-        """Finish `seq` if its newest token ends it; returns whether it is finished."""
+        """Finish `seq` if its newest token ends it; returns whether it did."""
         params = seq.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            seq.finish("stop", token)
+        is_stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        stop = token if is_stop_token else None
         if seq.stream or params.stop:
-            stop = self.detokenizer.update(seq)
-            if stop is not None and not seq.is_finished:
-                seq.finish("stop", stop)
-        if seq.is_finished:
+            stop_string = self.detokenizer.update(seq)
+            stop = stop_string if stop is None else stop
+        if stop is not None:
+            seq.finish("stop", stop)
             return True
         length = len(seq.token_ids)
         if length - seq.num_prompt_tokens >= params.max_tokens or length >= self.max_model_len:

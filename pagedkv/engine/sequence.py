@@ -29,6 +29,7 @@ class Sequence:
         self.seq_id = seq_id  # the cache's id for this sequence
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # every output of the request shares this list
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.stream = stream  # stream text as it comes (incremental detokenization)
@@ -71,5 +72,5 @@ class Sequence:
 
     def output(self, text: str) -> RequestOutput:
         completion = CompletionOutput(0, text, self.output_token_ids, self.finish_reason, self.stop_reason)
-        return RequestOutput(self.request_id, self.prompt, self.token_ids[:self.num_prompt_tokens], [completion],
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              self.is_finished, self.metrics, self.error)
