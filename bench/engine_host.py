@@ -196,6 +196,8 @@ def table(columns: dict[str, dict], title: str) -> str:
                       ("step_us_timed_mean", "step, mean with phases timed")):
         lines.append(f"| {name} | " + " | ".join(f"{c[key]:.0f}" for c in columns.values()) + " |")
     for label in labels:
+        if all(c["phases_us"].get(label, 0.0) < 0.5 for c in columns.values()):
+            continue  # a path no timed step took (the scheduler's, when every step is queued ahead)
         cells = [f"{c['phases_us'][label]:.0f}" if label in c["phases_us"] else "-" for c in columns.values()]
         lines.append(f"| {label.replace('  ', '&nbsp;&nbsp;')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
