@@ -1,6 +1,7 @@
 """What the compiler makes of the decode attention kernel for an H100/H200 (sm_90), without a GPU.
 
     python bench/kernel_report.py [--formats off,q8,q4,turboquant] [--configs 64x4x5,128x4x2] [--json OUT]
+    python bench/kernel_report.py --compile-all [--formats ...]
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
 `paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
@@ -8,6 +9,11 @@ wheel) and prints: registers per thread and spills (ptxas), how many shared-memo
 pipeliner gave each page tile (1 = the next tile's copy waits for the current one to be consumed),
 and the instructions of the main key loop per key row (per warp x warps / keys per step): a static
 cost model for comparing kernel variants when no GPU is at hand. Time on a GPU is the only final word.
+
+`--compile-all` compiles every kernel for sm_90 through its real host wrapper (cache write, varlen
+attention for decode and prefill tiles, split-K and its reduce) for each format, query dtype and
+head_dim, launching nothing: the Triton interpreter the CPU tests use never lowers a kernel, so this
+is what catches a kernel that would not compile for the GPU. Exits 1 if any fails.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from pagedkv.config import KVFormat  # noqa: E402
 from pagedkv.formats import make_format  # noqa: E402
 from pagedkv.ops.triton import attention  # noqa: E402
 from pagedkv.ops.triton.page_view import page_view, stride3  # noqa: E402
-from pagedkv.ops.triton.tuning import TileConfig, choose_tiles, is_packed  # noqa: E402
+from pagedkv.ops.triton.tuning import TileConfig, choose_tiles, page_class  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16   # as bench/kernels.py
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -122,21 +128,77 @@ def report(spec: str, tiles: TileConfig) -> dict:
             "top_ops": dict(ops.most_common(8))}
 
 
+class _CompileOnly:
+    """Within it, `kernel[grid](...)` compiles for the active target and launches nothing."""
+
+    def __enter__(self):
+        from triton.runtime.jit import JITFunction
+
+        self._run = JITFunction.run
+        JITFunction.run = lambda fn, *args, grid, warmup, **kw: self._run(fn, *args, grid=grid, warmup=True, **kw)
+
+    def __exit__(self, *exc):
+        from triton.runtime.jit import JITFunction
+
+        JITFunction.run = self._run
+
+
+def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int = 8, num_kv_heads: int = 2) -> None:
+    """Compile the write, attention (decode and prefill tiles), split-K and reduce kernels of one format."""
+    from pagedkv.ops.metadata import AttentionMetadata
+    from pagedkv.ops.triton import kv_write, split_k
+    from pagedkv.ops.triton.tuning import page_class, split_tiles
+
+    cuda = torch.device("cuda")
+    fmt = make_format(KVFormat.parse(spec), num_kv_heads, head_dim, dtype, "cpu")
+    pages = fmt.allocate_pages(8, BLOCK_SIZE)
+    seqs, new = 2, 3
+    table = torch.arange(8, dtype=torch.int32).view(seqs, 4)
+    meta = AttentionMetadata(table, torch.tensor([40, 20], dtype=torch.int32), torch.tensor([0, new, 2 * new], dtype=torch.int32),
+                             torch.arange(seqs * new, dtype=torch.int64), None, [40, 20], [0, new, 2 * new], BLOCK_SIZE)
+    q = torch.empty(seqs * new, num_q_heads, head_dim, dtype=dtype)
+    k = torch.empty(seqs * new, num_kv_heads, head_dim, dtype=dtype)
+    group = num_q_heads // num_kv_heads
+    pages_kind = page_class(fmt.spec.kind, getattr(fmt, "bits", 16))
+    with _CompileOnly():
+        kv_write.write_kv(pages, fmt, k, k, meta)
+        for tiles in (choose_tiles(seqs, seqs, group, head_dim, cuda, pages=pages_kind),      # decode tiles
+                      choose_tiles(4096, seqs, group, head_dim, cuda, pages=pages_kind)):     # prefill tiles
+            attention.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles)
+        split_k.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=4, tiles=split_tiles(group, head_dim, pages_kind))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--formats", default="off,q8,q4,turboquant", help="','-separated; use ';' if a format has commas")
     parser.add_argument("--configs", default="default",
                         help="TILE_NxWARPSxSTAGES list, e.g. 64x4x5,128x4x2; 'default' = the decode defaults")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--compile-all", action="store_true", help="compile every kernel for each format, dtype, head_dim")
+    parser.add_argument("--dtypes", default="bfloat16,float16,float32", help="with --compile-all: query dtypes")
+    parser.add_argument("--head-dims", default="64,128,256", help="with --compile-all")
     args = parser.parse_args()
     driver.set_active(_Sm90Target())
     formats = args.formats.split(";") if ";" in args.formats else args.formats.split(",")
+    if args.compile_all:
+        failed = 0
+        for spec in formats:
+            for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+                for head_dim in map(int, args.head_dims.split(",")):
+                    try:
+                        compile_all(spec, dtype, head_dim)
+                        status = "ok"
+                    except Exception as e:  # noqa: BLE001  (reported, then the exit code says so)
+                        failed += 1
+                        status = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                    print(f"{spec:40s} {str(dtype):15s} head_dim {head_dim:3d}: {status}", flush=True)
+        sys.exit(1 if failed else 0)
     rows = []
     print(f"{'format':28s} {'tiles':>9s} {'regs':>5s} {'spill':>6s} {'smem KB':>8s} {'buffers':>8s} {'loop':>6s} {'/key row':>9s}")
     for spec in formats:
         fmt = KVFormat.parse(spec)
         bits = int(fmt.mode[1:]) if fmt.kind == "kvquant" else 16
-        configs = ([choose_tiles(64, 64, 4, HEAD_DIM, torch.device("cuda"), packed=is_packed(fmt.kind, bits))]
+        configs = ([choose_tiles(64, 64, 4, HEAD_DIM, torch.device("cuda"), pages=page_class(fmt.kind, bits))]
                    if args.configs == "default" else
                    [TileConfig(16, *map(int, c.split("x"))) for c in args.configs.split(",")])
         for tiles in configs:

@@ -231,14 +231,15 @@ def bench_decode(formats, shapes, gen, tiles_for=None) -> list[dict]:
     return rows
 
 
-PREVIOUS_DECODE_TILES = {False: TileConfig(16, 64, 4, 2), True: TileConfig(16, 128, 4, 2)}  # defaults before 5/8 stages
-SWEEP_TILES = [TileConfig(16, 64, 4, 5), TileConfig(16, 64, 4, 8), TileConfig(16, 128, 4, 5), TileConfig(16, 32, 4, 5)]
+# other decode tiles (keys x warps x stages): single- and double-buffered (see pagedkv/ops/triton/tuning.py)
+SWEEP_TILES = [TileConfig(16, 64, 4, 2), TileConfig(16, 128, 4, 2), TileConfig(16, 64, 4, 5), TileConfig(16, 64, 4, 8),
+               TileConfig(16, 128, 4, 5), TileConfig(16, 32, 4, 5)]
 
 
 def decode_sweep(spec, layers, metas, queries, copies):
     """Time other tile shapes (and split counts) for one decode case, with the default's own kernel
-    (varlen or split-K with the default number of splits): the previous defaults and a few others."""
-    from pagedkv.ops.triton.tuning import choose_num_splits, choose_tiles, is_packed, split_tiles
+    (varlen or split-K with the default number of splits)."""
+    from pagedkv.ops.triton.tuning import choose_num_splits, choose_tiles, page_class, split_tiles
 
     out = {}
     num_seqs = metas[0].block_table.shape[0]
@@ -246,10 +247,11 @@ def decode_sweep(spec, layers, metas, queries, copies):
     group = NUM_Q_HEADS // NUM_KV_HEADS
     calls = lambda fn: [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)  # noqa: E731
                         for i, ((f, p, _), m) in enumerate(zip(layers, metas))]
-    packed = is_packed(fmt.spec.kind, getattr(fmt, "bits", getattr(fmt, "key_bits", 16)))
-    default = choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, packed=packed)
+    pages = page_class(fmt.spec.kind, getattr(fmt, "bits", 16))
     splits = choose_num_splits(num_seqs * NUM_KV_HEADS, metas[0].block_table.shape[1] * BLOCK_SIZE, DEV)
-    candidates = [PREVIOUS_DECODE_TILES[packed]] + [t for t in SWEEP_TILES if t != default]
+    default = choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, pages=pages) if splits == 1 else \
+        split_tiles(group, HEAD_DIM, pages)
+    candidates = [t for t in SWEEP_TILES if t != default]
 
     def run(tiles, num_splits):
         if num_splits == 1:
@@ -263,7 +265,8 @@ def decode_sweep(spec, layers, metas, queries, copies):
         except Exception as e:  # noqa: BLE001  (a config that does not fit the GPU's shared memory)
             out[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
     for other in ([splits // 2, splits * 2] if splits > 1 else [2]):
-        tiles = split_tiles(group, HEAD_DIM, packed) if other > 1 else default
+        tiles = split_tiles(group, HEAD_DIM, pages) if other > 1 else \
+            choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, pages=pages)
         out[f"default_tiles_split{other}"] = time_per_call(calls(run(tiles, other)))
     print("    sweep: " + ", ".join(f"{k} {v * 1e3:.1f} us" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in out.items()), flush=True)

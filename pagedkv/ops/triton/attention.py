@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
-from .page_view import KVQUANT, TURBOQUANT, PageView, decode_table, page_view, stride3
+from .page_view import PageView, decode_table, page_view, stride3, view_class
 from .tiles import attend_range, find_sequence, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles
 
@@ -120,7 +120,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     num_seqs = meta.block_table.shape[0]
     group = num_q_heads // view.num_kv_heads
     tiles = tiles or choose_tiles(num_tokens, num_seqs, group, head_dim, query.device,
-                                  packed=view.kind == TURBOQUANT or (view.kind == KVQUANT and view.k_bits == 4))
+                                  pages=view_class(view))
     block_q = tiles.block_m // group
     out = torch.empty_like(query)
     if num_tokens == 0:

@@ -169,7 +169,7 @@ def compute_dtype(kind, dtype):
 @triton.constexpr_function
 def uses_pair_table(kind, bits):
     """Whether codes of `bits` bits are decoded two at a time through a table (see `lookup_pairs`)."""
-    return (kind == TURBOQUANT and bits in (2, 3, 4)) or (kind == KVQUANT and bits == 4)
+    return kind == TURBOQUANT and bits in (2, 3, 4)
 
 
 @triton.jit
@@ -199,8 +199,6 @@ def load_keys(k_ptr, ks_ptr, kz_ptr, table_ptr, block, slot, in_range, k_strides
     if KIND == KVQUANT:
         if K_BITS == 8:   # int8 codes convert straight to the dot's dtype (exact; packed conversions)
             k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(CDTYPE)
-        elif uses_pair_table(KIND, K_BITS):
-            k = lookup_pairs(table_ptr, k_ptr, row, in_range, HEAD_DIM, K_BITS)
         else:
             codes = unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS, False) - ((1 << (K_BITS - 1)) - 1)
             k = int_to_float(codes).to(CDTYPE)
@@ -239,8 +237,6 @@ def load_values(v_ptr, vs_ptr, table_ptr, block, slot, in_range, v_strides, vs_s
     if KIND == KVQUANT:
         if V_BITS == 8:
             v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(CDTYPE)
-        elif uses_pair_table(KIND, V_BITS):
-            v = lookup_pairs(table_ptr, v_ptr, row, in_range, HEAD_DIM, V_BITS)
         else:
             codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False) - ((1 << (V_BITS - 1)) - 1)
             v = int_to_float(codes).to(CDTYPE)

@@ -40,7 +40,7 @@ class PageView:
     scale_multipliers: torch.Tensor | None = None  # [m] float32 value-scale grid (multiples of the RMS)
     rotate_keys: bool = False
     rotate_out: bool = False
-    tables: dict | None = None                # decode tables by (purpose, dtype), see `decode_table`
+    tables: dict | None = None                # TurboQuant decode tables by dtype, see `decode_table`
 
     def aux(self, name: str) -> torch.Tensor:
         t = getattr(self, name)
@@ -84,28 +84,18 @@ def _pair_table(elements: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def decode_table(view: PageView, dtype: torch.dtype) -> torch.Tensor:
-    """The table the attention kernels decode codes through, for queries of `dtype` (`codecs.lookup_pairs`):
-    TurboQuant values: centroids in the kernels' compute dtype (float16 for 16-bit queries, float32
-    otherwise), as pairs for 2-4 bits; KV-Quant q4: pairs of signed codes (code - 7) in `dtype`. Built once
-    per (format, dtype), so a CUDA-graph capture after a first eager call allocates nothing."""
-    if view.kind == TURBOQUANT:
-        cdtype = torch.float32 if dtype == torch.float32 else torch.float16
-        key = ("values", cdtype)
-        elements, bits = view.codebook, view.v_bits
-    elif view.kind == KVQUANT and view.k_bits == 4:
-        cdtype = dtype
-        key = ("kvquant4", cdtype)
-        elements, bits = torch.arange(16, device=view.k.device, dtype=torch.float32) - 7, 4
-    else:
+    """The table the attention kernels decode TurboQuant values through, for queries of `dtype`: the
+    centroids in the kernels' compute dtype (float16 for 16-bit queries, float32 otherwise), as pairs
+    (`codecs.lookup_pairs`) for 2-4 bits. Built once per (format, dtype), so a CUDA-graph capture after a
+    first eager call allocates nothing. Other formats need none (their key pages stand in)."""
+    if view.kind != TURBOQUANT:
         return view.k
-    tables = view.tables if view.kind == TURBOQUANT else _tables.setdefault(view.k.device, {})
-    if key not in tables:
-        table = _pair_table(elements, bits) if bits <= 4 else elements
-        tables[key] = table.to(cdtype).contiguous()
-    return tables[key]
-
-
-_tables: dict = {}   # KV-Quant tables by device (they depend on nothing else)
+    cdtype = torch.float32 if dtype == torch.float32 else torch.float16
+    if cdtype not in view.tables:
+        bits = view.v_bits
+        table = _pair_table(view.codebook, bits) if bits <= 4 else view.codebook
+        view.tables[cdtype] = table.to(cdtype).contiguous()
+    return view.tables[cdtype]
 
 
 def page_view(fmt: PageFormat, pages: dict[str, torch.Tensor]) -> PageView:
@@ -124,6 +114,13 @@ def page_view(fmt: PageFormat, pages: dict[str, torch.Tensor]) -> PageView:
                         k_bits=fmt.key_bits, v_bits=fmt.value_bits, rotate_keys=fmt.key_signs is not None,
                         rotate_out=True, **extra)
     raise AssertionError(f"no Triton page view for format kind {kind!r}")
+
+
+def view_class(view: PageView) -> str:
+    """`tuning.page_class` of a view."""
+    if view.kind == DENSE:
+        return "dense"
+    return "int8" if view.kind == KVQUANT and view.k_bits == 8 else "packed"
 
 
 def is_supported(fmt: PageFormat) -> tuple[bool, str | None]:

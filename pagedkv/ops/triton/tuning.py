@@ -5,12 +5,15 @@ heads of one KV head's group, and the kernel is bound by reading pages. Prefill 
 and is bound by the matrix units. Split-K is taken when the (sequence, KV head) programs would not
 fill one wave of the GPU, so that long contexts of few sequences are spread over all multiprocessors.
 
-Decode stages: the page loads of a tile sit behind one level of indirection (the block table), or
-two for packed formats (their decode tables), and Triton's software pipeliner divides `num_stages`
-among those levels. Below 5 stages (8 with a decode table) each page tile gets a single shared-memory
-buffer, so the next tile's copy is only issued after the current tile is consumed and nothing is in
-flight while a program computes; 5 (8) stages give two buffers and a real prefetch (seen in the
-compiled TTGIR for sm_90: `bench/kernel_report.py`).
+Decode stages: the page loads of a tile sit behind the block table (and, for TurboQuant and KV-Quant
+q4, a decode table as well), and Triton's software pipeliner divides `num_stages` among those levels of
+indirection. Below 5 stages (8 with a decode table) each page tile gets a single shared-memory buffer:
+the next tile's copy is issued only after the current tile is consumed, so a program has nothing in
+flight while it computes (the compiled TTGIR for sm_90 shows it: `bench/kernel_report.py`). Dense pages
+do little arithmetic per byte, so their decode wants the prefetch: 5 stages, two buffers. Quantized
+pages spend most of a tile on decoding codes, their registers and shared memory already limit them
+to two or three programs per multiprocessor, and the prefetching configs compile to more instructions
+per key (`kernel_report`), so they keep the single-buffer tiles measured on an H200 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -35,35 +38,43 @@ def is_decode_like(num_tokens: int, num_seqs: int) -> bool:
 
 
 def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, device: torch.device,
-                 packed: bool = False) -> TileConfig:
-    """`packed`: pages read through a decode table (`is_packed`)."""
+                 pages: str = "dense") -> TileConfig:
+    """`pages`: `page_class` of the format."""
     rows = max(16, triton.next_power_of_2(group))
     if device.type != "cuda":  # the interpreter: small tiles keep CPU tests quick
         return TileConfig(rows, 16, 4, 1)
     if is_decode_like(num_tokens, num_seqs):
-        return decode_tiles(rows, head_dim, packed)
+        return decode_tiles(rows, head_dim, pages)
     if head_dim <= 128:
         return TileConfig(max(128, rows), 128, 8, 2)
     return TileConfig(max(64, rows), 64, 4, 2)
 
 
-def is_packed(kind: str, key_bits: int) -> bool:
-    """Formats whose pages are read through a second level of indirection, a decode table
-    (`codecs.lookup_pairs`, TurboQuant's codebook): TurboQuant and KV-Quant q4."""
-    return kind == "turboquant" or (kind == "kvquant" and key_bits == 4)
+def page_class(kind: str, bits: int) -> str:
+    """"dense" (float pages), "int8" (KV-Quant q8) or "packed" (sub-byte codes, TurboQuant)."""
+    if kind == "dense":
+        return "dense"
+    return "int8" if kind == "kvquant" and bits == 8 else "packed"
 
 
-def decode_tiles(rows: int, head_dim: int, packed: bool) -> TileConfig:
-    """64 keys per step, double-buffered (see the module docstring); head_dim 256 keeps one buffer so
-    that two programs still fit a multiprocessor's shared memory."""
+def decode_tiles(rows: int, head_dim: int, pages: str) -> TileConfig:
+    """Dense pages: 64 keys per step, double-buffered (see the module docstring); int8 pages: 64 keys,
+    one buffer; packed pages: 128 keys, one buffer. head_dim 256: 64 keys, one buffer, so that two
+    programs still fit a multiprocessor's shared memory."""
     if head_dim > 128:
         return TileConfig(rows, 64, 4, 2)
-    return TileConfig(rows, 64, 4, 8 if packed else 5)
+    if pages == "dense":
+        return TileConfig(rows, 64, 4, 5)
+    return TileConfig(rows, 128 if pages == "packed" else 64, 4, 2)
 
 
-def split_tiles(group: int, head_dim: int, packed: bool = False) -> TileConfig:
-    """Tiles of the split-K kernel (decode of few, long sequences)."""
-    return decode_tiles(max(16, triton.next_power_of_2(group)), head_dim, packed)
+def split_tiles(group: int, head_dim: int, pages: str = "dense") -> TileConfig:
+    """Tiles of the split-K kernel (decode of few, long sequences): the decode tiles, except that
+    quantized pages stream 128 keys per step."""
+    tiles = decode_tiles(max(16, triton.next_power_of_2(group)), head_dim, pages)
+    if pages != "dense" and head_dim <= 128:
+        tiles = TileConfig(tiles.block_m, 128, 4, 2)
+    return tiles
 
 
 @functools.lru_cache(maxsize=None)
