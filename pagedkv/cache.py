@@ -135,7 +135,7 @@ class PagedKVCache(Cache):
             if layer_pages is None:
                 continue
             for name, page in layer_pages.items():
-                extra = page.new_zeros((new_num_blocks - old, *page.shape[1:]))
+                extra = page.new_empty((new_num_blocks - old, *page.shape[1:]))
                 layer_pages[name] = torch.cat([page, extra], dim=0)
 
     # ------------------------------------------------------------------------------------------

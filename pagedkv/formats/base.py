@@ -63,9 +63,10 @@ class PageFormat(ABC):
         return self.bytes_per_token_per_head() * self.num_kv_heads
 
     def allocate_pages(self, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
-        # Zeroed, not empty: kernels load whole blocks and mask the tail, and 0 * NaN from stale
-        # memory would still poison a dot product; zeroing is a one-time cost per allocation.
+        # Not zeroed: no path reads a slot before it is written (kernels mask every load past a
+        # sequence's length with `other=0`, the reference gathers only written slots), and on the CPU
+        # untouched pages cost no resident memory until they are used.
         return {
-            name: torch.zeros(num_blocks, block_size, self.num_kv_heads, width, dtype=dt, device=self.device)
+            name: torch.empty(num_blocks, block_size, self.num_kv_heads, width, dtype=dt, device=self.device)
             for name, (width, dt) in self.page_spec().items()
         }
