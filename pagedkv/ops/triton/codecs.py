@@ -160,7 +160,9 @@ def compute_dtype(kind, dtype):
 
     TurboQuant rebuilds 16-bit keys and values in float16 whatever the queries' 16-bit dtype: its fp16
     scales and zero points then need no conversion, code + zero (|.| <= 1151) is exact, and float16 keeps
-    3 more mantissa bits than bfloat16. Values of a TurboQuant page are bounded by its fp16 scales."""
+    3 more mantissa bits than bfloat16. The price is float16's range: a rebuilt key or value beyond
+    65504 in magnitude would overflow (the reference path computes in float32), orders of magnitude
+    above what attention projections produce."""
     if kind == TURBOQUANT and dtype != tl.float32:
         return tl.float16
     return dtype
