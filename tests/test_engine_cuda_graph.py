@@ -98,6 +98,26 @@ def test_graph_decode_matches_eager(tensor_driven_kernels, options):
     assert llm.stats()["blocks_used"] == 0
 
 
+def test_a_full_batch_is_queued_ahead_while_requests_wait(tensor_driven_kernels):
+    """Under load (max_num_seqs running, more waiting) the scheduler would admit nobody: steps are still
+    queued behind the one in flight, and every request gets the eager engine's tokens."""
+    model = tiny_llama()
+    prompts, _ = requests()
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 18, 30, 12, 20, 16)]
+    eager = LLM(model, enforce_eager=True, max_num_seqs=2, num_blocks=64, block_size=4).generate(prompts, params)
+    llm = LLM(model, cuda_graph_batch_sizes=(1, 2), max_num_seqs=2, num_blocks=64, block_size=4)
+    runner = llm.engine.runner
+    runner.graphs = EagerReplayRunner(model, llm.engine.cache, runner.cache_kwarg, (1, 2),
+                                      max_blocks_per_seq=llm.engine.cache.blocks_for(llm.engine.max_model_len))
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
+    stats = llm.stats()
+    # 120 tokens over 2 slots: about 60 decode steps, all but the ones around admissions queued ahead
+    # (only the last two requests run without anyone waiting, 16-20 steps)
+    assert stats["steps_queued_ahead"] > 40, stats
+    assert stats["blocks_used"] == 0
+
+
 def test_full_pool_in_a_graph_step_preempts_and_recovers(tensor_driven_kernels):
     model = tiny_llama()
     prompts, params = requests()

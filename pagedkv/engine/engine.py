@@ -196,9 +196,15 @@ class LLMEngine:
         return _Step(batch, sampled, tokens, host, event, is_graph)
 
     def _run_ahead(self, step: "_Step") -> "_Step | None":
-        """Queue the decode step after `step` (still in flight), or None when it has to go through the scheduler."""
-        if (not step.is_graph or self.runner.graphs is None or self.scheduler.waiting
-                or len(step.sampled) != len(self.scheduler.running)):
+        """Queue the decode step after `step` (still in flight), or None when it has to go through the scheduler.
+
+        That is the scheduler's own plan whenever every running sequence decodes and no waiting request
+        could be admitted: none waits, or the batch is full (`max_num_seqs`), as under sustained load.
+        """
+        running, config = self.scheduler.running, self.config
+        if (not step.is_graph or self.runner.graphs is None or len(step.sampled) != len(running)
+                or (self.scheduler.waiting and len(running) < config.max_num_seqs)
+                or len(running) > config.max_num_batched_tokens):
             return None
         bs, max_model_len = self.cache.block_size, self.max_model_len
         keep, seqs, new_blocks = [], [], 0
