@@ -208,6 +208,38 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], title: str, path: Path) -> bool:
+    """Output tokens/s per run, and time to first token / per output token percentiles (log scale)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["name"].replace(": ", "\n", 1) for r in rows]
+    colors = [f"C{i}" for i in range(len(rows))]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    axes[0].barh(names, [r["output_tokens_per_s"] for r in rows], color=colors)
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("output tokens/s (higher is better)")
+    for ax, metric, label, scale in ((axes[1], "ttft", "time to first token (ms)", "log"),
+                                     (axes[2], "tpot", "time per output token (ms)", "linear")):
+        width = 0.8 / len(rows)
+        for i, r in enumerate(rows):
+            xs = [j + i * width for j in range(3)]
+            ax.bar(xs, [r[f"{metric}_{q}_ms"] for q in ("p50", "p90", "p99")], width, color=colors[i], label=names[i])
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(3)], ["p50", "p90", "p99"])
+        ax.set_yscale(scale)
+        ax.set_ylabel(label + ", lower is better")
+    # colours as in the first panel, which names the runs
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
@@ -220,8 +252,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads on every side")
     p.add_argument("--skip-generate-batch", action="store_true")
-    p.add_argument("--out", default=None, help="folder for serve.json and serve.md")
+    p.add_argument("--out", default=None, help="folder for serve.json, serve.md and serve.png")
+    p.add_argument("--replot", default=None, metavar="JSON", help="only redraw serve.png next to this serve.json")
     args = p.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        title = saved.get("head", saved["command"])
+        return 0 if plot(saved["rows"], title, Path(args.replot).with_suffix(".png")) else 1
 
     import torch
 
@@ -249,8 +286,11 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "serve.json").write_text(json.dumps({"args": vars(args), "command": command, "rows": rows}, indent=2))
+        (out / "serve.json").write_text(json.dumps({"args": vars(args), "command": command, "head": head, "rows": rows},
+                                                   indent=2))
         (out / "serve.md").write_text(text)
+        if plot(rows, head, out / "serve.png"):
+            print(f"wrote {out / 'serve.png'}")
     return 0
 
 
