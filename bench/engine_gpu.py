@@ -208,6 +208,56 @@ def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> 
             "ttft_p50_s": ttft[len(ttft) // 2]}
 
 
+def plot(results: dict, path: Path) -> bool:
+    """Decode tokens/s per batch (log scale; the DynamicCache loop and each format), and the batch workload's
+    output tokens/s against generate_batch."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = {int(b): v for b, v in results["dynamic_cache"].items()}
+    batches = sorted(base)
+    runs = [("transformers DynamicCache, eager", [base[b] for b in batches])]
+    for fmt, per in results.get("pagedkv", {}).items():
+        runs.append((f"pagedkv {fmt}, CUDA graphs", [per["decode"][str(b) if str(b) in per["decode"] else b]["tokens_per_s"]
+                                                     for b in batches]))
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / len(runs)
+    for i, (name, values) in enumerate(runs):
+        xs = [j + i * width for j in range(len(batches))]
+        bars = ax0.bar(xs, values, width, label=name, color=f"C{i}")
+        if i:
+            ax0.bar_label(bars, [f"{v / base[b]:.1f}x" for v, b in zip(values, batches)], fontsize=7)
+    ax0.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    ax0.set_yscale("log")
+    ax0.set_ylabel("decode tokens/s (log), higher is better")
+    ax0.legend(fontsize=8)
+    args = results.get("args", {})
+    ax0.set_title(f"decode, {args.get('context', '?')} tokens of context (labels: x the DynamicCache loop)", fontsize=9)
+    names, values = [], []
+    if "tokens_per_s" in results.get("generate_batch", {}):
+        names.append("transformers\ngenerate_batch")
+        values.append(results["generate_batch"]["tokens_per_s"])
+    for fmt, per in results.get("pagedkv", {}).items():
+        names.append(f"pagedkv {fmt}\nLLM.generate")
+        values.append(per["generate"]["tokens_per_s"])
+    ax1.barh(names, values, color=[f"C{i + (0 if 'tokens_per_s' in results.get('generate_batch', {}) else 1)}"
+                                   for i in range(len(values))])
+    ax1.invert_yaxis()
+    ax1.set_xlabel("output tokens/s, higher is better")
+    ax1.set_title(f"{args.get('requests', '?')} requests x {args.get('prompt_tokens', '?')} prompt + "
+                  f"{args.get('new_tokens', '?')} new tokens", fontsize=9)
+    fig.suptitle(f"{results.get('gpu', '')}, {args.get('layers', '?')}-layer Llama-3-8B-shaped bf16, "
+                 f"{results.get('date', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
@@ -222,9 +272,12 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--skip-generate-batch", action="store_true")
-    p.add_argument("--out", default=None, help="folder for engine_gpu.json")
+    p.add_argument("--out", default=None, help="folder for engine_gpu.json and engine_gpu.png")
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
+    p.add_argument("--replot", default=None, metavar="JSON", help="only redraw engine_gpu.png next to this JSON")
     args = p.parse_args(argv)
+    if args.replot:
+        return 0 if plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png")) else 1
     global DEVICE
     DEVICE = "cpu" if args.tiny else "cuda"
 
@@ -301,6 +354,7 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "engine_gpu.json").write_text(json.dumps(results, indent=2, default=str))
+        plot(json.loads(json.dumps(results, default=str)), Path(args.out) / "engine_gpu.png")
     print(f"total {results['seconds']:.0f}s")
     return 0
 
