@@ -203,6 +203,44 @@ def table(columns: dict[str, dict], title: str) -> str:
     return "\n".join(lines)
 
 
+def plot(stored: dict, path: Path) -> bool:
+    """Host microseconds per decode step at each batch, one bar per stored run, and the top-level phases
+    at the largest batch."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = stored["runs"]
+    labels = list(runs)
+    batches = sorted({int(b) for r in runs.values() for b in r["batches"]})
+    big = str(max(batches))
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        values = [runs[label]["batches"].get(str(b), {}).get("step_us_mean", 0) for b in batches]
+        bars = ax0.bar([j + i * width for j in range(len(batches))], values, width, label=label, color=f"C{i}")
+        ax0.bar_label(bars, [f"{v:.0f}" for v in values], fontsize=7)
+    ax0.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    ax0.set_ylabel("host us per decode step (mean), lower is better")
+    ax0.legend(fontsize=8)
+    phases = [p for p in next(iter(runs.values()))["batches"][big]["phases_us"] if not p.startswith(" ")]
+    phases = [p for p in phases if any(r["batches"].get(big, {}).get("phases_us", {}).get(p, 0) for r in runs.values())]
+    for i, label in enumerate(labels):
+        values = [runs[label]["batches"].get(big, {}).get("phases_us", {}).get(p, 0) for p in phases]
+        ax1.barh([j + i * width for j in range(len(phases))], values, width, label=label, color=f"C{i}")
+    ax1.set_yticks([j + 0.4 - width / 2 for j in range(len(phases))], phases, fontsize=8)
+    ax1.invert_yaxis()
+    ax1.set_xlabel(f"host us per step at batch {big}, by phase")
+    fig.suptitle("engine host work per decode step (CPU, stand-in model and graph replay)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -214,7 +252,10 @@ def main(argv=None) -> int:
     p.add_argument("--label", default="current", help="the name this run is stored under in the JSON")
     p.add_argument("--compare", default=None, help="a label stored earlier, shown beside this run at the largest batch")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG next to --out from the runs stored there")
     args = p.parse_args(argv)
+    if args.replot:
+        return 0 if plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png")) else 1
     torch.set_num_threads(1)
 
     run = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "args": vars(args),
@@ -231,6 +272,7 @@ def main(argv=None) -> int:
     stored["runs"][args.label] = run
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(stored, indent=2))
+    plot(stored, out.with_suffix(".png"))
 
     print(f"\nhost us per decode step, {args.context} tokens of context ({args.label})")
     print(table({f"batch {b}": c for b, c in run["batches"].items()}, "phase"))
