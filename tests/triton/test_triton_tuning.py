@@ -17,3 +17,50 @@ def test_one_long_sequence_is_split_by_its_capacity():
 def test_short_capacity_is_not_split():
     assert splits_for(8, 1000, 132) == 1
     assert splits_for(32 * 8, 4096, 132) == 4
+
+
+def test_tiles_step_down_until_they_fit_the_gpu_and_the_fit_is_remembered():
+    """A GPU with less shared memory than the tiles need (Triton raises OutOfResources at launch) gets
+    smaller tiles: fewer stages first, then fewer keys per step; the fit is remembered for later calls."""
+    import pytest
+    from triton.runtime.errors import OutOfResources
+
+    from pagedkv.ops.triton import _fitted, launch_fitting
+    from pagedkv.ops.triton.tuning import TileConfig
+
+    def smem(t):  # a stand-in for the kernels' shared memory, bytes
+        return t.tile_n * 128 * 2 * 2 * max(1, t.num_stages - 1) + t.block_m * 128 * 2
+
+    launched = []
+
+    def launch(t):
+        launched.append(t)
+        if smem(t) > 48 * 1024:
+            raise OutOfResources(smem(t), 48 * 1024, "shared memory")
+        return t
+
+    key = ("varlen", "test-device", "bf16", "off", 128)
+    start = TileConfig(128, 128, 8, 5)
+    with pytest.warns(RuntimeWarning, match="need more than this GPU has"):
+        fitted = launch_fitting(launch, start, 4, key)
+    assert launched[0] == start and smem(fitted) <= 48 * 1024
+    assert fitted == TileConfig(128, 32, 8, 2)                    # 5 -> 2 stages, then 128 -> 64 -> 32 keys
+    assert launched[1] == TileConfig(128, 128, 8, 2)              # stages go first
+    launched.clear()
+    assert launch_fitting(launch, start, 4, key) == fitted and launched == [fitted]   # remembered, no retries
+    _fitted.clear()
+
+
+def test_tiles_that_can_shrink_no_further_raise():
+    import pytest
+    from triton.runtime.errors import OutOfResources
+
+    from pagedkv.ops.triton import _fitted, launch_fitting
+    from pagedkv.ops.triton.tuning import TileConfig
+
+    def launch(t):
+        raise OutOfResources(1 << 20, 1024, "shared memory")
+
+    with pytest.raises(OutOfResources), pytest.warns(RuntimeWarning):
+        launch_fitting(launch, TileConfig(16, 64, 4, 5), 4, ("split", "test-device", "bf16", "off", 128))
+    _fitted.clear()

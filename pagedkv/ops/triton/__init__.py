@@ -46,8 +46,47 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
     query_blocks = num_seqs if is_decode_like(num_tokens, num_seqs) else num_tokens // (tiles.block_m // group) + num_seqs
     num_splits = choose_num_splits(query_blocks * fmt.num_kv_heads, meta.block_table.shape[1] * meta.block_size,
                                    query.device)
+    shape_key = (query.device, query.dtype, str(fmt.spec), head_dim)
     if num_splits > 1:
-        return split_k.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
-                                       softcap=softcap, num_splits=num_splits, tiles=split_tiles(group, head_dim, pages_kind))
-    return attention.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
-                                     softcap=softcap, tiles=tiles)
+        def launch(t):
+            return split_k.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
+                                           softcap=softcap, num_splits=num_splits, tiles=t)
+
+        return launch_fitting(launch, split_tiles(group, head_dim, pages_kind), group, ("split", *shape_key))
+
+    def launch(t):
+        return attention.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
+                                         softcap=softcap, tiles=t)
+
+    return launch_fitting(launch, tiles, group, ("varlen", *shape_key))
+
+
+_fitted: dict[tuple, object] = {}   # (kernel, device, dtype, format, head_dim, chosen tiles) -> tiles that fit
+
+
+def launch_fitting(launch, tiles, group: int, key: tuple):
+    """launch(tiles), stepping down to smaller tiles (`tuning.smaller_tiles`) while the GPU's shared memory
+    is too small for them; what fits is remembered per device and config, so later calls (and CUDA-graph
+    captures after a first eager call) launch it directly."""
+    import warnings
+
+    from triton.runtime.errors import OutOfResources
+
+    from .tuning import smaller_tiles
+
+    key = (*key, tiles)
+    fitted = _fitted.get(key, tiles)
+    while True:
+        try:
+            out = launch(fitted)
+        except OutOfResources as exc:
+            smaller = smaller_tiles(fitted, max(16, group))
+            if smaller is None:
+                raise
+            if key not in _fitted:
+                warnings.warn(f"pagedkv: {key[0]} attention tiles {tiles} need more than this GPU has ({exc}); "
+                              "using smaller tiles", RuntimeWarning, stacklevel=3)
+            _fitted[key] = fitted = smaller
+            continue
+        _fitted.setdefault(key, fitted)
+        return out

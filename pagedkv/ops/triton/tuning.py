@@ -77,6 +77,19 @@ def split_tiles(group: int, head_dim: int, pages: str = "dense") -> TileConfig:
     return tiles
 
 
+def smaller_tiles(tiles: TileConfig, min_rows: int) -> TileConfig | None:
+    """The next config down when `tiles` needs more shared memory than a GPU has (GPUs with about 100 KB per
+    block, like the RTX 4090, L4 or A10, against 227 KB on an H100/H200): first fewer pipeline stages, then
+    fewer keys per step, then fewer query rows; None when nothing smaller is left."""
+    if tiles.num_stages > 2:
+        return TileConfig(tiles.block_m, tiles.tile_n, tiles.num_warps, 2)
+    if tiles.tile_n > 16:
+        return TileConfig(tiles.block_m, tiles.tile_n // 2, tiles.num_warps, tiles.num_stages)
+    if tiles.block_m // 2 >= min_rows:
+        return TileConfig(tiles.block_m // 2, tiles.tile_n, max(4, tiles.num_warps // 2), tiles.num_stages)
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
