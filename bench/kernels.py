@@ -498,6 +498,15 @@ def print_tables(result: dict) -> None:
     print(f"{'prefill':28s} {'ctx':>6s} {'ms':>8s} {'sdpa ms':>8s} {'x sdpa':>7s} {'TFLOP/s':>8s}")
     for r in result["prefill"]:
         print(f"{r['format']:28s} {r['context']:6d} {r['ms']:8.3f} {r['sdpa_ms']:8.3f} {r['speedup_vs_sdpa']:7.2f} {r['tflops']:8.0f}")
+    swept = [r for r in result["decode"] if r.get("sweep")]
+    if swept:
+        print("decode sweep: the default against the fastest alternative timed in this run")
+        for r in swept:
+            times = {k: v for k, v in r["sweep"].items() if isinstance(v, float)}
+            best = min(times, key=times.get) if times else None
+            verdict = (f"{best} {times[best] * 1e3:.1f} us ({r['ms'] / times[best]:.2f}x faster)"
+                       if best and times[best] < r["ms"] else "the default is fastest")
+            print(f"  {r['format']:28s} {r['batch']:4d} {r['context']:6d} default {r['ms'] * 1e3:8.1f} us; {verdict}")
     print("targets")
     for t in result.get("targets", []):
         print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']:44s} {t['format']:11s} {str(t['where']):12s} "
