@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import plotting  # noqa: E402  (bench/plotting.py, beside this script)
 import pagedkv  # noqa: E402
 from pagedkv.hf import cache_kwarg  # noqa: E402
 
@@ -86,22 +87,16 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"model": args.model, "new_tokens": args.new_tokens,
                                                     "threads": args.threads, "rows": rows}, indent=2))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        ax.bar([r["cache"] for r in rows], [r["median_tokens_per_s"] for r in rows], color=["#888"] + ["#3a7"] * len(formats))
-        ax.set_ylabel("tokens/s (median)")
-        ax.set_title(f"SmolLM2 greedy decode on CPU ({args.threads} threads)")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=120)
-        print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
-    except ImportError:
+    plt = plotting.pyplot()
+    if plt is None:
         print(f"wrote {out.with_suffix('.json')} (matplotlib missing: no plot)")
-
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar([r["cache"] for r in rows], [r["median_tokens_per_s"] for r in rows], color=["#888"] + ["#3a7"] * len(formats))
+    ax.set_ylabel("tokens/s (median)")
+    ax.set_title(f"SmolLM2 greedy decode on CPU ({args.threads} threads)")
+    plotting.save(fig, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 if __name__ == "__main__":
     main()

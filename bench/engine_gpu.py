@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import plotting  # noqa: E402  (bench/plotting.py, beside this script)
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.hf import cache_kwarg  # noqa: E402
@@ -211,50 +212,38 @@ def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> 
 def plot(results: dict, path: Path) -> bool:
     """Decode tokens/s per batch (log scale; the DynamicCache loop and each format), and the batch workload's
     output tokens/s against generate_batch."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = plotting.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     base = {int(b): v for b, v in results["dynamic_cache"].items()}
     batches = sorted(base)
-    runs = [("transformers DynamicCache, eager", [base[b] for b in batches])]
+    series = {"transformers DynamicCache, eager": [base[b] for b in batches]}
     for fmt, per in results.get("pagedkv", {}).items():
-        runs.append((f"pagedkv {fmt}, CUDA graphs", [per["decode"][str(b) if str(b) in per["decode"] else b]["tokens_per_s"]
-                                                     for b in batches]))
+        decode = {int(b): r for b, r in per["decode"].items()}
+        series[f"pagedkv {fmt}, CUDA graphs"] = [decode[b]["tokens_per_s"] for b in batches]
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 2]})
-    width = 0.8 / len(runs)
-    for i, (name, values) in enumerate(runs):
-        xs = [j + i * width for j in range(len(batches))]
-        bars = ax0.bar(xs, values, width, label=name, color=f"C{i}")
-        if i:
-            ax0.bar_label(bars, [f"{v / base[b]:.1f}x" for v, b in zip(values, batches)], fontsize=7)
-    ax0.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    bars = plotting.grouped_bars(ax0, [f"batch {b}" for b in batches], series)
+    for container, values in list(zip(bars, series.values()))[1:]:
+        ax0.bar_label(container, [f"{v / base[b]:.1f}x" for v, b in zip(values, batches)], fontsize=7)
     ax0.set_yscale("log")
     ax0.set_ylabel("decode tokens/s (log), higher is better")
     ax0.legend(fontsize=8)
     args = results.get("args", {})
     ax0.set_title(f"decode, {args.get('context', '?')} tokens of context (labels: x the DynamicCache loop)", fontsize=9)
-    names, values = [], []
+    runs = {}
     if "tokens_per_s" in results.get("generate_batch", {}):
-        names.append("transformers\ngenerate_batch")
-        values.append(results["generate_batch"]["tokens_per_s"])
+        runs["transformers\ngenerate_batch"] = results["generate_batch"]["tokens_per_s"]
     for fmt, per in results.get("pagedkv", {}).items():
-        names.append(f"pagedkv {fmt}\nLLM.generate")
-        values.append(per["generate"]["tokens_per_s"])
-    ax1.barh(names, values, color=[f"C{i + (0 if 'tokens_per_s' in results.get('generate_batch', {}) else 1)}"
-                                   for i in range(len(values))])
+        runs[f"pagedkv {fmt}\nLLM.generate"] = per["generate"]["tokens_per_s"]
+    first = 0 if "tokens_per_s" in results.get("generate_batch", {}) else 1   # colours as in the first panel
+    ax1.barh(list(runs), list(runs.values()), color=[f"C{first + i}" for i in range(len(runs))])
     ax1.invert_yaxis()
     ax1.set_xlabel("output tokens/s, higher is better")
     ax1.set_title(f"{args.get('requests', '?')} requests x {args.get('prompt_tokens', '?')} prompt + "
                   f"{args.get('new_tokens', '?')} new tokens", fontsize=9)
     fig.suptitle(f"{results.get('gpu', '')}, {args.get('layers', '?')}-layer Llama-3-8B-shaped bf16, "
                  f"{results.get('date', '')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path)
     return True
 
 

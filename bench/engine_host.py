@@ -37,6 +37,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import plotting  # noqa: E402  (bench/plotting.py, beside this script)
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.engine.cuda_graph import CUDAGraphRunner  # noqa: E402
@@ -206,38 +207,27 @@ def table(columns: dict[str, dict], title: str) -> str:
 def plot(stored: dict, path: Path) -> bool:
     """Host microseconds per decode step at each batch, one bar per stored run, and the top-level phases
     at the largest batch."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = plotting.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = stored["runs"]
-    labels = list(runs)
     batches = sorted({int(b) for r in runs.values() for b in r["batches"]})
     big = str(max(batches))
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4))
-    width = 0.8 / len(labels)
-    for i, label in enumerate(labels):
-        values = [runs[label]["batches"].get(str(b), {}).get("step_us_mean", 0) for b in batches]
-        bars = ax0.bar([j + i * width for j in range(len(batches))], values, width, label=label, color=f"C{i}")
-        ax0.bar_label(bars, [f"{v:.0f}" for v in values], fontsize=7)
-    ax0.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    series = {label: [r["batches"].get(str(b), {}).get("step_us_mean", 0) for b in batches] for label, r in runs.items()}
+    for container, values in zip(plotting.grouped_bars(ax0, [f"batch {b}" for b in batches], series), series.values()):
+        ax0.bar_label(container, [f"{v:.0f}" for v in values], fontsize=7)
     ax0.set_ylabel("host us per decode step (mean), lower is better")
     ax0.legend(fontsize=8)
-    phases = [p for p in next(iter(runs.values()))["batches"][big]["phases_us"] if not p.startswith(" ")]
-    phases = [p for p in phases if any(r["batches"].get(big, {}).get("phases_us", {}).get(p, 0) for r in runs.values())]
-    for i, label in enumerate(labels):
-        values = [runs[label]["batches"].get(big, {}).get("phases_us", {}).get(p, 0) for p in phases]
-        ax1.barh([j + i * width for j in range(len(phases))], values, width, label=label, color=f"C{i}")
-    ax1.set_yticks([j + 0.4 - width / 2 for j in range(len(phases))], phases, fontsize=8)
-    ax1.invert_yaxis()
+    phases_at_big = {label: r["batches"].get(big, {}).get("phases_us", {}) for label, r in runs.items()}
+    top_level = [p for p in next(iter(phases_at_big.values())) if not p.startswith(" ")]
+    top_level = [p for p in top_level if any(ph.get(p, 0) for ph in phases_at_big.values())]
+    plotting.grouped_bars(ax1, top_level, {label: [ph.get(p, 0) for p in top_level] for label, ph in phases_at_big.items()},
+                          horizontal=True)
+    ax1.tick_params(axis="y", labelsize=8)
     ax1.set_xlabel(f"host us per step at batch {big}, by phase")
     fig.suptitle("engine host work per decode step (CPU, stand-in model and graph replay)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path)
     return True
 
 

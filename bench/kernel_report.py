@@ -147,7 +147,7 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
     """Compile the write, attention (decode and prefill tiles), split-K and reduce kernels of one format."""
     from pagedkv.ops.metadata import AttentionMetadata
     from pagedkv.ops.triton import kv_write, split_k
-    from pagedkv.ops.triton.tuning import page_class, split_tiles
+    from pagedkv.ops.triton.tuning import split_tiles
 
     cuda = torch.device("cuda")
     fmt = make_format(KVFormat.parse(spec), num_kv_heads, head_dim, dtype, "cpu")
@@ -159,7 +159,7 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
     q = torch.empty(seqs * new, num_q_heads, head_dim, dtype=dtype)
     k = torch.empty(seqs * new, num_kv_heads, head_dim, dtype=dtype)
     group = num_q_heads // num_kv_heads
-    pages_kind = page_class(fmt.spec.kind, getattr(fmt, "bits", 16))
+    pages_kind = page_class(fmt)
     with _CompileOnly():
         kv_write.write_kv(pages, fmt, k, k, meta)
         for tiles in (choose_tiles(seqs, seqs, group, head_dim, cuda, pages=pages_kind),      # decode tiles
@@ -196,9 +196,8 @@ def main() -> None:
     rows = []
     print(f"{'format':28s} {'tiles':>9s} {'regs':>5s} {'spill':>6s} {'smem KB':>8s} {'buffers':>8s} {'loop':>6s} {'/key row':>9s}")
     for spec in formats:
-        fmt = KVFormat.parse(spec)
-        bits = int(fmt.mode[1:]) if fmt.kind == "kvquant" else 16
-        configs = ([choose_tiles(64, 64, 4, HEAD_DIM, torch.device("cuda"), pages=page_class(fmt.kind, bits))]
+        fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
+        configs = ([choose_tiles(64, 64, 4, HEAD_DIM, torch.device("cuda"), pages=page_class(fmt))]
                    if args.configs == "default" else
                    [TileConfig(16, *map(int, c.split("x"))) for c in args.configs.split(",")])
         for tiles in configs:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import plotting  # noqa: E402  (bench/plotting.py, beside this script)
 from pagedkv.config import KVFormat  # noqa: E402
 from pagedkv.formats import make_format  # noqa: E402
 from pagedkv.ops import reference  # noqa: E402
@@ -239,7 +240,7 @@ SWEEP_TILES = [TileConfig(16, 64, 4, 2), TileConfig(16, 128, 4, 2), TileConfig(1
 def decode_sweep(spec, layers, metas, queries, copies):
     """Time other tile shapes (and split counts) for one decode case, with the default's own kernel
     (varlen or split-K with the default number of splits)."""
-    from pagedkv.ops.triton.tuning import choose_num_splits, choose_tiles, page_class, split_tiles
+    from pagedkv.ops.triton.tuning import choose_tiles, page_class, plan_attention, split_tiles
 
     out = {}
     num_seqs = metas[0].block_table.shape[0]
@@ -247,10 +248,8 @@ def decode_sweep(spec, layers, metas, queries, copies):
     group = NUM_Q_HEADS // NUM_KV_HEADS
     calls = lambda fn: [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)  # noqa: E731
                         for i, ((f, p, _), m) in enumerate(zip(layers, metas))]
-    pages = page_class(fmt.spec.kind, getattr(fmt, "bits", 16))
-    splits = choose_num_splits(num_seqs * NUM_KV_HEADS, metas[0].block_table.shape[1] * BLOCK_SIZE, DEV)
-    default = choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, pages=pages) if splits == 1 else \
-        split_tiles(group, HEAD_DIM, pages)
+    capacity = metas[0].block_table.shape[1] * BLOCK_SIZE
+    splits, default = plan_attention(num_seqs, num_seqs, group, HEAD_DIM, fmt, capacity, DEV)
     candidates = [t for t in SWEEP_TILES if t != default]
 
     def run(tiles, num_splits):
@@ -265,8 +264,8 @@ def decode_sweep(spec, layers, metas, queries, copies):
         except Exception as e:  # noqa: BLE001  (a config that does not fit the GPU's shared memory)
             out[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
     for other in ([splits // 2, splits * 2] if splits > 1 else [2]):
-        tiles = split_tiles(group, HEAD_DIM, pages) if other > 1 else \
-            choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, pages=pages)
+        tiles = split_tiles(group, HEAD_DIM, page_class(fmt)) if other > 1 else \
+            choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, pages=page_class(fmt))
         out[f"default_tiles_split{other}"] = time_per_call(calls(run(tiles, other)))
     print("    sweep: " + ", ".join(f"{k} {v * 1e3:.1f} us" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in out.items()), flush=True)
@@ -364,31 +363,24 @@ def bench_writes(formats, gen) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plotting.pyplot()
+    if plt is None:
+        return
     rows = result["decode"]
     formats = list(dict.fromkeys(r["format"] for r in rows))
     shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
+    by = {(r["format"], r["batch"], r["context"]): r for r in rows}
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
-    width = 0.8 / len(formats)
-    for i, spec in enumerate(formats):
-        by = {(r["batch"], r["context"]): r for r in rows if r["format"] == spec}
-        xs = [j + i * width for j in range(len(shapes))]
-        axes[0].bar(xs, [by[s]["time_vs_sdpa"] for s in shapes], width, label=spec)
-        axes[1].bar(xs, [by[s]["gbps"] for s in shapes], width, label=spec)
-    for ax in axes:
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"B={b}\nS={s}" for b, s in shapes])
+    labels = [f"B={b}\nS={s}" for b, s in shapes]
+    for ax, measure in ((axes[0], "time_vs_sdpa"), (axes[1], "gbps")):
+        plotting.grouped_bars(ax, labels, {spec: [by[(spec, *shape)][measure] for shape in shapes] for spec in formats})
     axes[0].axhline(1.0, color="k", lw=0.8)
     axes[0].set_ylabel("decode time / SDPA bf16 time (lower is better)")
     axes[1].axhline(result["copy"]["gbps"], color="k", lw=0.8, ls="--", label="copy bandwidth")
     axes[1].set_ylabel("effective bandwidth, GB/s (page bytes / time)")
     axes[1].legend(fontsize=7)
     fig.suptitle(f"pagedkv decode attention, {result['gpu']}, Llama-3-8B heads (32 q / 8 kv / 128)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plotting.save(fig, path)
 
 
 def main() -> None:

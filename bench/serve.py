@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import plotting  # noqa: E402  (bench/plotting.py, beside this script)
 TEXT = ROOT.parent / "shared" / "data" / "pride-and-prejudice.txt"
 FALLBACK = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
             "want of a wife. However little known the feelings or views of such a man may be on his first entering "
@@ -209,34 +210,23 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], title: str, path: Path) -> bool:
-    """Output tokens/s per run, and time to first token / per output token percentiles (log scale)."""
-    try:
-        import matplotlib
-    except ImportError:
+    """Output tokens/s per run, and time to first token / per output token percentiles."""
+    plt = plotting.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [r["name"].replace(": ", "\n", 1) for r in rows]
-    colors = [f"C{i}" for i in range(len(rows))]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    axes[0].barh(names, [r["output_tokens_per_s"] for r in rows], color=colors)
+    axes[0].barh(names, [r["output_tokens_per_s"] for r in rows], color=[f"C{i}" for i in range(len(rows))])
     axes[0].invert_yaxis()
     axes[0].set_xlabel("output tokens/s (higher is better)")
+    quantiles = ("p50", "p90", "p99")
     for ax, metric, label, scale in ((axes[1], "ttft", "time to first token (ms)", "log"),
                                      (axes[2], "tpot", "time per output token (ms)", "linear")):
-        width = 0.8 / len(rows)
-        for i, r in enumerate(rows):
-            xs = [j + i * width for j in range(3)]
-            ax.bar(xs, [r[f"{metric}_{q}_ms"] for q in ("p50", "p90", "p99")], width, color=colors[i], label=names[i])
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(3)], ["p50", "p90", "p99"])
+        plotting.grouped_bars(ax, list(quantiles), {n: [r[f"{metric}_{q}_ms"] for q in quantiles] for n, r in zip(names, rows)})
         ax.set_yscale(scale)
-        ax.set_ylabel(label + ", lower is better")
-    # colours as in the first panel, which names the runs
+        ax.set_ylabel(label + ", lower is better")  # colours as in the first panel, which names the runs
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path)
     return True
 
 

@@ -178,11 +178,8 @@ class PagedKVCache(Cache):
         Returns, per sequence, the slot of each new token. Raises CacheCapacityError (cache untouched)
         when the blocks do not fit.
         """
-        try:
-            seqs = [self.seqs[s] for s in seq_ids]
-        except KeyError as exc:
-            raise ConfigError(f"no sequence {exc.args[0]} in this cache (live: {sorted(self.seqs)})") from None
-        bs, ref_cnt = self.block_size, self.pool.ref_cnt
+        seqs = [self._seq(s) for s in seq_ids]
+        bs, ref_cnt = self.block_size, self.pool.ref_cnt  # growth extends ref_cnt in place
         new_blocks = 0
         for seq, n in zip(seqs, num_new_tokens):
             if n == 0:
@@ -191,7 +188,6 @@ class PagedKVCache(Cache):
             if seq.num_tokens % bs and ref_cnt[seq.block_ids[-1]] > 1:
                 new_blocks += 1  # copy-on-write of a shared partial last block
         self._ensure_free(new_blocks, len(self.seqs))
-        ref_cnt = self.pool.ref_cnt
         slots_per_seq = []
         for seq, n in zip(seqs, num_new_tokens):
             start, block_ids = seq.num_tokens, seq.block_ids

@@ -284,7 +284,7 @@ def run_eval(settings: EvalSettings, checkpoint: Callable[[dict], None] | None =
     from tqdm.auto import tqdm
 
     from .cli import resolve_device_dtype
-    from .hf import cache_kwarg, switch_model
+    from .hf import cache_kwarg, switch_model, text_config
     from .models import load_model
 
     settings.validate()
@@ -292,7 +292,7 @@ def run_eval(settings: EvalSettings, checkpoint: Callable[[dict], None] | None =
     model, tokenizer = load_model(settings.model, dtype=dtype, device=device)
     switch_model(model)
     runner = Runner(model, cache_kwarg(model))
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     num_layers = cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     context = getattr(cfg, "max_position_embeddings", None) or settings.max_tokens

@@ -111,6 +111,11 @@ def switch_model(model: torch.nn.Module) -> None:
     model._pagedkv_switched = True
 
 
+def text_config(config):
+    """The language model's part of a transformers config (multimodal configs nest it), else `config`."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def install_paged_kv_cache(model: torch.nn.Module, **cache_options) -> PagedKVCache:
     """Switch `model` to the "pagedkv" attention and return a fresh `PagedKVCache` for it.
 
@@ -118,12 +123,11 @@ def install_paged_kv_cache(model: torch.nn.Module, **cache_options) -> PagedKVCa
     model's layer count and context window (max_position_embeddings) fill in unset options.
     """
     switch_model(model)
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    cache_options.setdefault("num_layers", getattr(text_config, "num_hidden_layers", None))
+    text = text_config(getattr(model, "config", None))
+    cache_options.setdefault("num_layers", getattr(text, "num_hidden_layers", None))
     if cache_options.get("context_window_tokens") is None:
         from .config import env_defaults
 
         env_ctx = env_defaults()["context_window_tokens"]
-        cache_options["context_window_tokens"] = env_ctx or getattr(text_config, "max_position_embeddings", None)
+        cache_options["context_window_tokens"] = env_ctx or getattr(text, "max_position_embeddings", None)
     return PagedKVCache(**cache_options)

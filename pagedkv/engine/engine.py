@@ -17,7 +17,7 @@ import torch
 
 from ..cache import PagedKVCache
 from ..errors import CacheCapacityError, ConfigError, ContextWindowError
-from ..hf import install_paged_kv_cache
+from ..hf import install_paged_kv_cache, text_config
 from ..prefix import PrefixCache
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -56,10 +56,10 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        window = getattr(text_config, "max_position_embeddings", None)
+        text = text_config(model.config)
+        window = getattr(text, "max_position_embeddings", None)
         self.max_model_len = config.max_model_len or window or 8192
-        self.vocab_size = text_config.vocab_size
+        self.vocab_size = text.vocab_size
         # a ready cache (a tensor-parallel rank's sharded one) or a fresh one built from cache_options
         self.cache: PagedKVCache = cache if cache is not None else install_paged_kv_cache(model, **(cache_options or {}))
         self.prefix = PrefixCache(self.cache, enabled=config.prefix_caching)
@@ -164,7 +164,7 @@ class LLMEngine:
         if not batch:
             return []
         try:
-            logits, rows = self.runner.run(batch)
+            logits, rows, is_graph = self.runner.run(batch)
         except CacheCapacityError:  # the estimate missed (e.g. a growth cap): make room and plan again
             self.scheduler.preempt_last()
             return []
@@ -172,7 +172,7 @@ class LLMEngine:
             self._fail(batch.seqs, f"{type(exc).__name__}: {exc}")
             return [seq.output(seq.text) for seq in batch.seqs]
         self.num_steps += 1
-        step = self._sample(batch, [batch.seqs[i] for i in rows], logits, is_graph=self.runner.last_run_was_graph)
+        step = self._sample(batch, [batch.seqs[i] for i in rows], logits, is_graph)
         if step.is_graph:
             self._in_flight = step
             return []
@@ -206,11 +206,10 @@ class LLMEngine:
                 or (self.scheduler.waiting and len(running) < config.max_num_seqs)
                 or len(running) > config.max_num_batched_tokens):
             return None
-        bs, max_model_len = self.cache.block_size, self.max_model_len
+        bs = self.cache.block_size
         keep, seqs, new_blocks = [], [], 0
         for i, s in enumerate(step.sampled):
-            length = len(s.token_ids) + 1  # once the token in flight lands
-            if not s.is_finished and length - s.num_prompt_tokens < s.params.max_tokens and length < max_model_len:
+            if not s.is_finished and not self._length_reached(s, len(s.token_ids) + 1):  # once the token lands
                 keep.append(i)
                 seqs.append(s)
                 new_blocks += (s.num_computed_tokens + 1) % bs == 0
@@ -255,10 +254,10 @@ class LLMEngine:
             self.num_generated_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            if self._check_stop(seq, token):
+            finished = self._check_stop(seq, token)
+            if finished:
                 self._retire(seq)
-                outputs.append(seq.output(self.detokenizer.visible_text(seq)))
-            elif seq.stream:
+            if finished or seq.stream:
                 outputs.append(seq.output(self.detokenizer.visible_text(seq)))
         return outputs
 
@@ -273,11 +272,14 @@ class LLMEngine:
         if stop is not None:
             seq.finish("stop", stop)
             return True
-        length = len(seq.token_ids)
-        if length - seq.num_prompt_tokens >= params.max_tokens or length >= self.max_model_len:
+        if self._length_reached(seq, len(seq.token_ids)):
             seq.finish("length")
             return True
         return False
+
+    def _length_reached(self, seq: Sequence, length: int) -> bool:
+        """Whether `seq` with `length` tokens has its max_tokens outputs or fills the context window."""
+        return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

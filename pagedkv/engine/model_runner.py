@@ -27,7 +27,6 @@ class ModelRunner:
         self.cache_kwarg = cache_kwarg(model)
         self.device = next(model.parameters()).device
         self.graphs = None
-        self.last_run_was_graph = False
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))
@@ -47,19 +46,17 @@ class ModelRunner:
         return self.graphs.run(seqs, input_ids=input_ids)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Forward `batch`; returns (logits [num_sampled, vocab], index in batch.seqs of each logits row).
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], bool]:
+        """Forward `batch`; returns (logits [num_sampled, vocab], index in batch.seqs of each logits row,
+        whether a CUDA graph was replayed).
 
         Raises CacheCapacityError (cache untouched) when the new tokens' blocks do not fit.
         """
         seqs, counts = batch.seqs, batch.num_new_tokens
         sample_idx = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_computed_tokens + n == len(s)]
-        self.last_run_was_graph = False
         if self.can_replay(batch):
             try:
-                logits = self.graphs.run(seqs)
-                self.last_run_was_graph = True
-                return logits, sample_idx
+                return self.graphs.run(seqs), sample_idx, True
             except CacheCapacityError:
                 raise
             except Exception as exc:  # a model or kernel that cannot be captured: stay correct, run eagerly
@@ -80,4 +77,4 @@ class ModelRunner:
         finally:
             self.cache.end_forward()
         logits = out.logits[0]  # [len(keep), vocab]
-        return (logits if sample_idx else logits[:0]), sample_idx
+        return (logits if sample_idx else logits[:0]), sample_idx, False

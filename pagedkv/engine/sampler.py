@@ -38,6 +38,3 @@ class Sampler:
                 seq.generator = torch.Generator(device=logits.device).manual_seed(p.seed)
             tokens[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
         return tokens
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        return self.sample(logits, seqs).tolist()

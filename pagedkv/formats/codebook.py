@@ -19,7 +19,7 @@ def _lloyd_max(bits: int) -> tuple[float, ...]:
     p = (torch.arange(levels, dtype=torch.float64) + 0.5) / levels
     c = math.sqrt(3.0) * torch.special.ndtri(p)
     for _ in range(20000):
-        t = (c[1:] + c[:-1]) / 2  # decision thresholds between neighbours
+        t = decision_thresholds(c)
         lo = torch.cat([torch.tensor([-math.inf], dtype=torch.float64), t])
         hi = torch.cat([t, torch.tensor([math.inf], dtype=torch.float64)])
         mass = torch.special.ndtr(hi) - torch.special.ndtr(lo)
@@ -38,7 +38,11 @@ def lloyd_max_codebook(bits: int) -> torch.Tensor:
     return torch.tensor(_lloyd_max(bits), dtype=torch.float32)
 
 
+def decision_thresholds(codebook: torch.Tensor) -> torch.Tensor:
+    """The midpoints between neighbouring centroids (codebook ascending): code i covers (t[i-1], t[i]]."""
+    return (codebook[1:] + codebook[:-1]) / 2
+
+
 def nearest_centroid(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """Index of the nearest centroid of each element of x (float32); codebook ascending. -> int64, x's shape."""
-    thresholds = (codebook[1:] + codebook[:-1]) / 2
-    return torch.bucketize(x, thresholds.to(x.device))
+    return torch.bucketize(x, decision_thresholds(codebook).to(x.device))

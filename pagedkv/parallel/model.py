@@ -19,13 +19,10 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, ModelNotFoundError
+from ..hf import text_config
 from .group import TensorParallelGroup, check_tensor_parallel
 
 _KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def check_model(folder: str | Path, world_size: int, device_type: str) -> None:
@@ -33,7 +30,7 @@ def check_model(folder: str | Path, world_size: int, device_type: str) -> None:
     from transformers import AutoConfig
 
     try:
-        config = _text_config(AutoConfig.from_pretrained(str(folder)))
+        config = text_config(AutoConfig.from_pretrained(str(folder)))
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"could not read a model config from {folder}: {exc}") from None
     num_heads = config.num_attention_heads

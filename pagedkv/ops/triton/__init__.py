@@ -36,29 +36,21 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
     Split-K is chosen from shapes alone: when the (query block, KV head) programs would not fill the GPU.
     """
     from . import attention, split_k
-    from .tuning import choose_num_splits, choose_tiles, is_decode_like, page_class, split_tiles
+    from .tuning import plan_attention
 
     num_tokens, num_q_heads, head_dim = query.shape
-    num_seqs = meta.block_table.shape[0]
     group = num_q_heads // fmt.num_kv_heads
-    pages_kind = page_class(fmt.spec.kind, getattr(fmt, "bits", 16))
-    tiles = choose_tiles(num_tokens, num_seqs, group, head_dim, query.device, pages=pages_kind)
-    query_blocks = num_seqs if is_decode_like(num_tokens, num_seqs) else num_tokens // (tiles.block_m // group) + num_seqs
-    num_splits = choose_num_splits(query_blocks * fmt.num_kv_heads, meta.block_table.shape[1] * meta.block_size,
-                                   query.device)
-    shape_key = (query.device, query.dtype, str(fmt.spec), head_dim)
+    num_splits, tiles = plan_attention(num_tokens, meta.block_table.shape[0], group, head_dim, fmt,
+                                       meta.block_table.shape[1] * meta.block_size, query.device)
     if num_splits > 1:
-        def launch(t):
-            return split_k.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
-                                           softcap=softcap, num_splits=num_splits, tiles=t)
-
-        return launch_fitting(launch, split_tiles(group, head_dim, pages_kind), group, ("split", *shape_key))
+        kernel, impl, extra = "split", split_k.paged_attention, {"num_splits": num_splits}
+    else:
+        kernel, impl, extra = "varlen", attention.paged_attention, {}
 
     def launch(t):
-        return attention.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
-                                         softcap=softcap, tiles=t)
+        return impl(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap, tiles=t, **extra)
 
-    return launch_fitting(launch, tiles, group, ("varlen", *shape_key))
+    return launch_fitting(launch, tiles, group, (kernel, query.device, query.dtype, fmt.spec, head_dim))
 
 
 _fitted: dict[tuple, object] = {}   # (kernel, device, dtype, format, head_dim, chosen tiles) -> tiles that fit

@@ -15,9 +15,9 @@ import triton.language as tl
 
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
-from .page_view import PageView, decode_table, page_view, stride3, view_class
+from .page_view import PageView, decode_table, page_view, stride3
 from .tiles import attend_range, find_sequence, load_queries, rotate_rows
-from .tuning import TileConfig, choose_tiles
+from .tuning import TileConfig, choose_tiles, page_class
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     num_seqs = meta.block_table.shape[0]
     group = num_q_heads // view.num_kv_heads
     tiles = tiles or choose_tiles(num_tokens, num_seqs, group, head_dim, query.device,
-                                  pages=view_class(view))
+                                  pages=page_class(fmt))
     block_q = tiles.block_m // group
     out = torch.empty_like(query)
     if num_tokens == 0:

@@ -168,12 +168,6 @@ def compute_dtype(kind, dtype):
     return dtype
 
 
-@triton.constexpr_function
-def uses_pair_table(kind, bits):
-    """Whether codes of `bits` bits are decoded two at a time through a table (see `lookup_pairs`)."""
-    return kind == TURBOQUANT and bits in (2, 3, 4)
-
-
 @triton.jit
 def lookup_pairs(table_ptr, ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
     """Decoded elements [N, HEAD_DIM] of the b-bit bitstreams at ptr + row [N], two codes per table entry:
@@ -188,6 +182,25 @@ def lookup_pairs(table_ptr, ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl
 
 
 @triton.jit
+def load_dense(ptr, row, in_range, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DTYPE):
+    """Dense rows at ptr + row [N] as [N, HEAD_DIM_PAD] in DTYPE, zeros outside `in_range` and past HEAD_DIM."""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
+    return tl.load(ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DTYPE)
+
+
+@triton.jit
+def load_kvquant_codes(ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, DTYPE):
+    """KV-Quant's signed integer codes at ptr + row [N] as [N, HEAD_DIM] in DTYPE (exact): int8 codes convert
+    straight to DTYPE (packed conversions); q6/q4 are stored as code + qmax in a bitstream."""
+    if BITS == 8:
+        offs_d = tl.arange(0, HEAD_DIM)
+        return tl.load(ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(DTYPE)
+    codes = unpack_codes(ptr, row, in_range, HEAD_DIM, BITS, False) - ((1 << (BITS - 1)) - 1)
+    return int_to_float(codes).to(DTYPE)
+
+
+@triton.jit
 def load_keys(k_ptr, ks_ptr, kz_ptr, table_ptr, block, slot, in_range, k_strides, ks_strides,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr, DTYPE):
     """Keys of slots (block, slot) [TILE_N] as [TILE_N, HEAD_DIM_PAD] in compute_dtype(KIND, DTYPE), zeros
@@ -199,28 +212,24 @@ def load_keys(k_ptr, ks_ptr, kz_ptr, table_ptr, block, slot, in_range, k_strides
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row = block * k_strides[0] + slot * k_strides[1]
     if KIND == KVQUANT:
-        if K_BITS == 8:   # int8 codes convert straight to the dot's dtype (exact; packed conversions)
-            k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(CDTYPE)
-        else:
-            codes = unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS, False) - ((1 << (K_BITS - 1)) - 1)
-            k = int_to_float(codes).to(CDTYPE)
+        k = load_kvquant_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS, CDTYPE)
     elif KIND == TURBOQUANT:  # (code + zero) * scale per group of 32 (signed int8 codes for 8 bits)
         zero = load_group_scales(kz_ptr, block, slot, in_range, ks_strides, HEAD_DIM)
         scale = load_group_scales(ks_ptr, block, slot, in_range, ks_strides, HEAD_DIM).to(CDTYPE)
-        if K_BITS == 8 and CDTYPE == tl.float16:
-            # int8 code c -> the float16 whose bits are c + 0x6480, i.e. 1152 + c (1024 <= . < 2048, exact),
-            # minus 1152: an integer add and a packed half add instead of a quarter-rate conversion.
-            c = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(tl.int16)
-            codes = (c + 0x6480).to(tl.float16, bitcast=True) - 1152.0
-        elif K_BITS == 8:
-            codes = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(CDTYPE)
+        if K_BITS == 8:
+            c = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0)   # int8
+            if CDTYPE == tl.float16:
+                # the float16 whose bits are c + 0x6480 is 1152 + c (1024 <= . < 2048, exact), minus 1152:
+                # an integer add and a packed half add instead of a quarter-rate conversion
+                codes = (c.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+            else:
+                codes = c.to(CDTYPE)
         else:
             codes = int_to_float(unpack_codes(k_ptr, row, in_range, HEAD_DIM, K_BITS, False)).to(CDTYPE)
         codes = tl.reshape(codes, [N, HEAD_DIM // GROUP, GROUP])
         k = tl.reshape((codes + zero.to(CDTYPE)) * scale, [N, HEAD_DIM])
     else:
-        mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DTYPE)
+        k = load_dense(k_ptr, row, in_range, HEAD_DIM, HEAD_DIM_PAD, DTYPE)
     return k
 
 
@@ -234,16 +243,11 @@ def load_values(v_ptr, vs_ptr, table_ptr, block, slot, in_range, v_strides, vs_s
     values in the rotated domain; `table_ptr` holds its codebook (pairs of centroids for 2-4 bits)."""
     N: tl.constexpr = block.shape[0]
     CDTYPE: tl.constexpr = compute_dtype(KIND, DTYPE)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
     row = block * v_strides[0] + slot * v_strides[1]
     if KIND == KVQUANT:
-        if V_BITS == 8:
-            v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(CDTYPE)
-        else:
-            codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False) - ((1 << (V_BITS - 1)) - 1)
-            v = int_to_float(codes).to(CDTYPE)
+        v = load_kvquant_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, CDTYPE)
     elif KIND == TURBOQUANT:  # codebook[code] * rms scale per group of 32
-        if uses_pair_table(KIND, V_BITS):
+        if V_BITS <= 4:  # two codes per load from a table of centroid pairs (`page_view.decode_table`)
             centroids = lookup_pairs(table_ptr, v_ptr, row, in_range, HEAD_DIM, V_BITS)
         else:
             codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False)
@@ -252,8 +256,7 @@ def load_values(v_ptr, vs_ptr, table_ptr, block, slot, in_range, v_strides, vs_s
         scale = load_group_scales(vs_ptr, block, slot, in_range, vs_strides, HEAD_DIM).to(CDTYPE)
         v = tl.reshape(centroids * scale, [N, HEAD_DIM])
     else:
-        mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(DTYPE)
+        v = load_dense(v_ptr, row, in_range, HEAD_DIM, HEAD_DIM_PAD, DTYPE)
     return v
 
 

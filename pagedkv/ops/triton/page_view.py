@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...formats.base import PageFormat
+from ...formats.codebook import decision_thresholds
 
 DENSE, KVQUANT, TURBOQUANT = 0, 1, 2   # codecs.DENSE / KVQUANT / TURBOQUANT
 
@@ -58,18 +59,16 @@ _derived: "weakref.WeakKeyDictionary[PageFormat, dict]" = weakref.WeakKeyDiction
 
 def _turboquant_tensors(fmt) -> dict:
     if fmt not in _derived:
-        from ...formats import turboquant
-
         cb = fmt.codebook.float().contiguous()
         key_rotation = fmt.key_rotation          # x @ key_rotation == hadamard.rotate(x, key_signs), or None
         _derived[fmt] = {
             "codebook": cb,
-            "thresholds": ((cb[1:] + cb[:-1]) / 2).contiguous(),   # as in codebook.nearest_centroid
+            "thresholds": decision_thresholds(cb).contiguous(),
             "value_signs": fmt.value_signs.float().contiguous(),
             "out_rotation": fmt.value_rotation.T.contiguous(),      # out = out_rot @ value_rotation.T
             "key_signs": None if fmt.key_signs is None else fmt.key_signs.float().contiguous(),
             "q_rotation": None if key_rotation is None else key_rotation.contiguous(),
-            "scale_multipliers": torch.tensor(turboquant.SCALE_GRID, dtype=torch.float32, device=fmt.device),
+            "scale_multipliers": fmt.scale_grid,
             "tables": {},
         }
     return _derived[fmt]
@@ -114,13 +113,6 @@ def page_view(fmt: PageFormat, pages: dict[str, torch.Tensor]) -> PageView:
                         k_bits=fmt.key_bits, v_bits=fmt.value_bits, rotate_keys=fmt.key_signs is not None,
                         rotate_out=True, **extra)
     raise AssertionError(f"no Triton page view for format kind {kind!r}")
-
-
-def view_class(view: PageView) -> str:
-    """`tuning.page_class` of a view."""
-    if view.kind == DENSE:
-        return "dense"
-    return "int8" if view.kind == KVQUANT and view.k_bits == 8 else "packed"
 
 
 def is_supported(fmt: PageFormat) -> tuple[bool, str | None]:

@@ -17,9 +17,9 @@ import triton.language as tl
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .attention import check_inputs, dot_precision, launch_args, query_block_rows
-from .page_view import page_view, stride3, view_class
+from .page_view import page_view, stride3
 from .tiles import attend_range, load_queries, rotate_rows
-from .tuning import TileConfig, choose_tiles
+from .tuning import TileConfig, choose_tiles, page_class
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     num_seqs = meta.block_table.shape[0]
     group = num_q_heads // view.num_kv_heads
     tiles = tiles or choose_tiles(num_tokens, num_seqs, group, head_dim, query.device,
-                                  pages=view_class(view))
+                                  pages=page_class(fmt))
     block_q = tiles.block_m // group
     head_dim_pad = triton.next_power_of_2(head_dim)
     out = torch.empty_like(query)

@@ -50,11 +50,12 @@ def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, devi
     return TileConfig(max(64, rows), 64, 4, 2)
 
 
-def page_class(kind: str, bits: int) -> str:
-    """"dense" (float pages), "int8" (KV-Quant q8) or "packed" (sub-byte codes, TurboQuant)."""
+def page_class(fmt) -> str:
+    """"dense" (float pages), "int8" (KV-Quant q8) or "packed" (sub-byte codes, TurboQuant) for a PageFormat."""
+    kind = fmt.spec.kind
     if kind == "dense":
         return "dense"
-    return "int8" if kind == "kvquant" and bits == 8 else "packed"
+    return "int8" if kind == "kvquant" and fmt.bits == 8 else "packed"
 
 
 def decode_tiles(rows: int, head_dim: int, pages: str) -> TileConfig:
@@ -117,3 +118,17 @@ def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.dev
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     return splits_for(num_programs, capacity_tokens, multiprocessor_count(index))
+
+
+
+def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
+                   device: torch.device) -> tuple[int, TileConfig]:
+    """(num_splits, tiles) of one attention call: split-K when the (query block, KV head) programs would
+    not fill the GPU, with its own tiles; else the varlen kernel's tiles."""
+    pages = page_class(fmt)
+    tiles = choose_tiles(num_tokens, num_seqs, group, head_dim, device, pages=pages)
+    query_blocks = num_seqs if is_decode_like(num_tokens, num_seqs) else num_tokens // (tiles.block_m // group) + num_seqs
+    num_splits = choose_num_splits(query_blocks * fmt.num_kv_heads, capacity_tokens, device)
+    if num_splits > 1:
+        tiles = split_tiles(group, head_dim, pages)
+    return num_splits, tiles
