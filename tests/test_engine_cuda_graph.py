@@ -74,10 +74,12 @@ def requests():
     return prompts, params
 
 
-def graph_llm(model, **options):
-    llm = LLM(model, cuda_graph_batch_sizes=(1, 2, 4), max_num_seqs=4, **options)
+def graph_llm(model, batch_sizes=(1, 2, 4), **options):
+    """An LLM whose decode steps go through the graph runner, with the stand-in replay; max_num_seqs is
+    the largest bucket."""
+    llm = LLM(model, cuda_graph_batch_sizes=batch_sizes, max_num_seqs=max(batch_sizes), **options)
     runner = llm.engine.runner
-    runner.graphs = EagerReplayRunner(model, llm.engine.cache, runner.cache_kwarg, (1, 2, 4),
+    runner.graphs = EagerReplayRunner(model, llm.engine.cache, runner.cache_kwarg, batch_sizes,
                                       max_blocks_per_seq=llm.engine.cache.blocks_for(llm.engine.max_model_len))
     return llm
 
@@ -105,10 +107,7 @@ def test_a_full_batch_is_queued_ahead_while_requests_wait(tensor_driven_kernels)
     prompts, _ = requests()
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 18, 30, 12, 20, 16)]
     eager = LLM(model, enforce_eager=True, max_num_seqs=2, num_blocks=64, block_size=4).generate(prompts, params)
-    llm = LLM(model, cuda_graph_batch_sizes=(1, 2), max_num_seqs=2, num_blocks=64, block_size=4)
-    runner = llm.engine.runner
-    runner.graphs = EagerReplayRunner(model, llm.engine.cache, runner.cache_kwarg, (1, 2),
-                                      max_blocks_per_seq=llm.engine.cache.blocks_for(llm.engine.max_model_len))
+    llm = graph_llm(model, batch_sizes=(1, 2), num_blocks=64, block_size=4)
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
     stats = llm.stats()
