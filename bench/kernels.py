@@ -44,7 +44,7 @@ DECODE_SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 PREFILL_CHUNK, PREFILL_CONTEXTS = 2048, [0, 8192]
 FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "turboquant:k=q8_0,v=q4_0",
            "turboquant:k=q4_0,v=q2_0"]
-SWEEP_FORMATS, SWEEP_SHAPES = ("off", "q8", "q4", "turboquant"), ((1, 32768), (64, 8192))
+SWEEP_FORMATS, SWEEP_SHAPES = ("off", "q8", "q4", "turboquant"), tuple(DECODE_SHAPES)
 DEV = torch.device("cuda")
 SCALE = HEAD_DIM ** -0.5
 
@@ -263,7 +263,7 @@ def decode_sweep(spec, layers, metas, queries, copies):
             out[key] = time_per_call(calls(run(tiles, splits)))
         except Exception as e:  # noqa: BLE001  (a config that does not fit the GPU's shared memory)
             out[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-    for other in ([splits // 2, splits * 2] if splits > 1 else [2]):
+    for other in sorted({1, 2, 3, 4, max(1, splits // 2), splits * 2} - {splits}):
         tiles = split_tiles(group, HEAD_DIM, page_class(fmt)) if other > 1 else \
             choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, pages=page_class(fmt))
         out[f"default_tiles_split{other}"] = time_per_call(calls(run(tiles, other)))

@@ -169,16 +169,33 @@ def compute_dtype(kind, dtype):
 
 
 @triton.jit
-def lookup_pairs(table_ptr, ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
-    """Decoded elements [N, HEAD_DIM] of the b-bit bitstreams at ptr + row [N], two codes per table entry:
-    two neighbouring codes are one 2b-bit field of the stream (the low code in the low bits), and
-    table[field] holds both decoded elements side by side (`page_view.decode_table`), so one 2-element
-    load replaces per-element unpacking, conversion and codebook selects."""
-    N: tl.constexpr = row.shape[0]
-    fields = unpack_codes(ptr, row, in_range, HEAD_DIM // 2, 2 * BITS, False)       # [N, HEAD_DIM // 2]
-    offs2 = tl.arange(0, 2)
-    pairs = tl.load(table_ptr + (fields * 2)[:, :, None] + offs2[None, None, :])      # [N, HEAD_DIM // 2, 2]
-    return tl.reshape(pairs, [N, HEAD_DIM])
+def pick4(b0, b1, cb_ptr):
+    return tl.where(b1, tl.where(b0, tl.load(cb_ptr + 3), tl.load(cb_ptr + 2)),
+                    tl.where(b0, tl.load(cb_ptr + 1), tl.load(cb_ptr)))
+
+
+@triton.jit
+def codebook_lookup(codes, cb_ptr, BITS: tl.constexpr):
+    """codebook[codes] in the codebook's dtype: a select tree over the centroids (each one a uniform load,
+    hoisted out of the key loop) for up to 4 bits, a gather beyond. A per-element gather from a table
+    (tried: pairs of centroids, two codes per load) measured 2x slower on an H200: the load/store unit, not
+    the arithmetic, is then the limit."""
+    if BITS > 4:
+        v = tl.load(cb_ptr + codes)
+    else:
+        b0 = (codes & 1) != 0
+        b1 = (codes & 2) != 0
+        if BITS == 1:
+            v = tl.where(b0, tl.load(cb_ptr + 1), tl.load(cb_ptr))
+        elif BITS == 2:
+            v = pick4(b0, b1, cb_ptr)
+        else:
+            b2 = (codes & 4) != 0
+            v = tl.where(b2, pick4(b0, b1, cb_ptr + 4), pick4(b0, b1, cb_ptr))
+            if BITS == 4:
+                b3 = (codes & 8) != 0
+                v = tl.where(b3, tl.where(b2, pick4(b0, b1, cb_ptr + 12), pick4(b0, b1, cb_ptr + 8)), v)
+    return v
 
 
 @triton.jit
@@ -240,19 +257,15 @@ def load_values(v_ptr, vs_ptr, table_ptr, block, slot, in_range, v_strides, vs_s
     outside `in_range`.
 
     KVQUANT returns the integer codes: the caller scales probability columns. TURBOQUANT returns the
-    values in the rotated domain; `table_ptr` holds its codebook (pairs of centroids for 2-4 bits)."""
+    values in the rotated domain; `table_ptr` holds its codebook in the compute dtype (`page_view.decode_table`)."""
     N: tl.constexpr = block.shape[0]
     CDTYPE: tl.constexpr = compute_dtype(KIND, DTYPE)
     row = block * v_strides[0] + slot * v_strides[1]
     if KIND == KVQUANT:
         v = load_kvquant_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, CDTYPE)
     elif KIND == TURBOQUANT:  # codebook[code] * rms scale per group of 32
-        if V_BITS <= 4:  # two codes per load from a table of centroid pairs (`page_view.decode_table`)
-            centroids = lookup_pairs(table_ptr, v_ptr, row, in_range, HEAD_DIM, V_BITS)
-        else:
-            codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False)
-            centroids = tl.load(table_ptr + codes)
-        centroids = tl.reshape(centroids, [N, HEAD_DIM // GROUP, GROUP])
+        codes = tl.reshape(unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False), [N, HEAD_DIM // GROUP, GROUP])
+        centroids = codebook_lookup(codes, table_ptr, V_BITS).to(CDTYPE)
         scale = load_group_scales(vs_ptr, block, slot, in_range, vs_strides, HEAD_DIM).to(CDTYPE)
         v = tl.reshape(centroids * scale, [N, HEAD_DIM])
     else:

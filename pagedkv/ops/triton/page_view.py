@@ -74,26 +74,16 @@ def _turboquant_tensors(fmt) -> dict:
     return _derived[fmt]
 
 
-def _pair_table(elements: torch.Tensor, bits: int) -> torch.Tensor:
-    """[2**(2 bits), 2]: row f holds (elements[f & (2**bits - 1)], elements[f >> bits]), the two decoded
-    elements of a 2b-bit field of a little-endian stream of b-bit codes."""
-    f = torch.arange(1 << (2 * bits), device=elements.device)
-    mask = (1 << bits) - 1
-    return torch.stack([elements[f & mask], elements[f >> bits]], dim=1).contiguous()
-
-
 def decode_table(view: PageView, dtype: torch.dtype) -> torch.Tensor:
     """The table the attention kernels decode TurboQuant values through, for queries of `dtype`: the
-    centroids in the kernels' compute dtype (float16 for 16-bit queries, float32 otherwise), as pairs
-    (`codecs.lookup_pairs`) for 2-4 bits. Built once per (format, dtype), so a CUDA-graph capture after a
-    first eager call allocates nothing. Other formats need none (their key pages stand in)."""
+    codebook in the kernels' compute dtype (float16 for 16-bit queries, float32 otherwise; see
+    `codecs.compute_dtype`). Built once per (format, dtype), so a CUDA-graph capture after a first eager
+    call allocates nothing. Other formats need none (their key pages stand in)."""
     if view.kind != TURBOQUANT:
         return view.k
     cdtype = torch.float32 if dtype == torch.float32 else torch.float16
     if cdtype not in view.tables:
-        bits = view.v_bits
-        table = _pair_table(view.codebook, bits) if bits <= 4 else view.codebook
-        view.tables[cdtype] = table.to(cdtype).contiguous()
+        view.tables[cdtype] = view.codebook.to(cdtype).contiguous()
     return view.tables[cdtype]
 
 

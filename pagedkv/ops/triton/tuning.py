@@ -5,15 +5,15 @@ heads of one KV head's group, and the kernel is bound by reading pages. Prefill 
 and is bound by the matrix units. Split-K is taken when the (sequence, KV head) programs would not
 fill one wave of the GPU, so that long contexts of few sequences are spread over all multiprocessors.
 
-Decode stages: the page loads of a tile sit behind the block table (and, for TurboQuant and KV-Quant
-q4, a decode table as well), and Triton's software pipeliner divides `num_stages` among those levels of
-indirection. Below 5 stages (8 with a decode table) each page tile gets a single shared-memory buffer:
-the next tile's copy is issued only after the current tile is consumed, so a program has nothing in
-flight while it computes (the compiled TTGIR for sm_90 shows it: `bench/kernel_report.py`). Dense pages
-do little arithmetic per byte, so their decode wants the prefetch: 5 stages, two buffers. Quantized
-pages spend most of a tile on decoding codes, their registers and shared memory already limit them
-to two or three programs per multiprocessor, and the prefetching configs compile to more instructions
-per key (`kernel_report`), so they keep the single-buffer tiles measured on an H200 (BENCHMARKS.md).
+Decode tiles are the fastest measured on an H200 (`python bench/kernels.py --sweep`, BENCHMARKS.md). With 2
+stages Triton's pipeliner gives each page tile a single shared-memory buffer (the TTGIR for sm_90 shows
+it: `bench/kernel_report.py`), so a program has nothing in flight while it computes; double-buffered dense
+tiles (5 stages) compile to more registers, fewer resident programs, and measured 25% slower. The
+overlap comes from several resident programs per multiprocessor instead.
+
+Split-K is also a cure for wave quantization: 512 programs of q8 pages, three resident per multiprocessor,
+run as one full wave and one a third full; split in three they make four nearly full waves of shorter
+programs (measured: 1.6x faster at batch 64, 8,192 tokens).
 """
 
 from __future__ import annotations
@@ -59,13 +59,10 @@ def page_class(fmt) -> str:
 
 
 def decode_tiles(rows: int, head_dim: int, pages: str) -> TileConfig:
-    """Dense pages: 64 keys per step, double-buffered (see the module docstring); int8 pages: 64 keys,
-    one buffer; packed pages: 128 keys, one buffer. head_dim 256: 64 keys, one buffer, so that two
-    programs still fit a multiprocessor's shared memory."""
+    """Dense and int8 pages: 64 keys per step; packed pages: 128 keys; 4 warps, 2 stages. head_dim 256:
+    64 keys, so that two programs still fit a multiprocessor's shared memory."""
     if head_dim > 128:
         return TileConfig(rows, 64, 4, 2)
-    if pages == "dense":
-        return TileConfig(rows, 64, 4, 5)
     return TileConfig(rows, 128 if pages == "packed" else 64, 4, 2)
 
 
@@ -96,28 +93,39 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-CTAS_PER_SM = 3            # resident decode programs per multiprocessor (registers bound it)
+# Resident decode programs per multiprocessor at the decode tiles (registers bound them; sm_90 counts from
+# `bench/kernel_report.py`: dense 119 registers x 128 threads, int8 162, packed 186-255), and for head_dim 256.
+CTAS_PER_SM = {"dense": 4, "int8": 3, "packed": 2, "wide": 2}
 MIN_SPLIT_TOKENS = 1024    # keys per split at least, so each split streams long enough to hide latency
 MAX_SPLITS = 64
+SPLIT_COST = 0.05          # a split's extra cost (partial outputs, the reduce), relative to its share of the work
 
 
-def splits_for(num_programs: int, capacity_tokens: int, num_sms: int) -> int:
-    """Key ranges per program: 1 when the programs fill a wave, else enough for about two waves.
+def splits_for(num_programs: int, capacity_tokens: int, num_sms: int, ctas_per_sm: int = 3) -> int:
+    """Key ranges per program, for the fewest (nearly) full waves: the split count s minimising
+    ceil(num_programs * s / wave) / s, the time in units of one unsplit program, plus SPLIT_COST per
+    extra split. An underfilled GPU (few long sequences) gets about two waves; a batch that overflows one
+    wave by a little gets split so that the last wave is not mostly idle.
 
     `capacity_tokens` is the block table's reach (max_blocks * block_size), a shape, not a length.
     """
-    wave = CTAS_PER_SM * num_sms
-    if num_programs >= wave:
-        return 1
-    splits = min(MAX_SPLITS, triton.cdiv(2 * wave, max(num_programs, 1)), capacity_tokens // MIN_SPLIT_TOKENS)
-    return max(1, splits)
+    wave = ctas_per_sm * num_sms
+    limit = max(1, min(MAX_SPLITS, capacity_tokens // MIN_SPLIT_TOKENS))
+    best, best_cost = 1, float("inf")
+    for s in range(1, limit + 1):
+        cost = -(-num_programs * s // wave) / s * (1 + SPLIT_COST * (s > 1))
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
 
 
-def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.device) -> int:
+def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.device, pages: str = "dense",
+                      head_dim: int = 128) -> int:
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return splits_for(num_programs, capacity_tokens, multiprocessor_count(index))
+    ctas = CTAS_PER_SM["wide" if head_dim > 128 else pages]
+    return splits_for(num_programs, capacity_tokens, multiprocessor_count(index), ctas)
 
 
 
@@ -128,7 +136,7 @@ def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fm
     pages = page_class(fmt)
     tiles = choose_tiles(num_tokens, num_seqs, group, head_dim, device, pages=pages)
     query_blocks = num_seqs if is_decode_like(num_tokens, num_seqs) else num_tokens // (tiles.block_m // group) + num_seqs
-    num_splits = choose_num_splits(query_blocks * fmt.num_kv_heads, capacity_tokens, device)
+    num_splits = choose_num_splits(query_blocks * fmt.num_kv_heads, capacity_tokens, device, pages, head_dim)
     if num_splits > 1:
         tiles = split_tiles(group, head_dim, pages)
     return num_splits, tiles
