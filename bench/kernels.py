@@ -264,7 +264,7 @@ def decode_sweep(spec, layers, metas, queries, copies):
         except Exception as e:  # noqa: BLE001  (a config that does not fit the GPU's shared memory)
             out[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
     for other in sorted({1, 2, 3, 4, max(1, splits // 2), splits * 2} - {splits}):
-        tiles = split_tiles(group, HEAD_DIM, page_class(fmt)) if other > 1 else \
+        tiles = split_tiles(group, HEAD_DIM, page_class(fmt), other) if other > 1 else \
             choose_tiles(num_seqs, num_seqs, group, HEAD_DIM, DEV, pages=page_class(fmt))
         out[f"default_tiles_split{other}"] = time_per_call(calls(run(tiles, other)))
     print("    sweep: " + ", ".join(f"{k} {v * 1e3:.1f} us" if isinstance(v, float) else f"{k} {v}"

@@ -30,6 +30,17 @@ def test_a_mostly_idle_last_wave_is_split_away():
     assert splits_for(32 * 8, 4096, 132, CTAS_PER_SM["dense"]) == 2
 
 
+def test_quantized_pages_get_enough_programs_per_multiprocessor():
+    from pagedkv.ops.triton.tuning import QUANTIZED_PROGRAMS_PER_SM as per_sm, underfill_splits
+
+    for programs, capacity, splits in [(64 * 8, 8192, 3), (128 * 8, 2048, 2), (32 * 8, 4096, 4), (8, 32768, 32)]:
+        assert splits_for(programs, capacity, 132, 2, per_sm) == splits
+    assert splits_for(4 * 132 * 8, 8192, 132, 2, per_sm) == 1
+    # prefill (128-row programs) is split only when it leaves multiprocessors idle
+    assert underfill_splits(65 * 8, 10240, 132, 3) == 1
+    assert underfill_splits(2 * 8, 10240, 132, 3) == 10
+
+
 def test_tiles_step_down_until_they_fit_the_gpu_and_the_fit_is_remembered():
     """A GPU with less shared memory than the tiles need (Triton raises OutOfResources at launch) gets
     smaller tiles: fewer stages first, then fewer keys per step; the fit is remembered for later calls."""

@@ -2,8 +2,9 @@
 
 Decode-like batches (about one query token per sequence) use 16-row tiles: the rows are the query
 heads of one KV head's group, and the kernel is bound by reading pages. Prefill uses 128-row tiles
-and is bound by the matrix units. Split-K is taken when the (sequence, KV head) programs would not
-fill one wave of the GPU, so that long contexts of few sequences are spread over all multiprocessors.
+and is bound by the matrix units. Split-K is taken when the (sequence, KV head) programs would leave
+multiprocessors idle: long contexts of few sequences are spread over all of them, and a decode batch
+is split so that its last wave is not mostly empty (`splits_for`).
 
 Decode tiles are the fastest measured on an H200 (`python bench/kernels.py --sweep`, BENCHMARKS.md). With 2
 stages Triton's pipeliner gives each page tile a single shared-memory buffer (the TTGIR for sm_90 shows
@@ -66,11 +67,13 @@ def decode_tiles(rows: int, head_dim: int, pages: str) -> TileConfig:
     return TileConfig(rows, 128 if pages == "packed" else 64, 4, 2)
 
 
-def split_tiles(group: int, head_dim: int, pages: str = "dense") -> TileConfig:
-    """Tiles of the split-K kernel (decode of few, long sequences): the decode tiles, except that
-    quantized pages stream 128 keys per step."""
+def split_tiles(group: int, head_dim: int, pages: str = "dense", num_splits: int = 2) -> TileConfig:
+    """Tiles of the split-K kernel: the decode tiles, except that quantized pages, and dense pages split
+    more than 4 ways (few programs, each streaming one long range), read 128 keys per step (measured on an
+    H200 at batch 1, 32,768 tokens, 32 splits: 49.8 us against 57.5 with 64 keys; at batch 32, 4,096 tokens,
+    2 splits, 64 keys stay faster: 132 against 138 us)."""
     tiles = decode_tiles(max(16, triton.next_power_of_2(group)), head_dim, pages)
-    if pages != "dense" and head_dim <= 128:
+    if head_dim <= 128 and (pages != "dense" or num_splits > 4):
         tiles = TileConfig(tiles.block_m, 128, 4, 2)
     return tiles
 
@@ -96,21 +99,30 @@ def multiprocessor_count(device_index: int) -> int:
 # Resident decode programs per multiprocessor at the decode tiles (registers bound them; sm_90 counts from
 # `bench/kernel_report.py`: dense 119 registers x 128 threads, int8 162, packed 186-255), and for head_dim 256.
 CTAS_PER_SM = {"dense": 4, "int8": 3, "packed": 2, "wide": 2}
+# Quantized pages are decoded by arithmetic, and their programs take unequal times; they balance best with
+# at least this many programs per multiprocessor (measured on an H200 over 1-4 splits at batch 32, 64 and
+# 128: `python bench/kernels.py --sweep`, BENCHMARKS.md).
+QUANTIZED_PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 1024    # keys per split at least, so each split streams long enough to hide latency
 MAX_SPLITS = 64
 SPLIT_COST = 0.05          # a split's extra cost (partial outputs, the reduce), relative to its share of the work
 
 
-def splits_for(num_programs: int, capacity_tokens: int, num_sms: int, ctas_per_sm: int = 3) -> int:
-    """Key ranges per program, for the fewest (nearly) full waves: the split count s minimising
-    ceil(num_programs * s / wave) / s, the time in units of one unsplit program, plus SPLIT_COST per
-    extra split. An underfilled GPU (few long sequences) gets about two waves; a batch that overflows one
-    wave by a little gets split so that the last wave is not mostly idle.
+def splits_for(num_programs: int, capacity_tokens: int, num_sms: int, ctas_per_sm: int = 3,
+               min_programs_per_sm: int = 0) -> int:
+    """Key ranges per program. With `min_programs_per_sm` (quantized pages): the fewest splits that give
+    at least that many programs per multiprocessor. Otherwise (dense pages) the fewest (nearly) full
+    waves: the split count s minimising ceil(num_programs * s / wave) / s, the time in units of one
+    unsplit program, plus SPLIT_COST per extra split. Either way an underfilled GPU (few long sequences)
+    is spread over every multiprocessor, and a batch that overflows one wave by a little is split so
+    that its last wave is not mostly idle. At most capacity_tokens / MIN_SPLIT_TOKENS splits.
 
     `capacity_tokens` is the block table's reach (max_blocks * block_size), a shape, not a length.
     """
-    wave = ctas_per_sm * num_sms
     limit = max(1, min(MAX_SPLITS, capacity_tokens // MIN_SPLIT_TOKENS))
+    if min_programs_per_sm:
+        return max(1, min(limit, -(-min_programs_per_sm * num_sms // max(num_programs, 1))))
+    wave = ctas_per_sm * num_sms
     best, best_cost = 1, float("inf")
     for s in range(1, limit + 1):
         cost = -(-num_programs * s // wave) / s * (1 + SPLIT_COST * (s > 1))
@@ -119,24 +131,39 @@ def splits_for(num_programs: int, capacity_tokens: int, num_sms: int, ctas_per_s
     return best
 
 
+def underfill_splits(num_programs: int, capacity_tokens: int, num_sms: int, ctas_per_sm: int) -> int:
+    """Prefill: programs of 128 query rows are bound by the matrix units and are only split when they
+    leave multiprocessors idle (fewer than one wave): then into about two waves."""
+    wave = ctas_per_sm * num_sms
+    if num_programs >= wave:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-2 * wave // max(num_programs, 1)), capacity_tokens // MIN_SPLIT_TOKENS))
+
+
 def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.device, pages: str = "dense",
-                      head_dim: int = 128) -> int:
+                      head_dim: int = 128, decode: bool = True) -> int:
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
+    num_sms = multiprocessor_count(index)
     ctas = CTAS_PER_SM["wide" if head_dim > 128 else pages]
-    return splits_for(num_programs, capacity_tokens, multiprocessor_count(index), ctas)
+    if not decode:
+        return underfill_splits(num_programs, capacity_tokens, num_sms, ctas)
+    return splits_for(num_programs, capacity_tokens, num_sms, ctas,
+                      0 if pages == "dense" else QUANTIZED_PROGRAMS_PER_SM)
 
 
 
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
                    device: torch.device) -> tuple[int, TileConfig]:
-    """(num_splits, tiles) of one attention call: split-K when the (query block, KV head) programs would
-    not fill the GPU, with its own tiles; else the varlen kernel's tiles."""
+    """(num_splits, tiles) of one attention call: split-K (with its own tiles) when the (query block, KV
+    head) programs would leave the GPU partly idle (`splits_for`, `underfill_splits`); else the varlen
+    kernel's tiles."""
     pages = page_class(fmt)
     tiles = choose_tiles(num_tokens, num_seqs, group, head_dim, device, pages=pages)
-    query_blocks = num_seqs if is_decode_like(num_tokens, num_seqs) else num_tokens // (tiles.block_m // group) + num_seqs
-    num_splits = choose_num_splits(query_blocks * fmt.num_kv_heads, capacity_tokens, device, pages, head_dim)
+    decode = is_decode_like(num_tokens, num_seqs)
+    query_blocks = num_seqs if decode else num_tokens // (tiles.block_m // group) + num_seqs
+    num_splits = choose_num_splits(query_blocks * fmt.num_kv_heads, capacity_tokens, device, pages, head_dim, decode)
     if num_splits > 1:
-        tiles = split_tiles(group, head_dim, pages)
+        tiles = split_tiles(group, head_dim, pages, num_splits)
     return num_splits, tiles
