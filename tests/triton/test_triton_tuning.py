@@ -31,14 +31,30 @@ def test_a_mostly_idle_last_wave_is_split_away():
 
 
 def test_quantized_pages_get_enough_programs_per_multiprocessor():
-    from pagedkv.ops.triton.tuning import QUANTIZED_PROGRAMS_PER_SM as per_sm, underfill_splits
+    from pagedkv.ops.triton.tuning import QUANTIZED_PROGRAMS_PER_SM as per_sm
 
     for programs, capacity, splits in [(64 * 8, 8192, 3), (128 * 8, 2048, 2), (32 * 8, 4096, 4), (8, 32768, 32)]:
         assert splits_for(programs, capacity, 132, 2, per_sm) == splits
     assert splits_for(4 * 132 * 8, 8192, 132, 2, per_sm) == 1
-    # prefill (128-row programs) is split only when it leaves multiprocessors idle
-    assert underfill_splits(65 * 8, 10240, 132, 3) == 1
-    assert underfill_splits(2 * 8, 10240, 132, 3) == 10
+
+
+def test_prefill_is_never_split_and_keeps_its_128_row_tiles(monkeypatch):
+    """A 512-token chunk of one sequence fills few programs, but splitting it would put it on 16-row
+    decode tiles that read every key once per 4 tokens (measured: TurboQuant prefill many times slower)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagedkv.ops.triton import tuning
+
+    monkeypatch.setattr(tuning, "multiprocessor_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    for kind, bits in [("dense", 16), ("turboquant", 3), ("kvquant", 8)]:
+        fmt = SimpleNamespace(spec=SimpleNamespace(kind=kind), bits=bits, num_kv_heads=8)
+        splits, tiles = tuning.plan_attention(512, 1, 4, 128, fmt, 32768, cuda)
+        assert splits == 1 and tiles.block_m == 128
+        splits, tiles = tuning.plan_attention(1, 1, 4, 128, fmt, 32768, cuda)   # one decode token: split
+        assert splits == 32 and tiles.block_m == 16
 
 
 def test_tiles_step_down_until_they_fit_the_gpu_and_the_fit_is_remembered():

@@ -2,9 +2,9 @@
 
 Decode-like batches (about one query token per sequence) use 16-row tiles: the rows are the query
 heads of one KV head's group, and the kernel is bound by reading pages. Prefill uses 128-row tiles
-and is bound by the matrix units. Split-K is taken when the (sequence, KV head) programs would leave
-multiprocessors idle: long contexts of few sequences are spread over all of them, and a decode batch
-is split so that its last wave is not mostly empty (`splits_for`).
+and is bound by the matrix units. Decode is split (split-K) when the (sequence, KV head) programs would
+leave multiprocessors idle: long contexts of few sequences are spread over all of them, and a batch is
+split so that its last wave is not mostly empty (`splits_for`). Prefill is never split.
 
 Decode tiles are the fastest measured on an H200 (`python bench/kernels.py --sweep`, BENCHMARKS.md). With 2
 stages Triton's pipeliner gives each page tile a single shared-memory buffer (the TTGIR for sm_90 shows
@@ -131,24 +131,13 @@ def splits_for(num_programs: int, capacity_tokens: int, num_sms: int, ctas_per_s
     return best
 
 
-def underfill_splits(num_programs: int, capacity_tokens: int, num_sms: int, ctas_per_sm: int) -> int:
-    """Prefill: programs of 128 query rows are bound by the matrix units and are only split when they
-    leave multiprocessors idle (fewer than one wave): then into about two waves."""
-    wave = ctas_per_sm * num_sms
-    if num_programs >= wave:
-        return 1
-    return max(1, min(MAX_SPLITS, -(-2 * wave // max(num_programs, 1)), capacity_tokens // MIN_SPLIT_TOKENS))
-
-
 def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.device, pages: str = "dense",
-                      head_dim: int = 128, decode: bool = True) -> int:
+                      head_dim: int = 128) -> int:
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     num_sms = multiprocessor_count(index)
     ctas = CTAS_PER_SM["wide" if head_dim > 128 else pages]
-    if not decode:
-        return underfill_splits(num_programs, capacity_tokens, num_sms, ctas)
     return splits_for(num_programs, capacity_tokens, num_sms, ctas,
                       0 if pages == "dense" else QUANTIZED_PROGRAMS_PER_SM)
 
@@ -156,14 +145,16 @@ def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.dev
 
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
                    device: torch.device) -> tuple[int, TileConfig]:
-    """(num_splits, tiles) of one attention call: split-K (with its own tiles) when the (query block, KV
-    head) programs would leave the GPU partly idle (`splits_for`, `underfill_splits`); else the varlen
-    kernel's tiles."""
+    """(num_splits, tiles) of one attention call: for decode-like batches, split-K (with its own tiles)
+    when the (sequence, KV head) programs would leave the GPU partly idle (`splits_for`); else the
+    varlen kernel's tiles. Prefill is never split: the split kernel's 16-row tiles would read every key
+    once per 16 query rows instead of once per 128 (measured on an H200: a 2,048-token dense chunk 2.7x
+    slower, TurboQuant prefill slower still, as its keys are decoded on every read)."""
     pages = page_class(fmt)
     tiles = choose_tiles(num_tokens, num_seqs, group, head_dim, device, pages=pages)
-    decode = is_decode_like(num_tokens, num_seqs)
-    query_blocks = num_seqs if decode else num_tokens // (tiles.block_m // group) + num_seqs
-    num_splits = choose_num_splits(query_blocks * fmt.num_kv_heads, capacity_tokens, device, pages, head_dim, decode)
+    if not is_decode_like(num_tokens, num_seqs):
+        return 1, tiles
+    num_splits = choose_num_splits(num_seqs * fmt.num_kv_heads, capacity_tokens, device, pages, head_dim)
     if num_splits > 1:
         tiles = split_tiles(group, head_dim, pages, num_splits)
     return num_splits, tiles
