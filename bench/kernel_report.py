@@ -2,6 +2,7 @@
 
     python bench/kernel_report.py [--formats off,q8,q4,turboquant] [--configs 64x4x5,128x4x2] [--json OUT]
     python bench/kernel_report.py --compile-all [--formats ...]
+    python bench/kernel_report.py --count-variants [--formats ...]
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
 `paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
@@ -14,6 +15,9 @@ cost model for comparing kernel variants when no GPU is at hand. Time on a GPU i
 attention for decode and prefill tiles, split-K and its reduce) for each format, query dtype and
 head_dim, launching nothing: the Triton interpreter the CPU tests use never lowers a kernel, so this
 is what catches a kernel that would not compile for the GPU. Exits 1 if any fails.
+
+`--count-variants` runs the decode and split-K kernels over batches of several sizes and block-table
+widths and prints how many kernels each compiled: 1 each, or a server compiles again mid-stream.
 """
 
 from __future__ import annotations
@@ -168,6 +172,31 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
         split_k.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=4, tiles=split_tiles(group, head_dim, pages_kind))
 
 
+def count_variants(spec: str) -> dict:
+    """Compile the decode and split-K attention kernels for batches of several sizes and block-table widths
+    (1, 2, 3, 16 sequences; 1 to 17 blocks each); return how many kernels each one compiled."""
+    from pagedkv.ops.metadata import AttentionMetadata
+    from pagedkv.ops.triton import split_k
+    from pagedkv.ops.triton.tuning import split_tiles
+
+    fmt = make_format(KVFormat.parse(spec), 2, 64, torch.bfloat16, "cpu")
+    pages = fmt.allocate_pages(64, BLOCK_SIZE)
+    kernels = (attention.paged_attention_kernel, split_k.split_attention_kernel, split_k.reduce_splits_kernel)
+    before = {k.fn.__name__: len(k.device_caches[0][0]) for k in kernels}
+    with _CompileOnly():
+        for seqs, width in ((1, 1), (2, 4), (16, 16), (3, 17)):
+            table = torch.arange(seqs * width, dtype=torch.int32).remainder(64).view(seqs, width)
+            lens = [width * BLOCK_SIZE] * seqs
+            qsl = list(range(seqs + 1))
+            meta = AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
+                                     torch.arange(seqs, dtype=torch.int64), None, lens, qsl, BLOCK_SIZE)
+            q = torch.empty(seqs, 8, 64, dtype=torch.bfloat16)
+            tiles = choose_tiles(seqs, seqs, 4, 64, torch.device("cuda"), pages=page_class(fmt))
+            attention.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles)
+            split_k.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=4, tiles=split_tiles(4, 64, page_class(fmt)))
+    return {k.fn.__name__: len(k.device_caches[0][0]) - before[k.fn.__name__] for k in kernels}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--formats", default="off,q8,q4,turboquant", help="','-separated; use ';' if a format has commas")
@@ -177,9 +206,15 @@ def main() -> None:
     parser.add_argument("--compile-all", action="store_true", help="compile every kernel for each format, dtype, head_dim")
     parser.add_argument("--dtypes", default="bfloat16,float16,float32", help="with --compile-all: query dtypes")
     parser.add_argument("--head-dims", default="64,128,256", help="with --compile-all")
+    parser.add_argument("--count-variants", action="store_true",
+                        help="print (JSON) how many kernels a run over several batch shapes compiles; 1 each is right")
     args = parser.parse_args()
     driver.set_active(_Sm90Target())
     formats = args.formats.split(";") if ";" in args.formats else args.formats.split(",")
+    if args.count_variants:
+        for spec in formats:
+            print(json.dumps(count_variants(spec)), flush=True)
+        return
     if args.compile_all:
         failed = 0
         for spec in formats:

@@ -37,3 +37,12 @@ def test_dense_decode_tiles_fit_four_programs_per_multiprocessor_without_spills(
     (row,) = json.loads(out.read_text())
     assert row["registers"] <= 128, row
     assert row["spill_bytes"] == 0, row
+
+
+def test_a_new_batch_shape_does_not_compile_the_attention_kernels_again():
+    """Batch size and block-table width change every step; Triton would otherwise compile a kernel per
+    value class (== 1, multiple of 16, other), for seconds, mid-stream (`attention.PER_STEP_ARGS`)."""
+    r = kernel_report("--count-variants", "--formats", "off")
+    assert r.returncode == 0, r.stdout + r.stderr
+    counts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert counts == {"paged_attention_kernel": 1, "split_attention_kernel": 1, "reduce_splits_kernel": 1}, counts

@@ -19,6 +19,11 @@ from .page_view import PageView, decode_table, page_view, stride3
 from .tiles import attend_range, find_sequence, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles, page_class
 
+# Integer arguments that change from step to step. Triton specialises integer arguments on their value
+# (== 1, a multiple of 16) and compiles a kernel per combination; a server would then compile again, for
+# seconds, mid-stream whenever the batch size or the block-table width first falls into a new class.
+PER_STEP_ARGS = ["num_seqs", "stride_bt", "num_splits"]
+
 
 @triton.jit
 def query_block_rows(q_block, kv_head, query_start_loc_ptr, seq_lens_ptr, num_seqs,
@@ -36,7 +41,7 @@ def query_block_rows(q_block, kv_head, query_start_loc_ptr, seq_lens_ptr, num_se
     return seq, q_start, q_len, first, context, token, head, row_ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_ARGS)
 def paged_attention_kernel(
     out_ptr, q_ptr,
     k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, table_ptr, q_rotation_ptr, out_rotation_ptr,

@@ -16,13 +16,13 @@ import triton.language as tl
 
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
-from .attention import check_inputs, dot_precision, launch_args, query_block_rows
+from .attention import PER_STEP_ARGS, check_inputs, dot_precision, launch_args, query_block_rows
 from .page_view import page_view, stride3
 from .tiles import attend_range, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles, page_class
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_ARGS)
 def split_attention_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
     k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, table_ptr, q_rotation_ptr, out_rotation_ptr,
@@ -75,7 +75,7 @@ def split_attention_kernel(
     tl.store(part_out_ptr + state[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_ARGS)
 def reduce_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, rotation_ptr,
     stride_ot, stride_oh, num_splits,

@@ -1,0 +1,84 @@
+"""Where an eager engine step's time goes on a GPU: a Python profile (cProfile) of a few engine steps
+with CUDA graphs off, for each page format, on the Llama-3-8B-shaped model of `bench/engine_gpu.py`.
+
+Two kinds of step are profiled: a mixed prefill step (`--requests` prompts of `--prompt-tokens`, as
+in the batch workload) and, once every request is prefilled, pure decode steps run eagerly. Prints
+the steps' wall times and the functions with the most own time.
+
+    python bench/engine_profile.py --formats off turboquant
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_gpu  # noqa: E402
+from engine_gpu import build_model, random_prompts, sync  # noqa: E402
+
+from pagedkv import LLM, SamplingParams  # noqa: E402
+
+
+def profiled(fn, n: int, top: int, label: str) -> float:
+    sync()
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    sync()
+    prof.disable()
+    ms = (time.perf_counter() - start) / n * 1e3
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    lines = [ln for ln in s.getvalue().splitlines() if ln.strip()][-top - 1:]
+    print(f"--- {label}: {ms:.1f} ms per step (under cProfile)\n" + "\n".join(lines), flush=True)
+    return ms
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--formats", nargs="+", default=["off", "turboquant"])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--top", type=int, default=18)
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
+    args = p.parse_args(argv)
+    if args.tiny:
+        engine_gpu.DEVICE = "cpu"
+    model = build_model(args.layers, args.tiny)
+    prompts = random_prompts(args.requests, args.prompt_tokens, model.config.vocab_size, seed=1234)
+    for fmt in args.formats:
+        llm = LLM(model, kv_format=fmt, num_blocks=args.requests * (args.prompt_tokens // 16 + 8) + 64,
+                  max_num_seqs=args.requests, max_num_batched_tokens=args.max_num_batched_tokens)
+        engine = llm.engine
+        engine.runner.graphs = None
+        params = SamplingParams(max_tokens=64, ignore_eos=True)
+        for prompt in prompts[:2]:  # compile this format's kernels outside the profile
+            engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        rids = [engine.add_request(prompt, params) for prompt in prompts]
+        seqs = [engine.requests[r] for r in rids]
+        profiled(engine.step, 1, args.top, f"{fmt}: first prefill step ({args.max_num_batched_tokens} tokens)")
+        while any(s.num_output_tokens == 0 for s in seqs):
+            engine.step()
+        profiled(engine.step, 4, args.top, f"{fmt}: eager decode step, batch {args.requests}")
+        for r in rids:
+            engine.abort(r)
+        del llm, engine
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
