@@ -1,14 +1,18 @@
 """On a GPU: the engine's batch-64 decode step split into host work and waiting for the GPU.
 
-The window of bench/engine_gpu.py (8-layer Llama-3-8B-shaped model, bf16 pages, 64 requests of 4,096
+The window of bench/engine_gpu.py (8-layer Llama-3-8B-shaped model, `--format` pages, 64 requests of 4,096
 prompt tokens, 3 warm-up and 64 timed decode steps; the first-prefilled requests finish in the window),
 run twice on fresh engines: untimed, then with the engine's phases timed as bench/engine_host.py does.
 "Wait" is the time spent in `torch.cuda.Event.synchronize` (the host reading a step's tokens); the rest
 of a step is host work. Also times the graph replay alone (bench/engine_gpu.py's profile_replay).
 
-    python bench/engine_gpu_host.py LABEL [BATCH ...]     # writes $OUT/probe_LABEL.json (default /tmp/out)
+    python bench/engine_gpu_host.py LABEL [BATCH ...] [--format F]   # writes $OUT/probe_LABEL.json (default /tmp/out)
+
+`--format` picks the page format (default `off`): TurboQuant's batch-64 engine step is 1.1 ms longer than
+its graph replay, against 0.37 ms for bf16 pages (BENCHMARKS.md), and this splits that gap.
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -24,8 +28,12 @@ import engine_gpu as eg  # noqa: E402
 import engine_host as eh  # noqa: E402
 from pagedkv import LLM, SamplingParams  # noqa: E402
 
-label = sys.argv[1]
-batches = [int(b) for b in sys.argv[2:]] or [64]
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("label")
+parser.add_argument("batches", type=int, nargs="*", default=[64])
+parser.add_argument("--format", default="off", help="page format, as --paged-kv-quantization takes it")
+args = parser.parse_args()
+label, batches = args.label, args.batches
 model = eg.build_model(8)
 wait = {"s": 0.0}
 orig_sync = torch.cuda.Event.synchronize
@@ -44,7 +52,7 @@ for batch in batches:
     res = {}
     for timed in (False, True):
         blocks_per_seq = -(-(context + 64 + 8 + 32) // 16)
-        llm = LLM(model, kv_format="off", num_blocks=64 * blocks_per_seq + 64, max_num_seqs=64, max_num_batched_tokens=16384)
+        llm = LLM(model, kv_format=args.format, num_blocks=64 * blocks_per_seq + 64, max_num_seqs=64, max_num_batched_tokens=16384)
         e = llm.engine
         prompts = eg.random_prompts(batch, context, e.vocab_size, seed=batch)
         params = SamplingParams(max_tokens=warm + steps + 10, ignore_eos=True)
@@ -85,5 +93,6 @@ for batch in batches:
         del llm, e, seqs
         eg.free_memory()
     out[batch] = res
+out["format"] = args.format
 os.makedirs(os.environ.get("OUT", "/tmp/out"), exist_ok=True)
 json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp/out"), f"probe_{label}.json"), "w"), indent=1)
