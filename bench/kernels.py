@@ -421,7 +421,7 @@ def main() -> None:
     print_tables(result)
 
 
-TARGETS = [  # (what, format, shape or context, measure, bound): the "done when" for one run
+TARGETS = [  # (what, format, shape or context, measure, bound): the performance targets for one run
     ("dense decode speed vs SDPA", "off", (32, 4096), "speedup_vs_sdpa", (">=", 1.0)),
     ("dense decode speed vs SDPA", "off", (64, 8192), "speedup_vs_sdpa", (">=", 1.0)),
     ("dense decode speed vs SDPA (split-K)", "off", (1, 32768), "speedup_vs_sdpa", (">=", 1.2)),
