@@ -235,9 +235,12 @@ def _read_tokens(tokenizer, path: str, num_tokens: int) -> torch.Tensor:
 
 
 def measure_windows(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor, window: int, bar) -> dict:
-    """Perplexity, KL and top-1 agreement against fmts[0] ("off") over consecutive windows of `ids`."""
+    """Perplexity, KL and top-1 agreement against fmts[0] ("off") over consecutive windows of `ids`, and the
+    standard error of the perplexity increase: the per-token log-likelihood differences against "off" are
+    paired, so their spread says how far two equally good quantizations of the same pages could land apart
+    (ppl ratio = exp(mean difference); the error is that of the mean, carried through the exp)."""
     num_windows = ids.shape[0] // window
-    acc = {f: {"nll": 0.0, "kl": 0.0, "top1": 0} for f in fmts}
+    acc = {f: {"nll": [], "kl": 0.0, "top1": 0} for f in fmts}
     for w in range(num_windows):
         tokens = ids[w * window:(w + 1) * window]
         targets = tokens[window // 2:]
@@ -247,13 +250,21 @@ def measure_windows(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor, w
             lp = window_logprobs(runner, f, tokens)  # [scored, vocab]
             if reference is None:
                 reference = lp
-            acc[f]["nll"] += float(-lp.gather(-1, targets[:, None]).sum())
+            acc[f]["nll"].append(-lp.gather(-1, targets[:, None]).squeeze(-1).double())
             acc[f]["kl"] += float((reference.exp() * (reference - lp)).sum())
             acc[f]["top1"] += int((reference.argmax(-1) == lp.argmax(-1)).sum())
             bar.update(window)
     scored = num_windows * (window - window // 2)
-    return {f: {"ppl": math.exp(a["nll"] / scored), "kl": a["kl"] / scored, "top1": a["top1"] / scored}
-            for f, a in acc.items()}
+    base = torch.cat(acc[fmts[0]]["nll"])
+    out = {}
+    for f, a in acc.items():
+        nll = torch.cat(a["nll"])
+        diff = nll - base
+        ratio = math.exp(float(diff.mean()))
+        se = float(diff.std()) / math.sqrt(len(diff)) if len(diff) > 1 else 0.0
+        out[f] = {"ppl": math.exp(float(nll.mean())), "kl": a["kl"] / scored, "top1": a["top1"] / scored,
+                  "ppl_increase_se_pct": 100.0 * ratio * se}
+    return out
 
 
 def measure_profile(runner: Runner, fmt: EvalFormat, ids: torch.Tensor) -> dict:

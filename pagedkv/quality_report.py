@@ -9,19 +9,24 @@ def _pct(x: float) -> str:
     return "-" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
 
 
+def _increase(r: dict) -> str:
+    se = r.get("ppl_increase_se_pct")
+    return f"{r['ppl_increase_pct']:+.2f}%" + ("" if se is None else f" ± {se:.2f}")
+
+
 def format_table(report: dict) -> str:
     """A Markdown table: one row per format."""
     results = report["formats"]
     lengths = sorted({int(n) for r in results.values() for n in r.get("passkey", {})})
     head = ["format", f"bytes/token/head (D={report['head_dim']})", "bytes/token/head (D=128)", "ppl",
-            "ppl vs off", "KL", "top-1"] + [f"passkey {n // 1024}K" if n % 1024 == 0 else f"passkey {n}"
+            "ppl vs off (± s.e.)", "KL", "top-1"] + [f"passkey {n // 1024}K" if n % 1024 == 0 else f"passkey {n}"
                                              for n in lengths]
     rows = []
     for label, r in results.items():
         passkey = r.get("passkey", {})
         rows.append([f"`{label}`", f"{r['bytes_per_token_per_head']:.1f}".rstrip("0").rstrip("."),
                      f"{r['bytes_per_token_per_head_d128']:.1f}".rstrip("0").rstrip("."), f"{r['ppl']:.3f}",
-                     f"{r['ppl_increase_pct']:+.2f}%", f"{r['kl']:.5f}", f"{100 * r['top1']:.2f}%"]
+                     _increase(r), f"{r['kl']:.5f}", f"{100 * r['top1']:.2f}%"]
                     + [_pct(passkey.get(str(n))) for n in lengths])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]

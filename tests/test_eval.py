@@ -74,7 +74,9 @@ def test_eval_writes_a_table_json_and_plot(tmp_path, capsys):
     res = report["formats"]
     assert list(res) == ["off", "q8", "turboquant:k=q8_0,v=q3_0"]
     off, q8, tq = res.values()
-    assert off["kl"] == 0 and off["top1"] == 1 and off["ppl_increase_pct"] == 0
+    assert off["kl"] == 0 and off["top1"] == 1 and off["ppl_increase_pct"] == 0 and off["ppl_increase_se_pct"] == 0
+    # the paired standard error of the increase: none for off itself, growing with the distortion
+    assert 0 < q8["ppl_increase_se_pct"] < tq["ppl_increase_se_pct"] < 10
     assert 1 < off["ppl"] < 100
     assert 0 < q8["kl"] < tq["kl"] < 0.2 and q8["top1"] > 0.9
     assert [r["bytes_per_token_per_head"] for r in res.values()] == [512, 136, 100]  # float32 model, head_dim 64
