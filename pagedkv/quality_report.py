@@ -49,14 +49,15 @@ def write_plot(report: dict, path: str) -> None:
     ax = axes[0]
     y = list(range(len(labels)))
     inc = [results[label]["ppl_increase_pct"] for label in labels]
-    bars = ax.barh(y, inc, color=[color[label] for label in labels])
+    se = [results[label].get("ppl_increase_se_pct") or 0.0 for label in labels]  # paired standard error
+    bars = ax.barh(y, inc, xerr=se, capsize=3, color=[color[label] for label in labels])
     for bar, label in zip(bars, labels):
         b = results[label]["bytes_per_token_per_head"]
         ax.annotate(f" {b:.0f} B", (max(bar.get_width(), 0), bar.get_y() + bar.get_height() / 2), va="center",
                     fontsize=8)
     ax.set_yticks(y, labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("perplexity increase vs off (%)")
+    ax.set_xlabel("perplexity increase vs off (%), bars: ± one standard error")
     ax.set_title(f"{report['scored_tokens']} scored tokens, window {report['window']}\n"
                  f"(bytes per token per KV head at head_dim {report['head_dim']})", fontsize=9)
 
