@@ -51,9 +51,9 @@ def write_plot(report: dict, path: str) -> None:
     inc = [results[label]["ppl_increase_pct"] for label in labels]
     se = [results[label].get("ppl_increase_se_pct") or 0.0 for label in labels]  # paired standard error
     bars = ax.barh(y, inc, xerr=se, capsize=3, color=[color[label] for label in labels])
-    for bar, label in zip(bars, labels):
+    for bar, label, err in zip(bars, labels, se):
         b = results[label]["bytes_per_token_per_head"]
-        ax.annotate(f" {b:.0f} B", (max(bar.get_width(), 0), bar.get_y() + bar.get_height() / 2), va="center",
+        ax.annotate(f" {b:.0f} B", (max(bar.get_width() + err, 0), bar.get_y() + bar.get_height() / 2), va="center",
                     fontsize=8)
     ax.set_yticks(y, labels, fontsize=8)
     ax.invert_yaxis()
