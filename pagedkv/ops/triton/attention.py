@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
-from .page_view import PageView, decode_table, page_view, stride3
+from .page_view import PageView, value_codebook, page_view, stride3
 from .tiles import attend_range, find_sequence, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles, page_class
 
@@ -44,7 +44,7 @@ def query_block_rows(q_block, kv_head, query_start_loc_ptr, seq_lens_ptr, num_se
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
 def paged_attention_kernel(
     out_ptr, q_ptr,
-    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, table_ptr, q_rotation_ptr, out_rotation_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, q_rotation_ptr, out_rotation_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,   # (block, slot, head) of each page tensor
@@ -81,7 +81,7 @@ def paged_attention_kernel(
         block_table_ptr + seq.to(tl.int64) * stride_bt,
         k_ptr + head_off * k_strides[2], v_ptr + head_off * v_strides[2],
         ks_ptr + head_off * ks_strides[2], kz_ptr + head_off * ks_strides[2], vs_ptr + head_off * vs_strides[2],
-        table_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),
+        codebook_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),
         (ks_strides[0], ks_strides[1]), (vs_strides[0], vs_strides[1]),
         qk_scale, softcap, sliding_window,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, KIND, K_BITS, V_BITS, DOT_PRECISION)
@@ -95,7 +95,7 @@ def paged_attention_kernel(
 
 def launch_args(view: PageView, dtype: torch.dtype):
     """The page-tensor arguments every attention kernel takes, in kernel order, for queries of `dtype`."""
-    return (view.k, view.v, view.k_scale, view.k_zero, view.v_scale, decode_table(view, dtype), view.aux("q_rotation"),
+    return (view.k, view.v, view.k_scale, view.k_zero, view.v_scale, value_codebook(view, dtype), view.aux("q_rotation"),
             view.aux("out_rotation"))
 
 

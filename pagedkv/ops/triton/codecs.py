@@ -218,7 +218,7 @@ def load_kvquant_codes(ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
-def load_keys(k_ptr, ks_ptr, kz_ptr, table_ptr, block, slot, in_range, k_strides, ks_strides,
+def load_keys(k_ptr, ks_ptr, kz_ptr, block, slot, in_range, k_strides, ks_strides,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr, DTYPE):
     """Keys of slots (block, slot) [TILE_N] as [TILE_N, HEAD_DIM_PAD] in compute_dtype(KIND, DTYPE), zeros
     outside `in_range`.
@@ -251,13 +251,13 @@ def load_keys(k_ptr, ks_ptr, kz_ptr, table_ptr, block, slot, in_range, k_strides
 
 
 @triton.jit
-def load_values(v_ptr, vs_ptr, table_ptr, block, slot, in_range, v_strides, vs_strides,
+def load_values(v_ptr, vs_ptr, codebook_ptr, block, slot, in_range, v_strides, vs_strides,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KIND: tl.constexpr, V_BITS: tl.constexpr, DTYPE):
     """Values of slots (block, slot) [TILE_N] as [TILE_N, HEAD_DIM_PAD] in compute_dtype(KIND, DTYPE), zeros
     outside `in_range`.
 
     KVQUANT returns the integer codes: the caller scales probability columns. TURBOQUANT returns the
-    values in the rotated domain; `table_ptr` holds its codebook in the compute dtype (`page_view.decode_table`)."""
+    values in the rotated domain, decoded with the codebook at `codebook_ptr` (`page_view.value_codebook`)."""
     N: tl.constexpr = block.shape[0]
     CDTYPE: tl.constexpr = compute_dtype(KIND, DTYPE)
     row = block * v_strides[0] + slot * v_strides[1]
@@ -265,7 +265,7 @@ def load_values(v_ptr, vs_ptr, table_ptr, block, slot, in_range, v_strides, vs_s
         v = load_kvquant_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, CDTYPE)
     elif KIND == TURBOQUANT:  # codebook[code] * rms scale per group of 32
         codes = tl.reshape(unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False), [N, HEAD_DIM // GROUP, GROUP])
-        centroids = codebook_lookup(codes, table_ptr, V_BITS).to(CDTYPE)
+        centroids = codebook_lookup(codes, codebook_ptr, V_BITS).to(CDTYPE)
         scale = load_group_scales(vs_ptr, block, slot, in_range, vs_strides, HEAD_DIM).to(CDTYPE)
         v = tl.reshape(centroids * scale, [N, HEAD_DIM])
     else:

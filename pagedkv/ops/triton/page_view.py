@@ -33,6 +33,7 @@ class PageView:
     v_bits: int = 0
     # TurboQuant (stand-ins otherwise)
     codebook: torch.Tensor | None = None      # [2**v_bits] float32 value centroids
+    codebook_f16: torch.Tensor | None = None  # the same in float16, read by kernels with 16-bit queries
     thresholds: torch.Tensor | None = None    # [2**v_bits - 1] float32 midpoints between centroids
     value_signs: torch.Tensor | None = None   # [head_dim] float32 +-1 of the value rotation
     key_signs: torch.Tensor | None = None     # [head_dim] float32 +-1 of the key rotation (rotate_keys)
@@ -41,7 +42,6 @@ class PageView:
     scale_multipliers: torch.Tensor | None = None  # [m] float32 value-scale grid (multiples of the RMS)
     rotate_keys: bool = False
     rotate_out: bool = False
-    tables: dict | None = None                # TurboQuant decode tables by dtype, see `decode_table`
 
     def aux(self, name: str) -> torch.Tensor:
         t = getattr(self, name)
@@ -63,28 +63,24 @@ def _turboquant_tensors(fmt) -> dict:
         key_rotation = fmt.key_rotation          # x @ key_rotation == hadamard.rotate(x, key_signs), or None
         _derived[fmt] = {
             "codebook": cb,
+            "codebook_f16": cb.half(),
             "thresholds": decision_thresholds(cb).contiguous(),
             "value_signs": fmt.value_signs.float().contiguous(),
             "out_rotation": fmt.value_rotation.T.contiguous(),      # out = out_rot @ value_rotation.T
             "key_signs": None if fmt.key_signs is None else fmt.key_signs.float().contiguous(),
             "q_rotation": None if key_rotation is None else key_rotation.contiguous(),
             "scale_multipliers": fmt.scale_grid,
-            "tables": {},
         }
     return _derived[fmt]
 
 
-def decode_table(view: PageView, dtype: torch.dtype) -> torch.Tensor:
-    """The table the attention kernels decode TurboQuant values through, for queries of `dtype`: the
-    codebook in the kernels' compute dtype (float16 for 16-bit queries, float32 otherwise; see
-    `codecs.compute_dtype`). Built once per (format, dtype), so a CUDA-graph capture after a first eager
-    call allocates nothing. Other formats need none (their key pages stand in)."""
+def value_codebook(view: PageView, dtype: torch.dtype) -> torch.Tensor:
+    """The TurboQuant codebook the attention kernels decode values with, for queries of `dtype`: in the
+    kernels' compute dtype (`codecs.compute_dtype`: float16 for 16-bit queries, float32 otherwise). Other
+    formats need none (their key pages stand in)."""
     if view.kind != TURBOQUANT:
         return view.k
-    cdtype = torch.float32 if dtype == torch.float32 else torch.float16
-    if cdtype not in view.tables:
-        view.tables[cdtype] = view.codebook.to(cdtype).contiguous()
-    return view.tables[cdtype]
+    return view.codebook if dtype == torch.float32 else view.codebook_f16
 
 
 def page_view(fmt: PageFormat, pages: dict[str, torch.Tensor]) -> PageView:

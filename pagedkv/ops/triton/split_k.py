@@ -25,7 +25,7 @@ from .tuning import TileConfig, choose_tiles, page_class
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
 def split_attention_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
-    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, table_ptr, q_rotation_ptr, out_rotation_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, q_rotation_ptr, out_rotation_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,
@@ -64,7 +64,7 @@ def split_attention_kernel(
         block_table_ptr + seq.to(tl.int64) * stride_bt,
         k_ptr + head_off * k_strides[2], v_ptr + head_off * v_strides[2],
         ks_ptr + head_off * ks_strides[2], kz_ptr + head_off * ks_strides[2], vs_ptr + head_off * vs_strides[2],
-        table_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),
+        codebook_ptr, (k_strides[0], k_strides[1]), (v_strides[0], v_strides[1]),
         (ks_strides[0], ks_strides[1]), (vs_strides[0], vs_strides[1]),
         qk_scale, softcap, sliding_window,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, KIND, K_BITS, V_BITS, DOT_PRECISION)

@@ -64,7 +64,7 @@ def attend_tiles(
     q_pos,                            # [BLOCK_M] int32 absolute position of each row's query token
     kv_lo, kv_hi,                     # keys [kv_lo, kv_hi) of this sequence are visited (kv_lo a multiple of TILE_N)
     block_table_row_ptr,              # this sequence's row of the block table
-    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, table_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr,
     k_strides, v_strides, ks_strides, vs_strides,   # (block, slot) strides; the KV head offset is already in the pointers
     qk_scale, softcap, sliding_window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -84,7 +84,7 @@ def attend_tiles(
             in_range = offs_t < TILE_N
         block = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         slot = offs_n % BLOCK_SIZE
-        k = load_keys(k_ptr, ks_ptr, kz_ptr, table_ptr, block, slot, in_range, k_strides, ks_strides,
+        k = load_keys(k_ptr, ks_ptr, kz_ptr, block, slot, in_range, k_strides, ks_strides,
                       HEAD_DIM, HEAD_DIM_PAD, KIND, K_BITS, q.dtype)            # [TILE_N, HEAD_DIM_PAD]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)             # [BLOCK_M, TILE_N]
         if KIND == KVQUANT:
@@ -106,7 +106,7 @@ def attend_tiles(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_values(v_ptr, vs_ptr, table_ptr, block, slot, in_range, v_strides, vs_strides,
+        v = load_values(v_ptr, vs_ptr, codebook_ptr, block, slot, in_range, v_strides, vs_strides,
                         HEAD_DIM, HEAD_DIM_PAD, KIND, V_BITS, q.dtype)          # [TILE_N, HEAD_DIM_PAD]
         if KIND == KVQUANT:
             p = p * load_token_scales(vs_ptr, block, slot, in_range, vs_strides)[None, :]
@@ -118,7 +118,7 @@ def attend_tiles(
 @triton.jit
 def attend_range(
     q, acc, m_i, l_i, q_pos, kv_lo, kv_hi, min_pos, max_pos, block_table_row_ptr,
-    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, table_ptr, k_strides, v_strides, ks_strides, vs_strides,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, k_strides, v_strides, ks_strides, vs_strides,
     qk_scale, softcap, sliding_window,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -135,14 +135,14 @@ def attend_range(
     full_hi = tl.maximum(full_hi, full_lo)
     acc, m_i, l_i = attend_tiles(
         q, acc, m_i, l_i, q_pos, kv_lo, full_lo, block_table_row_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr,
-        table_ptr, k_strides, v_strides, ks_strides, vs_strides, qk_scale, softcap, sliding_window,
+        codebook_ptr, k_strides, v_strides, ks_strides, vs_strides, qk_scale, softcap, sliding_window,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, True, KIND, K_BITS, V_BITS, DOT_PRECISION)
     acc, m_i, l_i = attend_tiles(
         q, acc, m_i, l_i, q_pos, full_lo, full_hi, block_table_row_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr,
-        table_ptr, k_strides, v_strides, ks_strides, vs_strides, qk_scale, softcap, sliding_window,
+        codebook_ptr, k_strides, v_strides, ks_strides, vs_strides, qk_scale, softcap, sliding_window,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, False, KIND, K_BITS, V_BITS, DOT_PRECISION)
     acc, m_i, l_i = attend_tiles(
         q, acc, m_i, l_i, q_pos, full_hi, kv_hi, block_table_row_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr,
-        table_ptr, k_strides, v_strides, ks_strides, vs_strides, qk_scale, softcap, sliding_window,
+        codebook_ptr, k_strides, v_strides, ks_strides, vs_strides, qk_scale, softcap, sliding_window,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, USE_SOFTCAP, USE_WINDOW, True, KIND, K_BITS, V_BITS, DOT_PRECISION)
     return acc, m_i, l_i

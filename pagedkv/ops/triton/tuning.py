@@ -96,12 +96,12 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Resident decode programs per multiprocessor at the decode tiles (registers bound them; sm_90 counts from
-# `bench/kernel_report.py`: dense 119 registers x 128 threads, int8 162, packed 186-255), and for head_dim 256.
-CTAS_PER_SM = {"dense": 4, "int8": 3, "packed": 2, "wide": 2}
-# Quantized pages are decoded by arithmetic, and their programs take unequal times; they balance best with
-# at least this many programs per multiprocessor (measured on an H200 over 1-4 splits at batch 32, 64 and
-# 128: `python bench/kernels.py --sweep`, BENCHMARKS.md).
+# Resident dense-page decode programs per multiprocessor (registers bound them: 119 per thread at 4 warps on
+# sm_90, `bench/kernel_report.py`), at head_dim <= 128 and at head_dim 256 ("wide").
+CTAS_PER_SM = {"dense": 4, "wide": 2}
+# Quantized pages are decoded by arithmetic, and their programs take unequal times; rather than a count of
+# full waves they need at least this many programs per multiprocessor (measured on an H200 over 1-4 splits
+# at batch 32, 64 and 128: `python bench/kernels.py --sweep`, BENCHMARKS.md).
 QUANTIZED_PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 1024    # keys per split at least, so each split streams long enough to hide latency
 MAX_SPLITS = 64
@@ -137,10 +137,9 @@ def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.dev
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     num_sms = multiprocessor_count(index)
-    ctas = CTAS_PER_SM["wide" if head_dim > 128 else pages]
-    return splits_for(num_programs, capacity_tokens, num_sms, ctas,
-                      0 if pages == "dense" else QUANTIZED_PROGRAMS_PER_SM)
-
+    if pages != "dense":
+        return splits_for(num_programs, capacity_tokens, num_sms, min_programs_per_sm=QUANTIZED_PROGRAMS_PER_SM)
+    return splits_for(num_programs, capacity_tokens, num_sms, CTAS_PER_SM["wide" if head_dim > 128 else "dense"])
 
 
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
