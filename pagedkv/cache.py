@@ -52,10 +52,12 @@ class PagedKVCache(Cache):
     device, kernels ("auto" | "triton" | "reference"), num_layers.
     """
 
-    def __init__(self, config: CacheConfig | None = None, **options):
+    def __init__(self, config: CacheConfig | None = None, *, model_identity: dict | None = None, **options):
         if config is not None and options:
             raise ConfigError("pass either a CacheConfig or keyword options to PagedKVCache, not both")
         self.config = config or CacheConfig.build(**options)
+        # the model the pages belong to (`pagedkv.identity.model_identity`), written into saved files' headers
+        self.model_identity: dict = dict(model_identity or {})
         self.layers = []  # transformers' per-layer objects are not used: the pages live here
         self.layer_class_to_replicate = None
         self.offloading = False
@@ -236,7 +238,13 @@ class PagedKVCache(Cache):
         return removed
 
     def crop(self, max_length: int, seq_id: int | None = None) -> int:
-        """Keep the first `max_length` tokens (negative: remove that many). Returns tokens removed."""
+        """Remove `-max_length` tokens when negative; keep the first `max_length` when positive. Returns tokens removed.
+
+        `crop(0)` removes nothing: transformers calls it after every fully accepted draft of assisted
+        generation (and each step of its deferred stop check), as `crop(-tokens_rejected)`.
+        """
+        if max_length == 0:
+            return 0
         if seq_id is not None:
             current = self._seq(seq_id).num_tokens
         else:
@@ -357,6 +365,12 @@ class PagedKVCache(Cache):
 
     # ------------------------------------------------------------------------------------------
     # layers
+    def init_layers(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """Create the formats and (empty) pages of layers 0..num_layers-1 before any write, as a first write of
+        keys [*, num_kv_heads, head_dim] in `dtype` on `device` would (restoring pages into a fresh cache)."""
+        for layer_idx in range(num_layers):
+            self._layer(layer_idx, torch.empty(0, num_kv_heads, head_dim, dtype=dtype, device=device))
+
     def _layer(self, layer_idx: int, key: torch.Tensor) -> tuple[dict[str, torch.Tensor], PageFormat]:
         """The pages and format of a layer, allocated on first use from the first write's shapes."""
         while len(self.pages) <= layer_idx:
@@ -508,6 +522,34 @@ class PagedKVCache(Cache):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise ConfigError("selecting batch rows of a PagedKVCache is not supported")
+
+    # ------------------------------------------------------------------------------------------
+    # snapshots and files (`pagedkv.snapshot`)
+    def snapshot(self, seq_id: int):
+        """A host-memory copy of sequence `seq_id`'s pages (a `pagedkv.snapshot.Snapshot`)."""
+        from . import snapshot
+
+        return snapshot.take(self, seq_id)
+
+    def restore(self, snap, *, device=None) -> int:
+        """A new sequence with `snap`'s pages, bit for bit; returns its id. Raises SnapshotError (another model,
+        format or block size) or CacheCapacityError, leaving the cache as it was."""
+        from . import snapshot
+
+        return snapshot.restore(self, snap, device=device)
+
+    def save(self, path, seq_ids: list[int]):
+        """Write sequences `seq_ids` to a safetensors file at `path` (identity header, sha256 per tensor)."""
+        from . import snapshot
+
+        return snapshot.save(self, path, list(seq_ids))
+
+    def load(self, path, *, device=None) -> list[int]:
+        """Add the sequences saved in `path` (by `save`) as new sequences; returns their ids. Raises SnapshotError
+        for a file of another model, format, block size or version, or a truncated or corrupted one (cache unchanged)."""
+        from . import snapshot
+
+        return snapshot.load(self, path, device=device)
 
     # ------------------------------------------------------------------------------------------
     # stats

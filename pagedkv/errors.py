@@ -38,3 +38,12 @@ class CacheCapacityError(Exception):
         if detail:
             msg += f" ({detail})"
         super().__init__(msg)
+
+
+class SnapshotError(PagedKVError):
+    """A snapshot or a saved cache file that cannot be restored here: another model, page format, block size
+    or file version, or a truncated or corrupted file. The cache is left as it was."""
+
+
+class TierPathError(PagedKVError):
+    """A file of the disk tier that resolves outside `kv_cache_dir` (`..` or a symbolic link); it is never read."""

@@ -116,11 +116,13 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def install_paged_kv_cache(model: torch.nn.Module, **cache_options) -> PagedKVCache:
+def install_paged_kv_cache(model: torch.nn.Module, *, model_id: str | None = None, **cache_options) -> PagedKVCache:
     """Switch `model` to the "pagedkv" attention and return a fresh `PagedKVCache` for it.
 
     `cache_options` are `PagedKVCache` options (block_size, num_blocks, dynamic, kv_format, ...). The
-    model's layer count and context window (max_position_embeddings) fill in unset options.
+    model's layer count and context window (max_position_embeddings) fill in unset options. The cache
+    records the model's identity (`pagedkv.identity.model_identity`: architecture, shapes, a weights
+    fingerprint, and `model_id` when given) for the headers of the files it saves.
     """
     switch_model(model)
     text = text_config(getattr(model, "config", None))
@@ -130,4 +132,6 @@ def install_paged_kv_cache(model: torch.nn.Module, **cache_options) -> PagedKVCa
 
         env_ctx = env_defaults()["context_window_tokens"]
         cache_options["context_window_tokens"] = env_ctx or getattr(text, "max_position_embeddings", None)
-    return PagedKVCache(**cache_options)
+    from .identity import model_identity
+
+    return PagedKVCache(model_identity=model_identity(model, model_id), **cache_options)
