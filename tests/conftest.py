@@ -20,6 +20,19 @@ def smollm2():
     return load_model("default")
 
 
+@pytest.fixture(scope="session")
+def smollm2_f64():
+    """The default model in float64, loaded once per session: equality tests over quantized page formats.
+
+    In float32 a quantized format turns the rounding differences between two shapes of the same matmul
+    (a prefill of n tokens against one of n + k) into another code here and there, which over 30 layers can
+    change a nearly tied greedy token; in float64 those differences are too small to flip a code.
+    """
+    from pagedkv import load_model
+
+    return load_model("default", dtype=torch.float64)
+
+
 def pytest_addoption(parser):
     parser.addoption("--quick", action="store_true", help="skip the long SmolLM2 equality runs (marked slow)")
 
