@@ -67,8 +67,10 @@ class PrefixCache:
     def block_hashes(self, hashes: list[bytes], token_ids: Sequence[int], num_tokens: int | None = None) -> list[bytes]:
         return extend_block_hashes(hashes, token_ids, self.block_size, self.page_format, num_tokens)
 
-    def match(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]:
-        """Cached blocks for the longest run of `hashes[:max_blocks]` from the start; a reference is taken on each."""
+    def match(self, hashes: Sequence[bytes], max_blocks: int, free_blocks: int | None = None) -> list[int]:
+        """Cached blocks for the longest run of `hashes[:max_blocks]` from the start; a reference is taken on each.
+
+        `free_blocks`: how many blocks a tiered cache may allocate to load more of the run (unused here)."""
         if not self.enabled:
             return []
         out = []
@@ -99,8 +101,10 @@ class PrefixCache:
             self.cache.pool.register_hash(block_ids[b], hashes[b])
         return max(num_registered, upto)
 
-    def release(self, seq_id: int) -> None:
-        """Free a sequence, tail block first, so a prefix's first blocks are the last ones evicted."""
+    def release(self, seq_id: int, preempted: bool = False) -> None:
+        """Free a sequence, tail block first, so a prefix's first blocks are the last ones evicted.
+
+        `preempted`: it will be readmitted (a tiered cache may swap its blocks out instead)."""
         self.cache.trim(self.cache.seq_len(seq_id), seq_id)  # trim frees the last block first
         self.cache.free(seq_id)
 

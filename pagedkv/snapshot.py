@@ -133,7 +133,8 @@ def restore_many(cache, snaps: list[Snapshot], *, device=None) -> list[int]:
                 for name, page in pages.items():
                     flat = page.view(-1, *page.shape[2:])
                     index = torch.tensor(slots, dtype=torch.long, device=flat.device)
-                    flat.index_copy_(0, index, layer[name].to(flat.device, non_blocking=True))
+                    with torch.inference_mode(page.is_inference()):  # pages grown inside a forward are inference tensors
+                        flat.index_copy_(0, index, layer[name].to(flat.device, non_blocking=True))
     except CacheCapacityError:
         for seq_id in reversed(added):
             cache.free(seq_id)

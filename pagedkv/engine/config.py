@@ -18,6 +18,9 @@ class EngineConfig:
     requests with a common prefix; enforce_eager: never replay CUDA graphs; cuda_graph_batch_sizes:
     the decode batch sizes captured (a batch runs in the smallest bucket that holds it);
     max_model_len: longest prompt + output (default: the model's max_position_embeddings).
+    Prefix-cache tiers (`pagedkv.tiers`): cpu_cache_gb: host memory for blocks evicted from the device pool
+    (0: off); kv_cache_dir: a directory keeping them on disk across restarts, up to disk_cache_gb;
+    swap_on_preemption: a preempted request's blocks go to the host tier and are loaded back, not recomputed.
     """
 
     max_num_seqs: int = 256
@@ -26,6 +29,10 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
     max_model_len: int | None = None
+    cpu_cache_gb: float = 0.0
+    kv_cache_dir: str | None = None
+    disk_cache_gb: float = 16.0
+    swap_on_preemption: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -34,10 +41,23 @@ class EngineConfig:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ConfigError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
+        for name in ("cpu_cache_gb", "disk_cache_gb"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be a number of GiB >= 0")
+        if self.has_tiers and not self.prefix_caching:
+            raise ConfigError("cpu_cache_gb / kv_cache_dir keep prefix-cache blocks: they need prefix_caching=True")
+        if self.swap_on_preemption and not self.cpu_cache_gb:
+            raise ConfigError("swap_on_preemption swaps blocks to the host tier: give it room with cpu_cache_gb > 0")
         sizes = tuple(sorted({int(b) for b in self.cuda_graph_batch_sizes}))
         if not sizes or sizes[0] < 1:
             raise ConfigError(f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes!r} must be positive integers")
         object.__setattr__(self, "cuda_graph_batch_sizes", sizes)
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether prefix-cache blocks also go to a host tier (cpu_cache_gb) or a disk tier (kv_cache_dir)."""
+        return bool(self.cpu_cache_gb) or bool(self.kv_cache_dir)
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:

@@ -18,11 +18,11 @@ import torch
 from ..cache import PagedKVCache
 from ..errors import CacheCapacityError, ConfigError, ContextWindowError
 from ..hf import install_paged_kv_cache, text_config
-from ..prefix import PrefixCache
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .prefix_tiers import make_prefix_cache
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -62,7 +62,7 @@ class LLMEngine:
         self.vocab_size = text.vocab_size
         # a ready cache (a tensor-parallel rank's sharded one) or a fresh one built from cache_options
         self.cache: PagedKVCache = cache if cache is not None else install_paged_kv_cache(model, **(cache_options or {}))
-        self.prefix = PrefixCache(self.cache, enabled=config.prefix_caching)
+        self.prefix = make_prefix_cache(self.cache, config, model, own_cache=cache is None)
         self.scheduler = Scheduler(config, self.cache, self.prefix)
         self.runner = ModelRunner(model, self.cache, config, self.max_model_len)
         self.sampler = Sampler()

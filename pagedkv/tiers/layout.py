@@ -1,0 +1,73 @@
+"""`BlockLayout`: every layer's page tensors of one block, side by side in one row of bytes.
+
+A block moves between tiers whole: its rows of every layer's page tensors (`[block_size, num_kv_heads,
+width]` each, keys, values and scales) packed into one contiguous uint8 row of `block_bytes`, each part
+at an offset aligned to 16 bytes. Copies go in large pieces: one per page tensor for a batch of blocks,
+and on CUDA one device<->host copy of the whole batch through a staging buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 16
+
+
+def words(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 rows viewed as int64 (rows are multiples of ALIGN bytes): whole-row copies run as wide words,
+    where some PyTorch CPU builds copy uint8 one byte at a time (100x slower)."""
+    return rows.view(torch.int64)
+
+
+@dataclass(frozen=True)
+class _Part:
+    layer: int
+    name: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # one block: [block_size, num_kv_heads, width]
+
+
+class BlockLayout:
+    def __init__(self, cache):
+        parts, offset = [], 0
+        for layer, pages in enumerate(cache.pages):
+            for name, page in pages.items():
+                nbytes = page[0].numel() * page.element_size() if page.shape[0] else \
+                    torch.Size(page.shape[1:]).numel() * page.element_size()
+                parts.append(_Part(layer, name, offset, nbytes, page.dtype, tuple(page.shape[1:])))
+                offset += -(-nbytes // ALIGN) * ALIGN
+        self.parts = parts
+        self.block_bytes = offset
+        self.device = cache.formats[0].device
+
+    def describe(self) -> list:
+        """The layout as plain data (part of the tiers' identity)."""
+        return [[p.layer, p.name, p.offset, p.nbytes, str(p.dtype).removeprefix("torch."), list(p.shape)]
+                for p in self.parts]
+
+    def gather(self, cache, block_ids: list[int]) -> torch.Tensor:
+        """Blocks `block_ids` of every layer as rows [len(block_ids), block_bytes] uint8 on the cache's device
+        (queued on the current stream on CUDA)."""
+        n = len(block_ids)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        out = torch.empty(n, self.block_bytes, dtype=torch.uint8, device=self.device)
+        for p in self.parts:
+            rows = cache.pages[p.layer][p.name].index_select(0, ids)  # [n, block_size, H, width]
+            out[:, p.offset:p.offset + p.nbytes].view(p.dtype).copy_(rows.reshape(n, -1))
+        return out
+
+    def scatter(self, cache, block_ids: list[int], rows: torch.Tensor) -> None:
+        """Write `rows` [len(block_ids), block_bytes] uint8 (host or device) into blocks `block_ids` of every layer."""
+        n = len(block_ids)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        src = words(rows).to(self.device, non_blocking=True).view(torch.uint8)
+        for p in self.parts:
+            part = src[:, p.offset:p.offset + p.nbytes].view(p.dtype).view(n, *p.shape)
+            page = cache.pages[p.layer][p.name]
+            with torch.inference_mode(page.is_inference()):  # pages grown inside a forward are inference tensors
+                page.index_copy_(0, ids, part)
+
