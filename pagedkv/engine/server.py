@@ -232,6 +232,14 @@ def register_cli(subparsers) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context window)")
     g.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
+    g.add_argument("--cpu-cache-gb", type=float, default=0.0, metavar="GB",
+                   help="host memory for prefix-cache blocks evicted from the device pool (default 0: off)")
+    g.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                   help="keep prefix-cache blocks in files under DIR, across restarts (default: off)")
+    g.add_argument("--disk-cache-gb", type=float, default=16.0, metavar="GB",
+                   help="size cap of --kv-cache-dir, least recently used blocks out (default 16)")
+    g.add_argument("--swap-on-preemption", action="store_true",
+                   help="swap a preempted request's blocks to the host tier instead of recomputing them")
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model's heads over N ranks (GPUs with NCCL, CPU processes with gloo; default 1)")
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
@@ -252,8 +260,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     opts = cache_options(args)
     engine_opts = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
-                       max_model_len=args.max_model_len)
+                       max_model_len=args.max_model_len, cpu_cache_gb=args.cpu_cache_gb,
+                       kv_cache_dir=args.kv_cache_dir, disk_cache_gb=args.disk_cache_gb,
+                       swap_on_preemption=args.swap_on_preemption)
     EngineConfig(**engine_opts)  # validate before loading a model
+    if args.tensor_parallel != 1 and (args.cpu_cache_gb or args.kv_cache_dir):
+        raise ConfigError("--cpu-cache-gb / --kv-cache-dir are not supported with --tensor-parallel; drop one of them")
     if args.tensor_parallel != 1:
         from ..parallel.commands import serve_tensor_parallel
 

@@ -56,8 +56,9 @@ class BlockLayout:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         out = torch.empty(n, self.block_bytes, dtype=torch.uint8, device=self.device)
         for p in self.parts:
-            rows = cache.pages[p.layer][p.name].index_select(0, ids)  # [n, block_size, H, width]
-            out[:, p.offset:p.offset + p.nbytes].view(p.dtype).copy_(rows.reshape(n, -1))
+            page = cache.pages[p.layer][p.name]  # [num_blocks, block_size, H, width]
+            torch.index_select(page.view(page.shape[0], -1), 0, ids,
+                               out=out[:, p.offset:p.offset + p.nbytes].view(p.dtype))
         return out
 
     def scatter(self, cache, block_ids: list[int], rows: torch.Tensor) -> None:

@@ -1,0 +1,71 @@
+"""`pagedkv serve --kv-cache-dir`: a server restarted on the same directory answers a repeated long prompt
+from disk (counted by the tier hit counter in /metrics) with the same completion."""
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from test_server import _free_port, metrics
+
+PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
+          "want of a wife. However little known the feelings or views of such a man may be on his first entering "
+          "a neighbourhood, this truth is so well fixed in the minds of the surrounding families, that he is "
+          "considered the rightful property of some one or other of their daughters. ") * 5
+
+
+def start_server(kv_cache_dir) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    proc = subprocess.Popen([sys.executable, "-m", "pagedkv", "serve", "--port", str(port), "--num-blocks", "128",
+                             "--max-model-len", "1024", "--device", "cpu", "--kv-cache-dir", str(kv_cache_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pagedkv serve exited: {proc.stdout.read().decode()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("pagedkv serve did not come up in time")
+
+
+def complete(base: str) -> dict:
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=300).json()
+
+
+@pytest.mark.slow
+def test_restarted_server_answers_a_repeated_prompt_from_disk(tmp_path):
+    proc, base = start_server(tmp_path)
+    try:
+        first = complete(base)
+        num_blocks = first["usage"]["prompt_tokens"] // 16
+        assert num_blocks >= 20
+        deadline = time.time() + 60  # the writer runs while the server is idle
+        while metrics(base)["pagedkv_tier_disk_writes_total"] < num_blocks and time.time() < deadline:
+            time.sleep(0.2)
+        assert metrics(base)["pagedkv_tier_disk_hits_total"] == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert len(list((tmp_path / "blocks").rglob("*.safetensors"))) >= num_blocks
+
+    proc, base = start_server(tmp_path)
+    try:
+        second = complete(base)
+        m = metrics(base)
+        # every full block but the one holding the last prompt token comes from disk
+        assert m["pagedkv_tier_disk_hits_total"] >= num_blocks - 1
+        assert m["pagedkv_prefix_cache_hit_tokens_total"] == 16 * m["pagedkv_tier_disk_hits_total"]
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
