@@ -148,9 +148,10 @@ class _CompileOnly:
 
 
 def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int = 8, num_kv_heads: int = 2) -> None:
-    """Compile the write, attention (decode and prefill tiles), split-K and reduce kernels of one format."""
+    """Compile the write, attention (decode and prefill tiles), split-K, warp-split decode (formats it reads)
+    and reduce kernels of one format."""
     from pagedkv.ops.metadata import AttentionMetadata
-    from pagedkv.ops.triton import kv_write, split_k
+    from pagedkv.ops.triton import decode, kv_write, split_k
     from pagedkv.ops.triton.tuning import split_tiles
 
     cuda = torch.device("cuda")
@@ -170,18 +171,23 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
                       choose_tiles(4096, seqs, group, head_dim, cuda, pages=pages_kind)):     # prefill tiles
             attention.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles)
         split_k.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=4, tiles=split_tiles(group, head_dim, pages_kind))
+        if decode.is_supported(fmt):
+            for num_splits in (1, 4):
+                decode.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=num_splits)
 
 
 def count_variants(spec: str) -> dict:
     """Compile the decode and split-K attention kernels for batches of several sizes and block-table widths
     (1, 2, 3, 16 sequences; 1 to 17 blocks each); return how many kernels each one compiled."""
     from pagedkv.ops.metadata import AttentionMetadata
-    from pagedkv.ops.triton import split_k
+    from pagedkv.ops.triton import decode, split_k
     from pagedkv.ops.triton.tuning import split_tiles
 
     fmt = make_format(KVFormat.parse(spec), 2, 64, torch.bfloat16, "cpu")
     pages = fmt.allocate_pages(64, BLOCK_SIZE)
     kernels = (attention.paged_attention_kernel, split_k.split_attention_kernel, split_k.reduce_splits_kernel)
+    if decode.is_supported(fmt) and spec != "off":
+        kernels += (decode.decode_kernel,)
     before = {k.fn.__name__: len(k.device_caches[0][0]) for k in kernels}
     with _CompileOnly():
         for seqs, width in ((1, 1), (2, 4), (16, 16), (3, 17)):
@@ -194,6 +200,9 @@ def count_variants(spec: str) -> dict:
             tiles = choose_tiles(seqs, seqs, 4, 64, torch.device("cuda"), pages=page_class(fmt))
             attention.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles)
             split_k.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=4, tiles=split_tiles(4, 64, page_class(fmt)))
+            if decode.decode_kernel in kernels:
+                for num_splits in (1, 4):
+                    decode.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=num_splits)
     return {k.fn.__name__: len(k.device_caches[0][0]) - before[k.fn.__name__] for k in kernels}
 
 

@@ -189,7 +189,7 @@ def sdpa_decode(keys, values, num_seqs, seq_len, queries, copies):
     return best[0], best[1], results, ref_out
 
 
-def bench_decode(formats, shapes, gen, tiles_for=None) -> list[dict]:
+def bench_decode(formats, shapes, gen, tiles_for=None, warp_split=False) -> list[dict]:
     rows = []
     for num_seqs, seq_len in shapes:
         n = num_seqs * seq_len
@@ -222,6 +222,8 @@ def bench_decode(formats, shapes, gen, tiles_for=None) -> list[dict]:
                    "bytes_per_token_per_head": fmt.bytes_per_token_per_head(), "rel_err": err}
             if tiles_for is not None and spec in SWEEP_FORMATS:
                 row["sweep"] = tiles_for(spec, layers, metas, queries, copies)
+            if warp_split:
+                row["warp_split"] = warp_split_sweep(spec, layers, metas, queries, copies)
             rows.append(row)
             print(f"  {spec:28s} {ms * 1e3:8.1f} us  {row['gbps']:7.0f} GB/s  x{row['speedup_vs_sdpa']:.2f} vs sdpa"
                   f"  err {err:.1e}", flush=True)
@@ -269,6 +271,47 @@ def decode_sweep(spec, layers, metas, queries, copies):
         out[f"default_tiles_split{other}"] = time_per_call(calls(run(tiles, other)))
     print("    sweep: " + ", ".join(f"{k} {v * 1e3:.1f} us" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in out.items()), flush=True)
+    return out
+
+
+# warp-split decode kernel configs: (keys per warp, warps, stages, values read as int16 units)
+WARP_SPLIT_CONFIGS = [(32, 4, 2, True), (16, 4, 2, True), (32, 4, 3, True), (32, 4, 2, False)]
+
+
+def warp_split_sweep(spec, layers, metas, queries, copies):
+    """Time the warp-split decode kernel (`ops/triton/decode.py`) over configs and split counts for one case,
+    and the varlen / split-K kernels that served the case before it ("previous_default")."""
+    from pagedkv.ops.triton import decode
+    from pagedkv.ops.triton.tuning import plan_attention
+
+    fmt = layers[0][0]
+    if not decode.is_supported(fmt):
+        return {}
+    num_seqs = metas[0].block_table.shape[0]
+    split_counts = [8, 16, 32, 64] if num_seqs == 1 else [1, 2, 4]
+    out = {}
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    splits, tiles = plan_attention(num_seqs, num_seqs, group, HEAD_DIM, fmt, metas[0].block_table.shape[1] * BLOCK_SIZE, DEV)
+    previous = (lambda q, p, f, m: split_k.paged_attention(q, p, f, m, scale=SCALE, num_splits=splits, tiles=tiles)) \
+        if splits > 1 else (lambda q, p, f, m: attention.paged_attention(q, p, f, m, scale=SCALE, tiles=tiles))
+    out["previous_default"] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: previous(q, p, f, m)
+                                             for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
+    for tile_n, warps, stages, units in WARP_SPLIT_CONFIGS:
+        for splits in split_counts:
+            key = f"warp_split_n{tile_n}_w{warps}_s{stages}{'' if units else '_bytes'}_split{splits}"
+            fn = lambda q, p, f, m, t=tile_n, w=warps, st=stages, sp=splits, u=units: decode.paged_attention(  # noqa: E731
+                q, p, f, m, scale=SCALE, num_splits=sp, tile_n=t, num_warps=w, num_stages=st, value_units=u)
+            try:
+                out[key] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)
+                                          for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
+            except Exception as e:  # noqa: BLE001  (a config that does not fit)
+                out[key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    k = min(num_seqs, 2)
+    sub = decode_meta(layers[0][2][:k], metas[0].seq_lens_cpu[0])
+    ref = reference.paged_attention(queries[0][:k], layers[0][1], fmt, sub, scale=SCALE)
+    out["rel_err"] = rel_err(decode.paged_attention(queries[0][:k], layers[0][1], fmt, sub, scale=SCALE), ref)
+    print("    warp-split: " + ", ".join(f"{k} {v * 1e3:.1f} us" if isinstance(v, float) and k != "rel_err" else f"{k} {v}"
+                                         for k, v in out.items()), flush=True)
     return out
 
 
@@ -389,6 +432,7 @@ def main() -> None:
     parser.add_argument("--formats", default=";".join(FORMATS), help="';'-separated format strings")
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no prefill context 8192")
+    parser.add_argument("--warp-split", action="store_true", help="also time the warp-split decode kernel's configs")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode,prefill,write")
     args = parser.parse_args()
     formats = [f for f in args.formats.split(";") if f]
@@ -407,7 +451,7 @@ def main() -> None:
     shapes = DECODE_SHAPES[:2] if args.quick else DECODE_SHAPES
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    parts = [("decode", lambda: bench_decode(formats, shapes, gen, decode_sweep if args.sweep else None)),
+    parts = [("decode", lambda: bench_decode(formats, shapes, gen, decode_sweep if args.sweep else None, args.warp_split)),
              ("prefill", lambda: bench_prefill(formats, gen, sweep=args.sweep)),
              ("write", lambda: bench_writes(formats, gen))]
     for name, run in parts:
@@ -499,6 +543,16 @@ def print_tables(result: dict) -> None:
             verdict = (f"{best} {times[best] * 1e3:.1f} us ({r['ms'] / times[best]:.2f}x faster)"
                        if best and times[best] < r["ms"] else "the default is fastest")
             print(f"  {r['format']:28s} {r['batch']:4d} {r['context']:6d} default {r['ms'] * 1e3:8.1f} us; {verdict}")
+    ws = [r for r in result["decode"] if r.get("warp_split")]
+    if ws:
+        print("warp-split decode kernel: the fastest config against the default kernel")
+        for r in ws:
+            times = {k: v for k, v in r["warp_split"].items() if isinstance(v, float) and k not in ("rel_err", "previous_default")}
+            best = min(times, key=times.get)
+            print(f"  {r['format']:12s} {r['batch']:4d} {r['context']:6d} default {r['ms'] * 1e3:8.1f} us "
+                  f"(before: {r['warp_split']['previous_default'] * 1e3:.1f}); {best} "
+                  f"{times[best] * 1e3:8.1f} us ({r['ms'] / times[best]:.2f}x); time/SDPA {times[best] / r['sdpa_ms']:.3f}"
+                  f"  err {r['warp_split']['rel_err']:.1e}")
     print("targets")
     for t in result.get("targets", []):
         print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']:44s} {t['format']:11s} {str(t['where']):12s} "

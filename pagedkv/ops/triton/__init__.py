@@ -33,15 +33,24 @@ def write_kv(pages, fmt, key, value, meta) -> None:
 def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, softcap=None):
     """Attention of packed queries [num_tokens, num_q_heads, head_dim] over one layer's pages.
 
-    Split-K is chosen from shapes alone: when the (query block, KV head) programs would not fill the GPU.
+    Decode-like batches over KV-Quant q8/q4 pages run the warp-split decode kernel (`decode.py`); other
+    batches the varlen kernel, or split-K when the (query block, KV head) programs would not fill the GPU.
+    Every choice is made from shapes alone.
     """
     from . import attention, split_k
-    from .tuning import plan_attention
+    from .tuning import plan_attention, uses_warp_split, warp_split_splits
 
     num_tokens, num_q_heads, head_dim = query.shape
+    capacity = meta.block_table.shape[1] * meta.block_size
+    if uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):
+        from . import decode
+
+        num_splits = warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device)
+        return decode.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
+                                      softcap=softcap, num_splits=num_splits)
     group = num_q_heads // fmt.num_kv_heads
-    num_splits, tiles = plan_attention(num_tokens, meta.block_table.shape[0], group, head_dim, fmt,
-                                       meta.block_table.shape[1] * meta.block_size, query.device)
+    num_splits, tiles = plan_attention(num_tokens, meta.block_table.shape[0], group, head_dim, fmt, capacity,
+                                       query.device)
     if num_splits > 1:
         kernel, impl, extra = "split", split_k.paged_attention, {"num_splits": num_splits}
     else:

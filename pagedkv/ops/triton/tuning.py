@@ -142,6 +142,28 @@ def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.dev
     return splits_for(num_programs, capacity_tokens, num_sms, CTAS_PER_SM["wide" if head_dim > 128 else "dense"])
 
 
+def warp_split_splits(num_programs: int, capacity_tokens: int, device: torch.device) -> int:
+    """Key ranges per program of the warp-split decode kernel (`decode.py`): none while the (query token,
+    KV head) programs fill the multiprocessors, else enough for two programs per multiprocessor (measured
+    on an H200 over 1, 2, 4 splits at batch 32-128 and 8-64 at batch 1: `bench/kernels.py --warp-split`)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    num_sms = multiprocessor_count(index)
+    if num_programs >= num_sms:
+        return 1
+    limit = max(1, min(MAX_SPLITS, capacity_tokens // MIN_SPLIT_TOKENS))
+    return max(1, min(limit, -(-2 * num_sms // max(num_programs, 1))))
+
+
+def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
+    """Decode-like batches over KV-Quant q8 / q4 pages run the warp-split decode kernel: measured on an H200
+    1.04-1.5x faster than the varlen and split-K kernels there (dense pages: 0.86-0.92x, so they stay)."""
+    from .decode import is_supported
+
+    return is_decode_like(num_tokens, num_seqs) and page_class(fmt) != "dense" and is_supported(fmt)
+
+
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
                    device: torch.device) -> tuple[int, TileConfig]:
     """(num_splits, tiles) of one attention call: for decode-like batches, split-K (with its own tiles)

@@ -1,0 +1,344 @@
+"""Decode attention with one softmax per warp: each warp streams its own keys, no barrier per tile.
+
+The varlen kernel's 16-row tile spreads one key tile over its 4 warps: every step then reduces the
+row max and sum across warps through shared memory (5 barriers per tile) and passes the probabilities
+between warps before P.V. Here the tile is 3-D, [WARPS, rows, keys]: `tl.dot` on 3-D operands puts one
+batch entry per warp, so warp w keeps its own running max, sum and output for keys
+[start + w * TILE_N, start + (w + 1) * TILE_N) and the warps meet once, at the end.
+
+Grid: (query tokens, KV heads, splits). A program owns one query token and the GROUP query heads of one
+KV head (rows, padded to 16 for the matrix units), so it serves decode, speculative verification and
+any other varlen batch exactly (each token finds its sequence by a binary search over
+`query_start_loc`, and sees keys up to its own position). With splits > 1 each split covers an even
+share of the token's keys and writes a partial state for `split_k.reduce_splits_kernel`.
+
+Formats (compile-time `KIND`, `K_BITS`):
+  DENSE          pages as stored (queries and pages share a dtype).
+  KVQUANT q8     int8 codes; the products run in float16 (codes are exact there) and the per-token
+                 scales multiply score and probability columns.
+  KVQUANT q4     two codes per byte (code + 7, channel 2j low, 2j + 1 high): a "split dot", even
+                 channels against low nibbles and odd channels against high nibbles, so no code is
+                 ever moved to its channel; the output's even and odd channels are stored apart.
+Codes become float16 with byte permutes under the exponent of 1024 (`FAST_CVT`, inline PTX), or with
+plain conversions under the interpreter, which cannot run PTX: the same values either way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats.base import PageFormat
+from ..metadata import AttentionMetadata
+from .attention import check_inputs, dot_precision
+from .codecs import DENSE, KVQUANT
+from .page_view import page_view, stride3
+from .tiles import LOG2E, tanh
+
+# Integer arguments that change from step to step (see attention.PER_STEP_ARGS).
+PER_STEP_ARGS = ["num_seqs", "stride_bt", "num_splits"]
+
+
+def is_supported(fmt: PageFormat) -> bool:
+    """Formats this kernel reads: dense pages, KV-Quant q8 and q4 (others use the varlen kernels)."""
+    kind = fmt.spec.kind
+    return kind == "dense" or (kind == "kvquant" and fmt.bits in (8, 4))
+
+
+@triton.jit
+def int8_to_f16(c, FAST_CVT: tl.constexpr):
+    """int8 codes -> float16, exact: the bytes c ^ 0x80 put under the exponent of 1024 read 1152 + c."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 u, b; xor.b32 u, $2, 0x80808080; mov.b32 b, 0x64806480;
+            prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362;
+            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }""",
+            constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=True, pack=4)
+    return c.to(tl.float16)
+
+
+@triton.jit
+def nibbles_to_f16(b, FAST_CVT: tl.constexpr):
+    """uint8 bytes holding (code + 7) in each nibble -> (low code, high code) as float16, exact."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64076407;
+            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 $0, lo, 0x64646464, 0x5140; prmt.b32 $1, lo, 0x64646464, 0x7362;
+            prmt.b32 $2, hi, 0x64646464, 0x5140; prmt.b32 $3, hi, 0x64646464, 0x7362;
+            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""",
+            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    x = b.to(tl.int32)
+    return ((x & 15) - 7).to(tl.float16), ((x >> 4) - 7).to(tl.float16)
+
+
+@triton.jit
+def int8_pairs_to_f16(x, FAST_CVT: tl.constexpr):
+    """int16 holding two int8 codes (channel 2j low byte, 2j + 1 high byte) -> (even, odd) as float16, exact."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 u, b; xor.b32 u, $2, 0x80808080; mov.b32 b, 0x64806480;
+            prmt.b32 $0, u, 0x64646464, 0x4240; prmt.b32 $1, u, 0x64646464, 0x4341;
+            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }""",
+            constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    x = x.to(tl.int32)
+    return ((x << 24) >> 24).to(tl.float16), (x >> 8).to(tl.float16)
+
+
+@triton.jit
+def nibble_quads_to_f16(x, FAST_CVT: tl.constexpr):
+    """int16 holding four (code + 7) nibbles (channel 4j + i at bits 4i) -> four float16 codes, exact."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64076407;
+            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 $0, lo, 0x64646464, 0x4240; prmt.b32 $1, hi, 0x64646464, 0x4240;
+            prmt.b32 $2, lo, 0x64646464, 0x4341; prmt.b32 $3, hi, 0x64646464, 0x4341;
+            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""",
+            constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
+    x = x.to(tl.int32)
+    return (((x & 15) - 7).to(tl.float16), (((x >> 4) & 15) - 7).to(tl.float16),
+            (((x >> 8) & 15) - 7).to(tl.float16), (((x >> 12) & 15) - 7).to(tl.float16))
+
+
+@triton.jit
+def token_sequence(token, query_start_loc_ptr, num_seqs):
+    """The sequence whose query rows hold packed query token `token`: the last i with qsl[i] <= token."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def load_rows(ptr, row, offs, mask):
+    """[WARPS, TILE_N, len(offs)] elements at ptr + row [WARPS, TILE_N] + offs."""
+    return tl.load(ptr + row[:, :, None] + offs[None, None, :], mask=mask[:, :, None], other=0)
+
+
+@triton.jit
+def store_channels(o_row, cols, acc, f, inv, mask):
+    """Merge the warps' partial outputs acc [WARPS, ROWS, C] (weights f [WARPS, ROWS]), scale rows by inv
+    [ROWS] and store them at o_row [ROWS, 1] + cols [C]."""
+    out = tl.sum(acc * f[:, :, None], axis=0) * inv[:, None]
+    tl.store(o_row + cols[None, :], out.to(o_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=PER_STEP_ARGS)
+def decode_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
+    k_ptr, v_ptr, ks_ptr, vs_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    k_strides, v_strides, ks_strides, vs_strides,   # (block, slot, head) of each page tensor
+    num_seqs, num_splits, qk_scale, softcap, sliding_window,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
+    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, V_UNITS: tl.constexpr,
+):
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = token_sequence(token, query_start_loc_ptr, num_seqs)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_pos = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start)   # keys [0, q_pos] are visible
+
+    offs_r = tl.arange(0, ROWS)
+    row_ok = offs_r < GROUP
+    head = kv_head * GROUP + offs_r                                      # [ROWS] query heads
+    q_row = q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh
+    QUANT: tl.constexpr = KIND == KVQUANT
+    PACKED: tl.constexpr = QUANT and K_BITS == 4
+    # values read as int16 units of NV channels (q8: 2, q4: 4), one product per channel of a unit
+    UNITS: tl.constexpr = QUANT and V_UNITS
+    NV: tl.constexpr = 16 // K_BITS if UNITS else 1
+    CDTYPE: tl.constexpr = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else (
+        tl.float16 if QUANT else q_ptr.dtype.element_ty)
+    # columns of the products: the whole head, or (q4) the even channels and then the odd ones
+    COLS: tl.constexpr = HEAD_DIM // 2 if PACKED else HEAD_DIM_PAD
+    offs_c = tl.arange(0, COLS)
+    if PACKED:
+        q_a = tl.load(q_row + 2 * offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        q_b = tl.load(q_row + 2 * offs_c[None, :] + 1, mask=row_ok[:, None], other=0.0)
+        q_b = tl.broadcast_to(q_b.to(CDTYPE)[None, :, :], [WARPS, ROWS, COLS])
+    else:
+        q_a = tl.load(q_row + offs_c[None, :], mask=row_ok[:, None] & (offs_c < HEAD_DIM)[None, :], other=0.0)
+    q_a = tl.broadcast_to(q_a.to(CDTYPE)[None, :, :], [WARPS, ROWS, COLS])
+
+    # this split's keys: an even share, whole warp tiles
+    STEP: tl.constexpr = WARPS * TILE_N
+    chunk = tl.cdiv(tl.cdiv(q_pos + 1, num_splits), STEP) * STEP
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, q_pos + 1)
+    first = kv_lo
+    if USE_WINDOW:
+        first = tl.maximum(kv_lo, q_pos - sliding_window + 1)
+        kv_lo = tl.maximum(kv_lo, first // STEP * STEP)
+
+    head_off = kv_head.to(tl.int64)
+    k_ptr += head_off * k_strides[2]
+    v_ptr += head_off * v_strides[2]
+    ks_ptr += head_off * ks_strides[2]
+    vs_ptr += head_off * vs_strides[2]
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    pos0 = tl.arange(0, WARPS)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]   # [WARPS, TILE_N]
+
+    acc_a = tl.zeros([WARPS, ROWS, COLS], dtype=tl.float32)
+    VC: tl.constexpr = HEAD_DIM // NV if UNITS else 16
+    offs_u = tl.arange(0, VC)
+    acc0 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)     # value units: channel NV * u + i in acc<i>
+    acc1 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
+    acc2 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
+    acc3 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
+    acc_b = tl.zeros([WARPS, ROWS, COLS], dtype=tl.float32)   # q4: odd channels (unused otherwise)
+    m_i = tl.full([WARPS, ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
+    for start in range(kv_lo, kv_hi, STEP):
+        offs_n = start + pos0
+        ok = (offs_n < kv_hi) & (offs_n >= first)
+        block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        k_row = block * k_strides[0] + slot * k_strides[1]
+        v_row = block * v_strides[0] + slot * v_strides[1]
+        if PACKED:
+            k_lo, k_hi = nibbles_to_f16(load_rows(k_ptr, k_row, offs_c, ok), FAST_CVT)
+            s = tl.dot(q_a, tl.trans(k_lo.to(CDTYPE), (0, 2, 1)), input_precision=DOT_PRECISION)
+            s = tl.dot(q_b, tl.trans(k_hi.to(CDTYPE), (0, 2, 1)), s, input_precision=DOT_PRECISION)
+        elif QUANT:
+            k = int8_to_f16(load_rows(k_ptr, k_row, offs_c, ok), FAST_CVT).to(CDTYPE)
+            s = tl.dot(q_a, tl.trans(k, (0, 2, 1)), input_precision=DOT_PRECISION)
+        else:
+            k = tl.load(k_ptr + k_row[:, :, None] + offs_c[None, None, :],
+                        mask=ok[:, :, None] & (offs_c < HEAD_DIM)[None, None, :], other=0.0)
+            s = tl.dot(q_a, tl.trans(k.to(CDTYPE), (0, 2, 1)), input_precision=DOT_PRECISION)   # [WARPS, ROWS, TILE_N]
+        if QUANT:
+            s = s * tl.load(ks_ptr + block * ks_strides[0] + slot * ks_strides[1], mask=ok, other=0.0)[:, None, :]
+        if USE_SOFTCAP:
+            s = softcap * tanh(s * (qk_scale / softcap)) * LOG2E
+        else:
+            s = s * (qk_scale * LOG2E)
+        s = tl.where(ok[:, None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=2))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, :, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=2)
+        if QUANT:
+            p = p * tl.load(vs_ptr + block * vs_strides[0] + slot * vs_strides[1], mask=ok, other=0.0)[:, None, :]
+        p = p.to(CDTYPE)
+        acc_a = acc_a * alpha[:, :, None]
+        if UNITS:
+            units = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)
+            if NV == 2:
+                v0, v1 = int8_pairs_to_f16(units, FAST_CVT)
+            else:
+                v0, v1, v2, v3 = nibble_quads_to_f16(units, FAST_CVT)
+                acc2 = tl.dot(p, v2.to(CDTYPE), acc2 * alpha[:, :, None], input_precision=DOT_PRECISION)
+                acc3 = tl.dot(p, v3.to(CDTYPE), acc3 * alpha[:, :, None], input_precision=DOT_PRECISION)
+            acc0 = tl.dot(p, v0.to(CDTYPE), acc0 * alpha[:, :, None], input_precision=DOT_PRECISION)
+            acc1 = tl.dot(p, v1.to(CDTYPE), acc1 * alpha[:, :, None], input_precision=DOT_PRECISION)
+        elif PACKED:
+            v_lo, v_hi = nibbles_to_f16(load_rows(v_ptr, v_row, offs_c, ok), FAST_CVT)
+            acc_a = tl.dot(p, v_lo.to(CDTYPE), acc_a, input_precision=DOT_PRECISION)
+            acc_b = tl.dot(p, v_hi.to(CDTYPE), acc_b * alpha[:, :, None], input_precision=DOT_PRECISION)
+        elif QUANT:
+            v = int8_to_f16(load_rows(v_ptr, v_row, offs_c, ok), FAST_CVT).to(CDTYPE)
+            acc_a = tl.dot(p, v, acc_a, input_precision=DOT_PRECISION)
+        else:
+            v = tl.load(v_ptr + v_row[:, :, None] + offs_c[None, None, :],
+                        mask=ok[:, :, None] & (offs_c < HEAD_DIM)[None, None, :], other=0.0)
+            acc_a = tl.dot(p, v.to(CDTYPE), acc_a, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # the warps meet: one softmax state per row
+    m = tl.max(m_i, axis=0)                                                   # [ROWS]
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    f = tl.math.exp2(m_i - m_safe[None, :])                                   # [WARPS, ROWS]
+    l = tl.sum(l_i * f, axis=0)
+    if SPLIT:
+        state = (token.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        tl.store(part_m_ptr + state, m, mask=row_ok)
+        tl.store(part_l_ptr + state, l, mask=row_ok)
+        o_row = part_out_ptr + state[:, None] * HEAD_DIM_PAD
+        inv = tl.full([ROWS], 1.0, dtype=tl.float32)
+    else:
+        o_row = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh
+        inv = 1.0 / tl.where(l > 0, l, 1.0)
+    rows = row_ok[:, None]
+    if UNITS:
+        store_channels(o_row, NV * offs_u, acc0, f, inv, rows)
+        store_channels(o_row, NV * offs_u + 1, acc1, f, inv, rows)
+        if NV == 4:
+            store_channels(o_row, NV * offs_u + 2, acc2, f, inv, rows)
+            store_channels(o_row, NV * offs_u + 3, acc3, f, inv, rows)
+    elif PACKED:
+        store_channels(o_row, 2 * offs_c, acc_a, f, inv, rows)
+        store_channels(o_row, 2 * offs_c + 1, acc_b, f, inv, rows)
+    else:
+        store_channels(o_row, offs_c, acc_a, f, inv, rows & (offs_c < HEAD_DIM)[None, :])
+
+
+def fast_conversions() -> bool:
+    """Inline PTX conversions, except under the Triton interpreter (which cannot run PTX)."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
+                    *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                    num_splits: int = 1, tile_n: int = 32, num_warps: int = 4, num_stages: int = 3,
+                    value_units: bool = True) -> torch.Tensor:
+    """Same contract as `reference.paged_attention`, for formats `is_supported` accepts: one program per
+    (query token, KV head, split), `num_warps` warps of `tile_n` keys each per step."""
+    from .split_k import reduce_splits_kernel
+
+    assert is_supported(fmt), f"the warp-split decode kernel does not read {fmt.spec} pages"
+    view = page_view(fmt, pages)
+    check_inputs(query, view, meta)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = meta.block_table.shape[0]
+    group = num_q_heads // view.num_kv_heads
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device)
+        part_m = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_out = part_m = part_l = out
+    precision = dot_precision(query.dtype)
+    decode_kernel[(num_tokens, view.num_kv_heads, num_splits)](
+        out, part_out, part_m, part_l, query, view.k, view.v, view.k_scale, view.v_scale,
+        meta.block_table, meta.seq_lens, meta.query_start_loc,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+        stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
+        num_seqs, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=meta.block_size,
+        WARPS=num_warps, TILE_N=tile_n, SPLIT=split,
+        USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), KIND=view.kind, K_BITS=view.k_bits,
+        FAST_CVT=fast_conversions(), DOT_PRECISION=precision, V_UNITS=value_units,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        reduce_splits_kernel[(num_tokens, view.num_kv_heads)](
+            out, part_out, part_m, part_l, view.k, out.stride(0), out.stride(1), num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, GROUP=group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            ROTATE_OUT=False, DOT_PRECISION=precision, num_warps=4,
+        )
+    return out

@@ -1,0 +1,69 @@
+"""The warp-split decode kernel (`ops/triton/decode.py`) against the reference, for the formats it reads.
+
+Run compiled on CUDA, else under the Triton interpreter (conftest.py), where the codes are converted
+with plain arithmetic instead of inline PTX (same values).
+"""
+
+import pytest
+import torch
+
+from pagedkv.config import KVFormat
+from pagedkv.formats import make_format
+from pagedkv.ops import reference
+from pagedkv.ops.triton import decode
+from triton_cases import DEVICE, build_case, rel_err
+
+FORMATS = ["off", "q8", "q4"]
+# (num_q_heads, num_kv_heads, head_dim, block_size): GQA 1, 4 and 8; head_dim 64 and 128
+SHAPES = [(2, 2, 64, 16), (8, 2, 128, 16), (8, 1, 64, 5)]
+# decode tokens, a verify-like run of 3 and a prefill chunk in one batch, one sequence without new tokens
+CTX_LENS = [0, 37, 70, 20, 9]
+NEW_LENS = [5, 1, 3, 1, 0]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_matches_reference(fmt, shape, num_splits):
+    hq, hkv, d, bs = shape
+    case = build_case(hash((fmt, shape)) % 1000, fmt, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=CTX_LENS, new_lens=NEW_LENS)
+    scale = d ** -0.5
+    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=scale)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("options", [dict(sliding_window=7), dict(softcap=3.0), dict(sliding_window=40, softcap=2.0)],
+                         ids=["window", "softcap", "window_softcap"])
+@pytest.mark.parametrize("fmt", ["off", "q4"])
+def test_decode_window_and_softcap_match_reference(fmt, options, num_splits):
+    case = build_case(7, fmt, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                      ctx_lens=[0, 161, 3], new_lens=[2, 1, 1])
+    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.3, **options)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.3, num_splits=num_splits,
+                                 **options)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_16_bit_queries(fmt, dtype):
+    case = build_case(11, fmt, num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
+                      ctx_lens=[90, 33], new_lens=[1, 1], dtype=dtype)
+    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.1)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.1, num_splits=2)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_decode_kernel_reads_only_the_formats_it_supports():
+    def fmt(spec):
+        return make_format(KVFormat.parse(spec), 2, 64, torch.float32, "cpu")
+
+    assert [decode.is_supported(fmt(s)) for s in ["off", "q8", "q4", "q6", "turboquant"]] == [True, True, True, False, False]
