@@ -12,8 +12,12 @@ All but query_start_loc are views of one flat buffer (`_StepInputs`), filled on 
 twin and moved up with a single copy per step. The host keeps each block-table row between steps and
 only writes what changed: a decode step adds at most the block of its new token.
 
-A batch of n sequences runs in the smallest bucket >= n; the rows past n are padding (no write, one
-token of context) and their logits are dropped. Graphs are captured at the first decode step, when
+Verify steps of speculative decoding (`query_len` = 1 + k tokens per sequence: its last token and k
+drafted ones) are captured by a second runner of the same kind: ids, positions and slots then hold
+`query_len` entries per sequence and query_start_loc steps by `query_len`.
+
+A batch of n sequences runs in the smallest bucket >= n; the rows past n are padding (no write,
+`query_len` tokens of context) and their logits are dropped. Graphs are captured at the first decode step, when
 the page tensors exist, and again whenever the pool reallocates them (dynamic growth). They need the
 Triton kernels (the reference path loops over sequences in Python and cannot be captured).
 """
@@ -34,23 +38,25 @@ from .sequence import Sequence
 
 class CUDAGraphRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cache_kwarg: str, batch_sizes: tuple[int, ...],
-                 max_blocks_per_seq: int):
+                 max_blocks_per_seq: int, query_len: int = 1):
         self.model = model
         self.cache = cache
         self.cache_kwarg = cache_kwarg
         self.batch_sizes = sorted(batch_sizes)
         self.device = next(model.parameters()).device
         max_bs, self.max_blocks = self.batch_sizes[-1], max_blocks_per_seq
-        self.static = _StepInputs(max_bs, max_blocks_per_seq, self.device)
-        self.input_ids = self.static.ints[0:1]  # [1, max_bs]
-        self.position_ids = self.static.ints[1:2]  # [1, max_bs]
+        self.query_len = q = query_len
+        self.static = _StepInputs(max_bs, max_blocks_per_seq, self.device, query_len=q)
+        self.input_ids = self.static.ints[0:1]  # [1, max_bs * query_len]
+        self.position_ids = self.static.ints[1:2]  # [1, max_bs * query_len]
         self.slot_mapping = self.static.ints[2]
         self.seq_lens = self.static.seq_lens
         self.block_table = self.static.block_table
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device) * q
         # pinned host twins, filled in numpy and copied up without waiting; two, used in turn, so a step can
         # be prepared while the copy of the step before it is still queued
-        self.host = [_StepInputs(max_bs, max_blocks_per_seq, pin=self.device.type == "cuda") for _ in range(2)]
+        self.host = [_StepInputs(max_bs, max_blocks_per_seq, pin=self.device.type == "cuda", query_len=q)
+                     for _ in range(2)]
         self._turn = 0
         # per bucket: the prefix of the flat buffer its graph reads, on the device and in each host twin
         self._copies = {bs: (self.static.prefix(bs), [host.prefix(bs) for host in self.host]) for bs in self.batch_sizes}
@@ -84,15 +90,18 @@ class CUDAGraphRunner:
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         worst = self.max_blocks * self.cache.block_size  # host-side sizing sees the longest possible context
+        q = self.query_len
         return AttentionMetadata(
             block_table=self.block_table[:bs], seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            slot_mapping=self.slot_mapping[:bs], token_index=None, seq_lens_cpu=[worst] * bs,
-            query_start_loc_cpu=list(range(bs + 1)), block_size=self.cache.block_size)
+            slot_mapping=self.slot_mapping[:bs * q], token_index=None, seq_lens_cpu=[worst] * bs,
+            query_start_loc_cpu=[i * q for i in range(bs + 1)], block_size=self.cache.block_size,
+            phase_hint="verify" if q > 1 else None)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        out = self.model(input_ids=self.input_ids[:, :bs], position_ids=self.position_ids[:, :bs], use_cache=True,
-                         **{self.cache_kwarg: self.cache})
-        return out.logits[0]  # [bs, vocab]
+        num_tokens = bs * self.query_len
+        out = self.model(input_ids=self.input_ids[:, :num_tokens], position_ids=self.position_ids[:, :num_tokens],
+                         use_cache=True, **{self.cache_kwarg: self.cache})
+        return out.logits[0]  # [bs * query_len, vocab]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -127,22 +136,24 @@ class CUDAGraphRunner:
 
     # ------------------------------------------------------------------------------------------
     def _fill_host(self, host: "_StepInputs", seqs: list[Sequence], held: list[CacheSequence],
-                   slots: list[list[int]], bs: int, with_input_ids: bool) -> None:
-        """Write the step's inputs into `host`: `held` are the cache's sequences (after the reservation)."""
-        n, block_size = len(seqs), self.cache.block_size
+                   slots: list[list[int]], bs: int, token_rows: list[list[int]] | None) -> None:
+        """Write the step's inputs into `host`: `held` are the cache's sequences (after the reservation);
+        token_rows[i]: the query_len tokens sequence i feeds (None: they come from the device)."""
+        n, q, block_size = len(seqs), self.query_len, self.cache.block_size
         ints, lens, table = host.np_ints, host.np_seq_lens, host.np_block_table
-        if with_input_ids:
-            ints[0, :n] = [s.token_ids[-1] for s in seqs]
-        lens[:n] = [h.num_tokens for h in held]  # the new token included
-        ints[1, :n] = lens[:n] - 1
-        ints[2, :n] = [per[0] for per in slots]
-        ints[2, n:bs] = -1
-        lens[n:bs] = 1
+        if token_rows is not None:
+            ints[0, :n * q] = [t for row in token_rows for t in row]
+        lens[:n] = [h.num_tokens for h in held]  # the new tokens included
+        ints[1, :n * q] = (lens[:n, None] - q + np.arange(q)).reshape(-1)
+        ints[2, :n * q] = [s for per in slots for s in per]
+        ints[2, n * q:bs * q] = -1
+        lens[n:bs] = q
         num_blocks = (lens[:n] + block_size - 1) // block_size
         self._update_block_table(host, held, num_blocks)
-        table[np.arange(n), num_blocks - 1] = ints[2, :n] // block_size  # the new token's block (maybe copied on write)
-        if any(r is not None for r in host.rows[n:bs]):  # padding: one token of context in block 0, never stored
-            table[n:bs, 0] = 0
+        # the new tokens' blocks (the partial last one maybe copied on write)
+        table[np.repeat(np.arange(n), q), ints[1, :n * q] // block_size] = ints[2, :n * q] // block_size
+        if any(r is not None for r in host.rows[n:bs]):  # padding: query_len tokens of context from block 0, never stored
+            table[n:bs, :(q + block_size - 1) // block_size] = 0
             host.rows[n:bs] = [None] * (bs - n)
 
     def _update_block_table(self, host: "_StepInputs", held: list[CacheSequence], num_blocks: np.ndarray) -> None:
@@ -165,19 +176,23 @@ class CUDAGraphRunner:
             table[i, start:end] = held[i].block_ids[start:end]
         written[:n] = num_blocks
 
-    def run(self, seqs: list[Sequence], input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step of `seqs`; returns logits [len(seqs), vocab] (the replay is queued, not awaited).
+    def run(self, seqs: list[Sequence], token_rows: list[list[int]] | None = None,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One step of `seqs`; returns logits [len(seqs) * query_len, vocab] (the replay is queued, not awaited).
 
-        Each sequence feeds its last token, or `input_ids[i]` ([len(seqs)] int64 on the device: tokens
-        sampled by a step still in flight, whose slots the cache has already reserved).
+        A decode step feeds each sequence's last token, or `input_ids[i]` ([len(seqs)] int64 on the device:
+        tokens sampled by a step still in flight, whose slots the cache has already reserved); a verify
+        step feeds token_rows[i] (query_len tokens: the last one and the drafted ones).
         Raises CacheCapacityError (cache untouched) when a new block does not fit.
         """
-        n = len(seqs)
+        n, q = len(seqs), self.query_len
+        if token_rows is None and input_ids is None:
+            token_rows = [[s.token_ids[-1]] for s in seqs]
         if self._pages_key != self._current_pages_key():
             self.capture()
         seq_ids = [s.seq_id for s in seqs]
         num_blocks = self.cache.pool.num_blocks
-        slots = self.cache.reserve(seq_ids, [1] * n)
+        slots = self.cache.reserve(seq_ids, [q] * n)
         try:
             if self.cache.pool.num_blocks != num_blocks:  # the reservation grew the pool: new page tensors
                 self.capture()
@@ -185,7 +200,7 @@ class CUDAGraphRunner:
             turn = self._turn
             self._turn ^= 1
             held = [self.cache.seqs[i] for i in seq_ids]
-            self._fill_host(self.host[turn], seqs, held, slots, bs, with_input_ids=input_ids is None)
+            self._fill_host(self.host[turn], seqs, held, slots, bs, token_rows)
             static, host = self._copies[bs]
             static.copy_(host[turn], non_blocking=True)
             if input_ids is not None:
@@ -193,28 +208,30 @@ class CUDAGraphRunner:
             self.graphs[bs].replay()
         except Exception:  # leave the cache as it was: the reserved slots were never written
             for seq_id in seq_ids:
-                self.cache.trim(1, seq_id)
+                self.cache.trim(q, seq_id)
             raise
         self.num_replays += 1
-        return self.logits[bs][:n]
+        return self.logits[bs][:n * q]
 
 
 class _StepInputs:
-    """A decode step's inputs as views of one flat buffer, so one copy moves them all (host twin: pinned).
+    """A step's inputs as views of one flat buffer, so one copy moves them all (host twin: pinned).
 
-    ints: [3, max_bs] int64 (input ids, positions, slots); seq_lens: [max_bs] int32; block_table:
+    ints: [3, max_bs * query_len] int64 (input ids, positions, slots); seq_lens: [max_bs] int32; block_table:
     [max_bs, max_blocks] int32. The block table comes last, so the inputs of a bucket of bs rows are
     the buffer's first `prefix(bs)` bytes. On the host, `rows[i]` is the cache sequence whose blocks
     table row i holds and `num_written[i]` how many of them.
     """
 
-    def __init__(self, max_bs: int, max_blocks: int, device: torch.device | None = None, pin: bool = False):
-        ints_end = 3 * max_bs * 8
+    def __init__(self, max_bs: int, max_blocks: int, device: torch.device | None = None, pin: bool = False,
+                 query_len: int = 1):
+        max_tokens = max_bs * query_len
+        ints_end = 3 * max_tokens * 8
         self.table_start = ints_end + -(-max_bs * 4 // 8) * 8
         self.row_bytes = max_blocks * 4
         self.flat = torch.zeros(self.table_start + max_bs * self.row_bytes, dtype=torch.uint8, device=device,
                                 pin_memory=pin)
-        self.ints = self.flat[:ints_end].view(torch.int64).view(3, max_bs)
+        self.ints = self.flat[:ints_end].view(torch.int64).view(3, max_tokens)
         self.seq_lens = self.flat[ints_end:ints_end + max_bs * 4].view(torch.int32)
         self.block_table = self.flat[self.table_start:].view(torch.int32).view(max_bs, max_blocks)
         if self.flat.device.type == "cpu":

@@ -26,6 +26,7 @@ from .prefix_tiers import make_prefix_cache
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
+from .spec.speculator import make_speculator
 from .sequence import Sequence
 
 
@@ -39,6 +40,7 @@ class _Step:
     host: torch.Tensor | None  # pinned host copy being filled (CUDA), else None
     event: "torch.cuda.Event | None"  # recorded after the copy
     is_graph: bool  # replayed from a CUDA graph: the next decode step may be queued behind it
+    accepted: list[list[int]] | None = None  # a verify step: the tokens each sampled sequence emits
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:
@@ -52,7 +54,7 @@ def _eos_token_ids(model, tokenizer) -> set[int]:
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig, cache_options: dict | None = None,
-                 cache: PagedKVCache | None = None):
+                 cache: PagedKVCache | None = None, speculative=None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -66,6 +68,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.cache, self.prefix)
         self.runner = ModelRunner(model, self.cache, config, self.max_model_len)
         self.sampler = Sampler()
+        self.speculator = make_speculator(speculative, model, self.vocab_size, self.max_model_len, self.runner)
         self.detokenizer = Detokenizer(tokenizer)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.requests: dict[str, Sequence] = {}
@@ -160,6 +163,8 @@ class LLMEngine:
             step, self._in_flight = self._in_flight, None
             self._in_flight = self._run_ahead(step)
             return self._finish(step)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -180,6 +185,8 @@ class LLMEngine:
 
     def _sample(self, batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, is_graph: bool) -> "_Step":
         """Queue sampling and the copy of the tokens to the host; nothing waits for the GPU here."""
+        if batch.is_verify:
+            return self._verify(batch, sampled, logits)
         tokens = self.sampler.sample(logits, sampled) if sampled else None
         host = event = None
         if tokens is not None and tokens.is_cuda:
@@ -202,6 +209,8 @@ class LLMEngine:
         could be admitted: none waits, or the batch is full (`max_num_seqs`), as under sustained load.
         """
         running, config = self.scheduler.running, self.config
+        if self.speculator is not None and self.speculator.is_active(len(running)):
+            return None  # the scheduler's path drafts first
         if (not step.is_graph or self.runner.graphs is None or len(step.sampled) != len(running)
                 or (self.scheduler.waiting and len(running) < config.max_num_seqs)
                 or len(running) > config.max_num_batched_tokens):
@@ -237,6 +246,8 @@ class LLMEngine:
 
     def _finish(self, step: "_Step") -> list[RequestOutput]:
         """Read a step's tokens (waiting for them if need be) and advance its sequences."""
+        if step.accepted is not None:
+            return self._finish_verify(step)
         if step.tokens is None:
             tokens = []
         elif step.event is not None:
@@ -261,6 +272,63 @@ class LLMEngine:
                 outputs.append(seq.output(self.detokenizer.visible_text(seq)))
         return outputs
 
+    def _verify(self, batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor) -> "_Step":
+        """A verify step: each sequence's drafted tokens checked against its rows of `logits` (on the host)."""
+        drafted = dict(zip(map(id, batch.seqs), batch.num_spec_tokens))
+        accepted: list[list[int] | None] = []
+        plain, plain_rows = [], []  # sampled sequences without drafts: one token each, sampled together
+        row = 0
+        for i, seq in enumerate(sampled):
+            m = drafted[id(seq)]
+            accepted.append(self.speculator.accept(seq, logits[row:row + m + 1], m) if m else None)
+            if not m:
+                plain.append(i)
+                plain_rows.append(row)
+            row += m + 1
+        if plain:
+            rows = logits[torch.tensor(plain_rows, device=logits.device)]
+            for i, token in zip(plain, self.sampler.sample(rows, [sampled[i] for i in plain]).tolist()):
+                accepted[i] = [token]
+        return _Step(batch, sampled, None, None, None, False, accepted=accepted)
+
+    def _finish_verify(self, step: "_Step") -> list[RequestOutput]:
+        """Roll back each sequence's rejected drafts, advance it by the accepted ones, then emit its tokens.
+
+        The accepted drafts join token_ids before the scheduler registers full blocks (their keys/values are
+        verified); the rejected ones are trimmed from the cache first, so no block holding an unverified
+        token is ever registered in the prefix cache.
+        """
+        batch = step.batch
+        index = {id(s): i for i, s in enumerate(batch.seqs)}
+        for seq, tokens in zip(step.sampled, step.accepted):
+            i = index[id(seq)]
+            m = batch.num_spec_tokens[i]
+            if seq.is_finished or not m:
+                continue
+            num_accepted = len(tokens) - 1
+            self.cache.trim(m - num_accepted, seq.seq_id)
+            batch.num_new_tokens[i] = 1 + num_accepted
+            seq.token_ids.extend(tokens[:-1])
+        self.scheduler.after_step(batch)
+        now = time.perf_counter()
+        outputs = []
+        for seq, tokens in zip(step.sampled, step.accepted):
+            if seq.is_finished:  # aborted
+                continue
+            if len(tokens) > 1:
+                del seq.token_ids[1 - len(tokens):]  # re-added one by one, with the stop checks
+            for token in tokens:
+                seq.token_ids.append(token)
+                self.num_generated_tokens += 1
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = now
+                if self._check_stop(seq, token):
+                    self._retire(seq)
+                    break
+            if seq.is_finished or seq.stream:
+                outputs.append(seq.output(self.detokenizer.visible_text(seq)))
+        return outputs
+
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         """Finish `seq` if its newest token ends it; returns whether it did."""
         params = seq.params
@@ -282,6 +350,8 @@ class LLMEngine:
         return length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len
 
     def _retire(self, seq: Sequence) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         self.scheduler.finish(seq)
         self.detokenizer.finalize(seq)
         self.requests.pop(seq.request_id, None)
@@ -291,6 +361,8 @@ class LLMEngine:
         for seq in seqs:
             seq.error = message
             seq.finish("error")
+            if self.speculator is not None:
+                self.speculator.forget(seq)
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
 
@@ -314,4 +386,6 @@ class LLMEngine:
             "steps_queued_ahead": self.num_steps_ahead,
         }
         out.update(self.prefix.as_dict())
+        if self.speculator is not None:
+            out.update(self.speculator.stats())
         return out

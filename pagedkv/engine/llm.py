@@ -26,10 +26,12 @@ class LLM:
     max_model_len, and the prefix cache's tiers cpu_cache_gb, kv_cache_dir, disk_cache_gb, swap_on_preemption
     (see `EngineConfig`). Every other keyword is a `PagedKVCache` option (block_size,
     num_blocks, dynamic, kv_format, kernels, ...), unless `cache` gives a ready cache for a loaded `model`.
+    speculative: speculative decoding, e.g. "ngram", "ngram:k=6", "draft:model=default,layers=8", a dict of
+    `SpeculativeConfig` fields or a SpeculativeConfig (None: off).
     """
 
     def __init__(self, model="default", *, tokenizer=None, device: str | None = None, dtype=None, cache=None,
-                 **options):
+                 speculative=None, **options):
         engine_options = {k: options.pop(k) for k in ENGINE_OPTIONS if k in options}
         if cache is not None and options:
             raise ConfigError(f"pass either a ready cache or cache options ({', '.join(sorted(options))}), not both")
@@ -44,7 +46,7 @@ class LLM:
             model_obj, loaded_tokenizer = load_model(model, dtype=dtype, device=device)
             tokenizer = tokenizer or loaded_tokenizer
         self.model_name = model if isinstance(model, str) else type(model).__name__
-        self.engine = LLMEngine(model_obj, tokenizer, config, options, cache=cache)
+        self.engine = LLMEngine(model_obj, tokenizer, config, options, cache=cache, speculative=speculative)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

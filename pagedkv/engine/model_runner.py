@@ -26,7 +26,7 @@ class ModelRunner:
         self.cache = cache
         self.cache_kwarg = cache_kwarg(model)
         self.device = next(model.parameters()).device
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))
@@ -34,10 +34,24 @@ class ModelRunner:
     def disable_graphs(self, exc: Exception) -> None:
         warnings.warn(f"pagedkv: CUDA graphs are off for this engine, decoding eagerly ({type(exc).__name__}: {exc})",
                       RuntimeWarning, stacklevel=3)
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
+
+    def enable_verify_graphs(self, num_speculative_tokens: int) -> None:
+        """Verify steps of exactly 1 + k tokens per sequence replay CUDA graphs too (when decode steps do)."""
+        if self.graphs is not None:
+            g = self.graphs
+            self.verify_graphs = CUDAGraphRunner(self.model, self.cache, self.cache_kwarg, tuple(g.batch_sizes),
+                                                 max_blocks_per_seq=g.max_blocks, query_len=1 + num_speculative_tokens)
 
     def can_replay(self, batch: ScheduledBatch) -> bool:
         return self.graphs is not None and batch.is_decode and self.graphs.can_run(len(batch.seqs))
+
+    def can_replay_verify(self, batch: ScheduledBatch) -> bool:
+        """Every sequence decodes with exactly the verify graphs' k drafted tokens."""
+        graphs = self.verify_graphs
+        return (graphs is not None and batch.is_verify and graphs.can_run(len(batch.seqs))
+                and all(m == graphs.query_len - 1 and n == graphs.query_len and s.num_computed_tokens > 0
+                        for s, n, m in zip(batch.seqs, batch.num_new_tokens, batch.num_spec_tokens)))
 
     @torch.inference_mode()
     def run_ahead(self, seqs: list, input_ids: torch.Tensor) -> torch.Tensor:
@@ -47,13 +61,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], bool]:
-        """Forward `batch`; returns (logits [num_sampled, vocab], index in batch.seqs of each logits row,
-        whether a CUDA graph was replayed).
+        """Forward `batch`; returns (logits, index in batch.seqs of each sampled sequence, whether a CUDA graph
+        was replayed).
 
-        Raises CacheCapacityError (cache untouched) when the new tokens' blocks do not fit.
+        logits: [num_rows, vocab], one row per sampled sequence, in order; a sequence verifying m drafted
+        tokens (batch.num_spec_tokens) gets its m + 1 rows (the predictions after its last token and after
+        each drafted one). Raises CacheCapacityError (cache untouched) when the new tokens' blocks do not fit.
         """
         seqs, counts = batch.seqs, batch.num_new_tokens
-        sample_idx = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_computed_tokens + n == len(s)]
+        spec = batch.num_spec_tokens or [0] * len(seqs)
+        sample_idx = [i for i, (s, n, m) in enumerate(zip(seqs, counts, spec)) if s.num_computed_tokens + n - m == len(s)]
         if self.can_replay(batch):
             try:
                 return self.graphs.run(seqs), sample_idx, True
@@ -61,14 +78,24 @@ class ModelRunner:
                 raise
             except Exception as exc:  # a model or kernel that cannot be captured: stay correct, run eagerly
                 self.disable_graphs(exc)
-        input_ids, positions, last_rows = [], [], []
-        for s, n in zip(seqs, counts):
+        if self.can_replay_verify(batch):
+            try:
+                return self.verify_graphs.run(seqs, [[s.token_ids[-1], *s.spec_token_ids[:m]] for s, m in zip(seqs, spec)]), \
+                    sample_idx, False
+            except CacheCapacityError:
+                raise
+            except Exception as exc:
+                self.disable_graphs(exc)
+        input_ids, positions, rows = [], [], []
+        for s, n, m in zip(seqs, counts, spec):
             start = s.num_computed_tokens
-            input_ids.extend(s.token_ids[start:start + n])
+            input_ids.extend(s.token_ids[start:start + n - m])
+            input_ids.extend(s.spec_token_ids[:m])
             positions.extend(range(start, start + n))
-            last_rows.append(len(input_ids) - 1)
-        keep = [last_rows[i] for i in sample_idx] or [len(input_ids) - 1]
-        self.cache.begin_step([s.seq_id for s in seqs], counts, device=self.device)
+            rows.append(range(len(input_ids) - 1 - m, len(input_ids)))
+        keep = [r for i in sample_idx for r in rows[i]] or [len(input_ids) - 1]
+        meta = self.cache.begin_step([s.seq_id for s in seqs], counts, device=self.device)
+        meta.phase_hint = "verify" if any(spec) else None
         try:
             out = self.model(input_ids=torch.tensor([input_ids], device=self.device),  # [1, num_tokens]
                              position_ids=torch.tensor([positions], device=self.device),

@@ -32,6 +32,18 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    num_spec_steps: int = 0  # speculative decoding: steps that verified drafted tokens
+    num_draft_tokens: int = 0  # tokens drafted and verified
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def accepted_tokens_per_step(self) -> float:
+        """Drafted tokens accepted per verify step (each step also emits one token of the target's own)."""
+        return self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass

@@ -25,10 +25,16 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    # speculative decoding: of num_new_tokens[i], how many are drafted tokens (seq.spec_token_ids) to verify
+    num_spec_tokens: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    @property
+    def is_verify(self) -> bool:
+        return bool(self.num_spec_tokens) and any(self.num_spec_tokens)
 
     @property
     def is_decode(self) -> bool:
@@ -80,11 +86,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         if not self.waiting and 0 < len(self.running) <= budget:  # steady decoding: everyone takes one token
-            if all(s.num_uncomputed_tokens == 1 for s in self.running):
+            if all(s.num_uncomputed_tokens == 1 and not s.spec_token_ids for s in self.running):
                 bs = self.cache.block_size
                 if sum(s.num_computed_tokens % bs == 0 for s in self.running) <= self.free_blocks():
                     return ScheduledBatch(list(self.running), [1] * len(self.running))
         planned: dict[int, tuple[Sequence, int, int]] = {}  # seq_id -> (seq, tokens, blocks)
+        num_spec: dict[int, int] = {}  # seq_id -> drafted tokens scheduled with its decode
         reserved = 0
         preempted = False
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
@@ -109,6 +116,9 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue
             n = min(n, self.tokens_that_fit(seq, self.free_blocks() - reserved), budget)
+            m = len(seq.spec_token_ids) if seq.num_uncomputed_tokens == 1 else 0
+            if m and min(self.tokens_that_fit(seq, self.free_blocks() - reserved), budget) >= 1 + m:
+                n, num_spec[seq.seq_id] = 1 + m, m  # the drafts' slots too, or none of them
             need = self.blocks_needed(seq, n)
             planned[seq.seq_id] = (seq, n, need)
             budget -= n
@@ -125,7 +135,8 @@ class Scheduler:
             budget -= n
             reserved += need
         order = [s for s in self.running if s.seq_id in planned]
-        return ScheduledBatch(order, [planned[s.seq_id][1] for s in order])
+        spec = [num_spec.get(s.seq_id, 0) for s in order] if num_spec else None
+        return ScheduledBatch(order, [planned[s.seq_id][1] for s in order], spec)
 
     def _admit(self, seq: Sequence, budget: int, reserved: int) -> tuple[int, int] | None:
         """Start `seq` in the cache from its cached prefix blocks if its first chunk fits; (tokens, new blocks).
@@ -135,7 +146,7 @@ class Scheduler:
         bs = self.cache.block_size
         max_blocks = (len(seq) - 1) // bs  # leave at least one token to compute (its logits are needed)
         hashes = self.prefix.block_hashes(seq.block_hashes, seq.token_ids) if self.prefix.enabled else []
-        cached = self.prefix.match(hashes, max_blocks)
+        cached = self.prefix.match(hashes, max_blocks, free_blocks=self.free_blocks() - reserved)
         num_cached = len(cached) * bs
         n = min(len(seq) - num_cached, budget)
         free = self.free_blocks() - reserved
@@ -160,7 +171,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks and put it back at the head of the queue (recomputed when readmitted)."""
         self.running.remove(seq)
-        self.prefix.release(seq.seq_id)
+        self.prefix.release(seq.seq_id, preempted=True)
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.status = SequenceStatus.WAITING

@@ -43,6 +43,8 @@ class Sequence:
         self.text = ""  # detokenized output (see Detokenizer)
         self.detok_state: tuple[int, int] | None = None
         self.generator: torch.Generator | None = None
+        self.spec_token_ids: list[int] = []  # drafted tokens to verify after token_ids (speculative decoding)
+        self.spec_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]: the drafter's distributions
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
     def __len__(self) -> int:

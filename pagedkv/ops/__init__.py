@@ -101,6 +101,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     out = impl(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap, **extra)
     if counters is not None:
         counters.paged_attention_calls += 1
+        counters.calls_by_phase[meta.phase] += 1
         kind = fmt.spec.kind
         if kind == "turboquant":
             counters.turboquant_attention_calls += 1

@@ -18,6 +18,7 @@ class AttentionMetadata:
     token_index:     [num_tokens] int64 positions of the real tokens among the input positions, or None
                      when there is no padding (input positions and packed tokens coincide)
     seq_ids:         the cache's sequence id of each row, or None (metadata built outside the cache)
+    phase_hint:      the phase its planner knows the step to be (an engine's "verify" step), else None
     The `*_cpu` lists are host copies, so no kernel launch needs a device sync to size itself.
     """
 
@@ -30,6 +31,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     block_size: int
     seq_ids: list[int] | None = None
+    phase_hint: str | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -51,6 +53,8 @@ class AttentionMetadata:
     @property
     def phase(self) -> str:
         """prefill (no earlier context), decode (one new token each), verify (new tokens after context)."""
+        if self.phase_hint is not None:
+            return self.phase_hint
         q = self.query_start_loc_cpu
         qlens = [q[i + 1] - q[i] for i in range(len(q) - 1)]
         if not qlens:

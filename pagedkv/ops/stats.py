@@ -16,6 +16,7 @@ class OpCounters:
     reference_attention_calls: int = 0
     write_calls: int = 0
     bailouts: Counter = field(default_factory=Counter)  # "phase:reason" -> count
+    calls_by_phase: Counter = field(default_factory=Counter)  # attention calls: prefill, decode, verify
     cache_write_time_s: float = 0.0
     attention_time_s: float = 0.0
 
@@ -31,6 +32,7 @@ class OpCounters:
             "triton_attention_calls": self.triton_attention_calls,
             "reference_attention_calls": self.reference_attention_calls,
             "paged_attention_bailouts_by_phase_reason": dict(self.bailouts),
+            "paged_attention_calls_by_phase": dict(self.calls_by_phase),
             "cache_write_time_s": self.cache_write_time_s,
             "attention_time_s": self.attention_time_s,
         }
