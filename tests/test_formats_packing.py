@@ -45,3 +45,17 @@ def test_three_bit_codes_pack_eight_per_three_bytes():
 def test_a_row_that_does_not_fill_whole_bytes_is_refused():
     with pytest.raises(AssertionError, match="whole bytes"):
         pack_bits(torch.zeros(3, dtype=torch.int64), 3)
+
+
+def test_six_bit_planes_round_trip_and_keep_whole_fields_per_byte():
+    from pagedkv.formats.packing import pack_planes, unpack_planes
+
+    codes = torch.randint(0, 64, (3, 5, 64), generator=torch.Generator().manual_seed(0))
+    packed = pack_planes(codes)
+    assert packed.shape == (3, 5, 48) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_planes(packed, 64), codes)
+    # byte j of the first plane: channels 2j (low nibble) and 2j + 1; byte u of the second: the high
+    # 2 bits of channels 4u .. 4u + 3
+    c = codes[0, 0]
+    assert packed[0, 0, 3].item() == (c[6] & 15) | ((c[7] & 15) << 4)
+    assert packed[0, 0, 32 + 2].item() == sum(((c[8 + i] >> 4).item() & 3) << (2 * i) for i in range(4))

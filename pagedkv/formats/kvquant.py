@@ -2,8 +2,10 @@
 
 Mode q8 / q6 / q4: qmax = 127 / 31 / 7, scale = max(absmax / qmax, 1e-6) in float32,
 code = clip(round(x / scale), -qmax, qmax), decoded as code * scale. q8 stores the int8 codes; q6 and
-q4 store `code + qmax` as a packed bitstream (`packing`): four 6-bit codes per three bytes, two 4-bit
-codes per byte. Page tensors per KV head: "k" / "v" (codes), "k_scale" / "v_scale" (one float32).
+q4 store `code + qmax` packed (`packing`): q4 two 4-bit codes per byte, q6 in two planes (the low 4
+bits of every code, then the high 2 bits: `packing.pack_planes`), the same 3 bytes per 4 codes as a
+bitstream but with no code split across bytes. Page tensors per KV head: "k" / "v" (codes), "k_scale" /
+"v_scale" (one float32).
 
 The dense mirror of already-decoded tokens (dtype `spec.dtype`) is not part of the pages; it lives in
 `pagedkv.mirror` and is fed by `decode`.
@@ -15,7 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from .base import PageFormat
-from .packing import pack_bits, packed_width, unpack_bits
+from .packing import pack_bits, pack_planes, packed_width, unpack_bits, unpack_planes
 
 BITS = {"q8": 8, "q6": 6, "q4": 4}
 MIN_SCALE = 1e-6
@@ -57,11 +59,15 @@ class KVQuantFormat(PageFormat):
         codes, scale = quantize_symmetric(x, self.qmax)  # [N, H, D], [N, H, 1]
         if self.bits == 8:
             return codes.to(torch.int8), scale
+        if self.bits == 6:
+            return pack_planes(codes + self.qmax), scale
         return pack_bits(codes + self.qmax, self.bits), scale
 
     def _decode_one(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
             codes = packed.float()
+        elif self.bits == 6:
+            codes = (unpack_planes(packed, self.head_dim) - self.qmax).float()
         else:
             codes = (unpack_bits(packed, self.bits, self.head_dim) - self.qmax).float()
         return (codes * scale.float()).to(self.dtype)

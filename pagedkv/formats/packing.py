@@ -3,6 +3,10 @@
 Code `i` of a row occupies bits `[i * b, (i + 1) * b)` of the row's bitstream, least significant bit
 first; byte `j` holds bits `[8 j, 8 j + 8)`. So 4-bit codes go two per byte (low nibble first), 6-bit
 codes four per three bytes, 3-bit codes eight per three bytes.
+
+`pack_planes` stores 6-bit codes as two planes instead (the same bytes): the low 4 bits of every code as
+a 4-bit stream, then the high 2 bits as a 2-bit stream. Every byte then holds whole fields of 2 or 4
+codes, which the decode kernels unpack with masks alone (KV-Quant q6).
 """
 
 from __future__ import annotations
@@ -54,3 +58,17 @@ def unpack_bits(packed: torch.Tensor, bits: int, num_codes: int) -> torch.Tensor
     shifts = torch.arange(per_chunk, device=packed.device, dtype=torch.int64) * bits
     codes = (word >> shifts) & ((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], num_codes)
+
+
+def pack_planes(codes: torch.Tensor) -> torch.Tensor:
+    """6-bit codes [..., n] in [0, 64) -> [..., 3n / 4] uint8: low nibbles (n / 2 bytes), then high 2-bit fields."""
+    c = codes.to(torch.int64)
+    return torch.cat([pack_bits(c & 15, 4), pack_bits(c >> 4, 2)], dim=-1)
+
+
+def unpack_planes(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
+    """The inverse of `pack_planes`: [..., 3n / 4] uint8 -> [..., n] int64 codes in [0, 64)."""
+    assert packed.shape[-1] == packed_width(num_codes, 6), f"expected {packed_width(num_codes, 6)} bytes per row"
+    lo = unpack_bits(packed[..., :num_codes // 2], 4, num_codes)
+    hi = unpack_bits(packed[..., num_codes // 2:], 2, num_codes)
+    return lo | (hi << 4)

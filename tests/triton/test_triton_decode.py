@@ -13,7 +13,7 @@ from pagedkv.ops import reference
 from pagedkv.ops.triton import decode
 from triton_cases import DEVICE, build_case, rel_err
 
-FORMATS = ["off", "q8", "q4"]
+FORMATS = ["off", "q8", "q6", "q4"]
 # (num_q_heads, num_kv_heads, head_dim, block_size): GQA 1, 4 and 8; head_dim 64 and 128
 SHAPES = [(2, 2, 64, 16), (8, 2, 128, 16), (8, 1, 64, 5)]
 # decode tokens, a verify-like run of 3 and a prefill chunk in one batch, one sequence without new tokens
@@ -38,7 +38,7 @@ def test_decode_kernel_matches_reference(fmt, shape, num_splits):
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("options", [dict(sliding_window=7), dict(softcap=3.0), dict(sliding_window=40, softcap=2.0)],
                          ids=["window", "softcap", "window_softcap"])
-@pytest.mark.parametrize("fmt", ["off", "q4"])
+@pytest.mark.parametrize("fmt", ["off", "q6", "q4"])
 def test_decode_window_and_softcap_match_reference(fmt, options, num_splits):
     case = build_case(7, fmt, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                       ctx_lens=[0, 161, 3], new_lens=[2, 1, 1])
@@ -66,4 +66,4 @@ def test_decode_kernel_reads_only_the_formats_it_supports():
     def fmt(spec):
         return make_format(KVFormat.parse(spec), 2, 64, torch.float32, "cpu")
 
-    assert [decode.is_supported(fmt(s)) for s in ["off", "q8", "q4", "q6", "turboquant"]] == [True, True, True, False, False]
+    assert [decode.is_supported(fmt(s)) for s in ["off", "q8", "q6", "q4", "turboquant"]] == [True, True, True, True, False]

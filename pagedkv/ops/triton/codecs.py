@@ -3,8 +3,8 @@
 Each branch mirrors a format of `pagedkv/formats/` and is tested against that format's `encode` and
 `decode`:
   DENSE       keys/values as stored.
-  KVQUANT     code * scale, one float32 scale per (token, KV head); q8 stores int8 codes, q6/q4 store
-              code + qmax as a little-endian bitstream (`formats/packing.py`).
+  KVQUANT     code * scale, one float32 scale per (token, KV head); q8 stores int8 codes, q4 stores
+              code + qmax as a little-endian bitstream, q6 as two planes (`formats/packing.py`).
   TURBOQUANT  keys (code + zero) * scale per group of 32; values codebook[code] * scale per group of 32
               in the rotated domain.
 Attention applies per-token KV-Quant scales to whole score columns / probability columns rather than
@@ -213,7 +213,11 @@ def load_kvquant_codes(ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.cons
     if BITS == 8:
         offs_d = tl.arange(0, HEAD_DIM)
         return tl.load(ptr + row[:, None] + offs_d[None, :], mask=in_range[:, None], other=0).to(DTYPE)
-    codes = unpack_codes(ptr, row, in_range, HEAD_DIM, BITS, False) - ((1 << (BITS - 1)) - 1)
+    if BITS == 6:   # two planes (`packing.pack_planes`): low nibbles, then high 2-bit fields
+        codes = (unpack_codes(ptr, row, in_range, HEAD_DIM, 4, False)
+                 + 16 * unpack_codes(ptr + HEAD_DIM // 2, row, in_range, HEAD_DIM, 2, False)) - 31
+    else:
+        codes = unpack_codes(ptr, row, in_range, HEAD_DIM, BITS, False) - ((1 << (BITS - 1)) - 1)
     return int_to_float(codes).to(DTYPE)
 
 
@@ -288,7 +292,11 @@ def encode_kvquant(ptr, s_ptr, row, s_row, x, HEAD_DIM: tl.constexpr, BITS: tl.c
     codes = tl.minimum(tl.maximum(codes, -QMAX), QMAX).to(tl.int32)
     if BITS != 8:
         codes = codes + QMAX
-    pack_codes(ptr, row, codes, HEAD_DIM, BITS)
+    if BITS == 6:   # two planes (`packing.pack_planes`)
+        pack_codes(ptr, row, codes & 15, HEAD_DIM, 4)
+        pack_codes(ptr + HEAD_DIM // 2, row, codes >> 4, HEAD_DIM, 2)
+    else:
+        pack_codes(ptr, row, codes, HEAD_DIM, BITS)
     tl.store(s_ptr + s_row, scale)
 
 

@@ -43,9 +43,9 @@ PER_STEP_ARGS = ["num_seqs", "stride_bt", "num_splits"]
 
 
 def is_supported(fmt: PageFormat) -> bool:
-    """Formats this kernel reads: dense pages, KV-Quant q8 and q4 (others use the varlen kernels)."""
+    """Formats this kernel reads: dense pages and KV-Quant (TurboQuant uses the varlen kernels)."""
     kind = fmt.spec.kind
-    return kind == "dense" or (kind == "kvquant" and fmt.bits in (8, 4))
+    return kind == "dense" or kind == "kvquant"
 
 
 @triton.jit
@@ -106,6 +106,42 @@ def nibble_quads_to_f16(x, FAST_CVT: tl.constexpr):
 
 
 @triton.jit
+def six_bit_quads_to_f16(x, h, FAST_CVT: tl.constexpr):
+    """q6 codes of four channels from their two planes (`packing.pack_planes`): x int16 holding the low
+    nibbles of channels 4u..4u+3, h uint8 holding their high 2-bit fields -> four float16 codes, exact."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 lo, hi, t, a, b, m;
+            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 t, $5, 0, 0x1100;
+            and.b32 a, t, 0x00030003; shr.b32 b, t, 4; and.b32 b, b, 0x03000300; or.b32 a, a, b; shl.b32 a, a, 4;
+            add.u32 lo, lo, a;
+            shr.b32 a, t, 2; and.b32 a, a, 0x00030003; shr.b32 b, t, 6; and.b32 b, b, 0x03000300; or.b32 a, a, b;
+            shl.b32 a, a, 4; add.u32 hi, hi, a;
+            mov.b32 m, 0x641F641F;
+            prmt.b32 $0, lo, 0x64646464, 0x4240; prmt.b32 $1, hi, 0x64646464, 0x4240;
+            prmt.b32 $2, lo, 0x64646464, 0x4341; prmt.b32 $3, hi, 0x64646464, 0x4341;
+            sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m; }""",
+            constraints="=r,=r,=r,=r,r,r", args=[x, h], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
+    x = x.to(tl.int32) & 0xFFFF
+    h = h.to(tl.int32)
+    return (((x & 15) + 16 * (h & 3) - 31).to(tl.float16), (((x >> 4) & 15) + 16 * ((h >> 2) & 3) - 31).to(tl.float16),
+            (((x >> 8) & 15) + 16 * ((h >> 4) & 3) - 31).to(tl.float16), (((x >> 12) & 15) + 16 * (h >> 6) - 31).to(tl.float16))
+
+
+@triton.jit
+def load_quads(ptr, row, offs_u, ok, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, FAST_CVT: tl.constexpr):
+    """q4 / q6 codes of the rows at ptr + row [WARPS, TILE_N] in units of four channels: four float16
+    tensors [WARPS, TILE_N, HEAD_DIM // 4], channel 4u + i in the i-th. A unit is one int16 of the nibble
+    plane (plus, for q6, one byte of the 2-bit plane), so the matrix units read values as 16-bit pairs."""
+    units = load_rows(ptr.to(tl.pointer_type(tl.int16)), row // 2, offs_u, ok)
+    if BITS == 6:
+        return six_bit_quads_to_f16(units, load_rows(ptr + HEAD_DIM // 2, row, offs_u, ok), FAST_CVT)
+    return nibble_quads_to_f16(units, FAST_CVT)
+
+
+@triton.jit
 def token_sequence(token, query_start_loc_ptr, num_seqs):
     """The sequence whose query rows hold packed query token `token`: the last i with qsl[i] <= token."""
     lo = 0
@@ -160,10 +196,12 @@ def decode_kernel(
     head = kv_head * GROUP + offs_r                                      # [ROWS] query heads
     q_row = q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh
     QUANT: tl.constexpr = KIND == KVQUANT
-    PACKED: tl.constexpr = QUANT and K_BITS == 4
-    # values read as int16 units of NV channels (q8: 2, q4: 4), one product per channel of a unit
+    # values read as int16 units of NV channels (q8: 2; q4, q6: 4), one product per channel of a unit;
+    # q4 / q6 keys too (KU). Without units (V_UNITS=False, q8 and q4 only) q4 is read bytewise (PACKED).
     UNITS: tl.constexpr = QUANT and V_UNITS
-    NV: tl.constexpr = 16 // K_BITS if UNITS else 1
+    NV: tl.constexpr = (2 if K_BITS == 8 else 4) if UNITS else 1
+    KU: tl.constexpr = UNITS and K_BITS != 8
+    PACKED: tl.constexpr = QUANT and K_BITS == 4 and not UNITS
     CDTYPE: tl.constexpr = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else (
         tl.float16 if QUANT else q_ptr.dtype.element_ty)
     # columns of the products: the whole head, or (q4) the even channels and then the odd ones
@@ -176,6 +214,17 @@ def decode_kernel(
     else:
         q_a = tl.load(q_row + offs_c[None, :], mask=row_ok[:, None] & (offs_c < HEAD_DIM)[None, :], other=0.0)
     q_a = tl.broadcast_to(q_a.to(CDTYPE)[None, :, :], [WARPS, ROWS, COLS])
+    VC: tl.constexpr = HEAD_DIM // NV if UNITS else 16
+    offs_u = tl.arange(0, VC)
+    if KU:   # the query's channels 4u + i, i = 0..3
+        q0 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :], mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
+                             [WARPS, ROWS, VC])
+        q1 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :] + 1, mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
+                             [WARPS, ROWS, VC])
+        q2 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :] + 2, mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
+                             [WARPS, ROWS, VC])
+        q3 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :] + 3, mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
+                             [WARPS, ROWS, VC])
 
     # this split's keys: an even share, whole warp tiles
     STEP: tl.constexpr = WARPS * TILE_N
@@ -196,8 +245,6 @@ def decode_kernel(
     pos0 = tl.arange(0, WARPS)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]   # [WARPS, TILE_N]
 
     acc_a = tl.zeros([WARPS, ROWS, COLS], dtype=tl.float32)
-    VC: tl.constexpr = HEAD_DIM // NV if UNITS else 16
-    offs_u = tl.arange(0, VC)
     acc0 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)     # value units: channel NV * u + i in acc<i>
     acc1 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
     acc2 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
@@ -212,7 +259,13 @@ def decode_kernel(
         slot = offs_n % BLOCK_SIZE
         k_row = block * k_strides[0] + slot * k_strides[1]
         v_row = block * v_strides[0] + slot * v_strides[1]
-        if PACKED:
+        if KU:
+            k0, k1, k2, k3 = load_quads(k_ptr, k_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
+            s = tl.dot(q0, tl.trans(k0.to(CDTYPE), (0, 2, 1)), input_precision=DOT_PRECISION)
+            s = tl.dot(q1, tl.trans(k1.to(CDTYPE), (0, 2, 1)), s, input_precision=DOT_PRECISION)
+            s = tl.dot(q2, tl.trans(k2.to(CDTYPE), (0, 2, 1)), s, input_precision=DOT_PRECISION)
+            s = tl.dot(q3, tl.trans(k3.to(CDTYPE), (0, 2, 1)), s, input_precision=DOT_PRECISION)
+        elif PACKED:
             k_lo, k_hi = nibbles_to_f16(load_rows(k_ptr, k_row, offs_c, ok), FAST_CVT)
             s = tl.dot(q_a, tl.trans(k_lo.to(CDTYPE), (0, 2, 1)), input_precision=DOT_PRECISION)
             s = tl.dot(q_b, tl.trans(k_hi.to(CDTYPE), (0, 2, 1)), s, input_precision=DOT_PRECISION)
@@ -240,11 +293,10 @@ def decode_kernel(
         p = p.to(CDTYPE)
         acc_a = acc_a * alpha[:, :, None]
         if UNITS:
-            units = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)
             if NV == 2:
-                v0, v1 = int8_pairs_to_f16(units, FAST_CVT)
+                v0, v1 = int8_pairs_to_f16(load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok), FAST_CVT)
             else:
-                v0, v1, v2, v3 = nibble_quads_to_f16(units, FAST_CVT)
+                v0, v1, v2, v3 = load_quads(v_ptr, v_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
                 acc2 = tl.dot(p, v2.to(CDTYPE), acc2 * alpha[:, :, None], input_precision=DOT_PRECISION)
                 acc3 = tl.dot(p, v3.to(CDTYPE), acc3 * alpha[:, :, None], input_precision=DOT_PRECISION)
             acc0 = tl.dot(p, v0.to(CDTYPE), acc0 * alpha[:, :, None], input_precision=DOT_PRECISION)
@@ -304,6 +356,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     from .split_k import reduce_splits_kernel
 
     assert is_supported(fmt), f"the warp-split decode kernel does not read {fmt.spec} pages"
+    assert value_units or fmt.spec.kind != "kvquant" or fmt.bits != 6, "q6 pages are read in units only"
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
     num_tokens, num_q_heads, head_dim = query.shape
