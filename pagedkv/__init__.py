@@ -3,7 +3,7 @@
 from .cache import PagedKVCache
 from .config import CacheConfig, KVFormat
 from .errors import (CacheCapacityError, CacheMismatchError, ConfigError, ContextWindowError, ModelNotFoundError,
-                     PagedKVError)
+                     PagedKVError, SnapshotError, TierPathError)
 from .hf import install_paged_kv_cache
 from .models import load_model
 
@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "PagedKVCache", "CacheConfig", "KVFormat", "install_paged_kv_cache", "load_model",
     "PagedKVError", "ConfigError", "ModelNotFoundError", "ContextWindowError", "CacheMismatchError",
-    "CacheCapacityError",
+    "CacheCapacityError", "SnapshotError", "TierPathError",
 ]
 
 

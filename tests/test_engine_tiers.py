@@ -69,18 +69,21 @@ def test_greedy_output_is_the_same_from_every_tier(model_and_tokenizer, prompts,
 
 
 def test_preempted_requests_swap_to_the_host_tier(model_and_tokenizer, prompts):
-    short = [p[:40] for p in prompts]  # 3 blocks each
-    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    short = [p[:24] for p in prompts]  # 2 blocks each
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
     alone = [make_llm(model_and_tokenizer, num_blocks=32, prefix_caching=False).generate(p, params)[0].token_ids
              for p in short]
-    # 10 blocks hold both prompts, not both requests at 100 tokens (7 blocks each): one is preempted and its
+    # 6 blocks hold both prompts, not both requests at 64 tokens (4 blocks each): one is preempted and its
     # blocks go to the host tier, from where readmission loads those the other request reused meanwhile
-    llm = make_llm(model_and_tokenizer, num_blocks=10, cpu_cache_gb=0.05, swap_on_preemption=True)
+    llm = make_llm(model_and_tokenizer, num_blocks=6, cpu_cache_gb=0.05, swap_on_preemption=True)
     outputs = [o.token_ids for o in llm.generate(short, params)]
     stats = llm.stats()
     assert stats["preemptions"] > 0 and stats["tier_host_hits"] > 0
     assert outputs == alone
     assert stats["blocks_used"] == 0
+    recomputing = make_llm(model_and_tokenizer, num_blocks=6, cpu_cache_gb=0.05)  # the option off
+    assert [o.token_ids for o in recomputing.generate(short, params)] == alone
+    assert recomputing.stats()["preemptions"] > 0 and recomputing.stats()["tier_host_hits"] == 0
 
 
 def test_a_full_disk_turns_the_disk_tier_off_and_serving_goes_on(model_and_tokenizer, prompts, tmp_path, monkeypatch):

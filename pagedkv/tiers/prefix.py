@@ -141,10 +141,14 @@ class TieredPrefixCache(PrefixCache):
                 data = data.pin_memory()
         block_ids = pool.allocate(len(found))
         if self.is_cuda:
+            main = torch.cuda.current_stream()
             with torch.cuda.stream(self.stream):
-                self.stream.wait_stream(torch.cuda.current_stream())
+                self.stream.wait_stream(main)  # the pool's new blocks (and a grown pool) are ready
                 self.layout.scatter(cache, block_ids, data)
-            torch.cuda.current_stream().wait_stream(self.stream)
+                self._record_pages()
+            main.wait_stream(self.stream)  # the forward pass reads these blocks
+            if disk_rows:
+                self.stream.synchronize()  # the host slots promoted below may still be read by a copy in flight
         else:
             self.layout.scatter(cache, block_ids, data)
         if self.host.enabled:  # promote what came from disk: the next miss on the device finds it in memory
@@ -174,16 +178,17 @@ class TieredPrefixCache(PrefixCache):
                    and hashes[i].hex() not in self.disk]
         event = None
         if self.is_cuda:
+            main = torch.cuda.current_stream()
             with torch.cuda.stream(self.stream):
-                self.stream.wait_stream(torch.cuda.current_stream())
+                self.stream.wait_stream(main)  # the blocks' last writes are done
                 rows = self.layout.gather(cache, ids)  # [len(ids), block_bytes] on the device
+                self._record_pages()
                 self._fill_host(hashes, todo, to_host, rows)
                 disk_rows = torch.empty(len(to_disk), rows.shape[1], dtype=torch.uint8, pin_memory=True)
                 if to_disk:
                     words(disk_rows).copy_(words(rows[to_disk]), non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            rows.record_stream(self.stream)
             cache.pool.incref(ids)  # held until the copy is done (poll)
             self._pending.append((event, ids))
         else:
@@ -204,6 +209,12 @@ class TieredPrefixCache(PrefixCache):
         self.host.touch(reversed(hashes[:max(todo) + 1]))
         if self.disk is not None:
             self.disk.touch(h.hex() for h in reversed(hashes[:max(todo) + 1]))
+
+    def _record_pages(self) -> None:
+        """The side stream uses the page tensors: a pool that grows meanwhile must not hand their memory on."""
+        for pages in self.cache.pages:
+            for page in pages.values():
+                page.record_stream(self.stream)
 
     def poll(self, wait: bool = False) -> None:
         """Give back the device blocks of offloads whose copies are done (all of them with `wait`)."""
