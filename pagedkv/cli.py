@@ -39,6 +39,31 @@ def cache_options(args: argparse.Namespace) -> dict:
     return opts
 
 
+def add_speculative_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", default=None, metavar="SPEC",
+                   help="draft tokens and verify them in one forward: 'ngram' (prompt lookup), 'ngram:min=2,max=4', "
+                        "'draft:model=PATH' (a smaller model with the same tokenizer; layers=N keeps its first N "
+                        "layers); default off")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens drafted per step at most (default 4; adaptive per request)")
+
+
+def speculative_options(args: argparse.Namespace):
+    """The validated `SpeculativeConfig` of --speculative / --num-speculative-tokens, or None (off)."""
+    from .engine.spec import SpeculativeConfig
+    from .errors import ConfigError
+
+    if args.speculative is None:
+        if args.num_speculative_tokens is not None:
+            raise ConfigError("--num-speculative-tokens needs --speculative (e.g. --speculative ngram)")
+        return None
+    config = SpeculativeConfig.build(args.speculative)
+    if args.num_speculative_tokens is not None:
+        config = SpeculativeConfig(**{**config.__dict__, "num_speculative_tokens": args.num_speculative_tokens})
+    return config
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a transformers folder, or a .gguf file")
@@ -70,6 +95,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else (sys.stdin.read() if not sys.stdin.isatty() else DEFAULT_PROMPT)
     if not prompt.strip():
         raise ConfigError("the prompt is empty: pass it as an argument or on stdin")
+    speculative = speculative_options(args)
+    if speculative is not None:
+        if args.tensor_parallel != 1:
+            raise ConfigError("--speculative is not supported with --tensor-parallel; drop one of them")
+        return generate_speculative(args, prompt, opts, speculative)
     if args.tensor_parallel != 1:
         from .parallel.commands import generate_tensor_parallel
 
@@ -121,6 +151,35 @@ def generate_text(model, tokenizer, cache, prompt: str, args: argparse.Namespace
     return 0
 
 
+def generate_speculative(args: argparse.Namespace, prompt: str, opts: dict, speculative) -> int:
+    """Stream the answer to `prompt` through the engine with speculative decoding (--stats adds acceptance)."""
+    from .engine import LLM, SamplingParams
+
+    device, dtype = resolve_device_dtype(args)
+    llm = LLM(args.model, device=device, dtype=dtype, speculative=speculative, **opts)
+    ids = llm.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat and getattr(
+        llm.tokenizer, "chat_template", None) else prompt
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_new_tokens)
+    engine = llm.engine
+    request_id = engine.add_request(ids, params, stream=True)
+    start, shown, out = time.perf_counter(), 0, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.text[shown:], end="", flush=True)
+            shown = len(out.text)
+    print()
+    elapsed = time.perf_counter() - start
+    if args.stats:
+        stats = engine.cache.paged_stats()
+        stats.update({k: v for k, v in engine.stats().items() if k.startswith("spec_")})
+        stats.update(request_id=request_id, prompt_tokens=len(out.prompt_token_ids), new_tokens=len(out.token_ids),
+                     seconds=round(elapsed, 3), tokens_per_s=round(len(out.token_ids) / elapsed, 2),
+                     accepted_tokens_per_step=round(out.metrics.accepted_tokens_per_step, 3))
+        print(json.dumps(stats, indent=2, default=str), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedkv", description="Paged, quantized KV cache for LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model's heads over N ranks (GPUs with NCCL, CPU processes with gloo; default 1)")
     add_cache_options(g)
+    add_speculative_options(g)
     g.set_defaults(func=cmd_generate)
     for register in _subcommand_registrars():
         register(sub)

@@ -156,6 +156,14 @@ class CUDAGraphRunner:
             table[n:bs, :(q + block_size - 1) // block_size] = 0
             host.rows[n:bs] = [None] * (bs - n)
 
+    def rolled_back(self, seq_id: int, num_blocks: int) -> None:
+        """Cache sequence `seq_id` now holds `num_blocks` blocks (a rollback freed the rest): the blocks it
+        takes next may have other ids than the ones its table row still holds, so they are written again."""
+        for host in self.host:
+            for row, held in enumerate(host.rows):
+                if held is not None and held.seq_id == seq_id:
+                    host.num_written[row] = min(host.num_written[row], num_blocks)
+
     def _update_block_table(self, host: "_StepInputs", held: list[CacheSequence], num_blocks: np.ndarray) -> None:
         """Rows 0..len(held)-1 of host's block table: the first num_blocks[i] blocks of held[i].
 

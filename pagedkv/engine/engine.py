@@ -306,7 +306,8 @@ class LLMEngine:
             if seq.is_finished or not m:
                 continue
             num_accepted = len(tokens) - 1
-            self.cache.trim(m - num_accepted, seq.seq_id)
+            if self.cache.trim(m - num_accepted, seq.seq_id):
+                self.runner.rolled_back(seq.seq_id, len(self.cache.seqs[seq.seq_id].block_ids))
             batch.num_new_tokens[i] = 1 + num_accepted
             seq.token_ids.extend(tokens[:-1])
         self.scheduler.after_step(batch)

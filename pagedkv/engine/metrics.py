@@ -28,6 +28,13 @@ METRICS = [
     ("pagedkv_requests_finished_total", "counter", "requests_finished", "Requests finished (aborted ones included)."),
     ("pagedkv_preemptions_total", "counter", "preemptions", "Running requests preempted to free blocks."),
     ("pagedkv_engine_steps_total", "counter", "steps", "Forward passes run by the engine."),
+    ("pagedkv_spec_verify_steps_total", "counter", "spec_verify_steps",
+     "Speculative decoding: request steps that verified drafted tokens."),
+    ("pagedkv_spec_draft_tokens_total", "counter", "spec_draft_tokens", "Speculative decoding: tokens drafted and verified."),
+    ("pagedkv_spec_accepted_tokens_total", "counter", "spec_accepted_tokens", "Speculative decoding: drafted tokens accepted."),
+    ("pagedkv_spec_acceptance_rate", "gauge", "spec_acceptance_rate", "Speculative decoding: accepted / drafted tokens."),
+    ("pagedkv_spec_accepted_tokens_per_step", "gauge", "spec_accepted_tokens_per_step",
+     "Speculative decoding: drafted tokens accepted per verify step of a request."),
 ]
 
 

@@ -43,6 +43,12 @@ class ModelRunner:
             self.verify_graphs = CUDAGraphRunner(self.model, self.cache, self.cache_kwarg, tuple(g.batch_sizes),
                                                  max_blocks_per_seq=g.max_blocks, query_len=1 + num_speculative_tokens)
 
+    def rolled_back(self, seq_id: int, num_blocks: int) -> None:
+        """A rollback left cache sequence `seq_id` with `num_blocks` blocks (the graph runners' tables catch up)."""
+        for graphs in (self.graphs, self.verify_graphs):
+            if graphs is not None:
+                graphs.rolled_back(seq_id, num_blocks)
+
     def can_replay(self, batch: ScheduledBatch) -> bool:
         return self.graphs is not None and batch.is_decode and self.graphs.can_run(len(batch.seqs))
 

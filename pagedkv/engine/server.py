@@ -215,7 +215,7 @@ def build_app(llm, served_model_names: list[str]):
 # ----------------------------------------------------------------------------------------------
 # the CLI
 def register_cli(subparsers) -> None:
-    from ..cli import add_cache_options, add_model_options
+    from ..cli import add_cache_options, add_model_options, add_speculative_options
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_options(p)
@@ -244,11 +244,12 @@ def register_cli(subparsers) -> None:
                    help="shard the model's heads over N ranks (GPUs with NCCL, CPU processes with gloo; default 1)")
     g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_cache_options(p)
+    add_speculative_options(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli import cache_options, resolve_device_dtype
+    from ..cli import cache_options, resolve_device_dtype, speculative_options
     from .config import EngineConfig
 
     try:
@@ -264,6 +265,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        kv_cache_dir=args.kv_cache_dir, disk_cache_gb=args.disk_cache_gb,
                        swap_on_preemption=args.swap_on_preemption)
     EngineConfig(**engine_opts)  # validate before loading a model
+    speculative = speculative_options(args)
+    if args.tensor_parallel != 1 and speculative is not None:
+        raise ConfigError("--speculative is not supported with --tensor-parallel; drop one of them")
     if args.tensor_parallel != 1 and (args.cpu_cache_gb or args.kv_cache_dir):
         raise ConfigError("--cpu-cache-gb / --kv-cache-dir are not supported with --tensor-parallel; drop one of them")
     if args.tensor_parallel != 1:
@@ -273,7 +277,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .llm import LLM
 
     device, dtype = resolve_device_dtype(args)
-    return serve(LLM(args.model, device=device, dtype=dtype, **engine_opts, **opts), args, device)
+    return serve(LLM(args.model, device=device, dtype=dtype, speculative=speculative, **engine_opts, **opts), args,
+                 device)
 
 
 def serve(llm, args: argparse.Namespace, device: str) -> int:
