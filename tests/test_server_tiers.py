@@ -69,3 +69,36 @@ def test_restarted_server_answers_a_repeated_prompt_from_disk(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_two_servers_on_one_directory_do_not_corrupt_it(tmp_path):
+    import json
+    import struct
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedkv.tiers import DiskTier
+
+    servers = [start_server(tmp_path) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:  # the same blocks written by both at once
+            answers = list(pool.map(complete, [base for _, base in servers]))
+        assert answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
+        usage = answers[0]["usage"]
+        num_blocks = (usage["prompt_tokens"] + usage["completion_tokens"] - 1) // 16  # full computed blocks
+        deadline = time.time() + 60
+        while time.time() < deadline and min(metrics(base)["pagedkv_tier_disk_blocks"] for _, base in servers) < num_blocks:
+            time.sleep(0.2)
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+        for proc, _ in servers:
+            proc.wait(timeout=60)
+    files = list((tmp_path / "blocks").rglob("*.safetensors"))
+    assert len(files) == num_blocks and not list((tmp_path / "tmp").iterdir())
+    data = files[0].read_bytes()
+    identity = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])["__metadata__"]["identity"]
+    disk = DiskTier(tmp_path, 1 << 30, identity)
+    assert len(disk) == num_blocks
+    assert all(disk.read(h) is not None for h in list(disk._index)) and disk.num_bad_files == 0
+    disk.close()
