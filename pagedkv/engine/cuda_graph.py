@@ -234,6 +234,7 @@ class _StepInputs:
     def __init__(self, max_bs: int, max_blocks: int, device: torch.device | None = None, pin: bool = False,
                  query_len: int = 1):
         max_tokens = max_bs * query_len
+        self.query_len = query_len
         ints_end = 3 * max_tokens * 8
         self.table_start = ints_end + -(-max_bs * 4 // 8) * 8
         self.row_bytes = max_blocks * 4
@@ -253,10 +254,10 @@ class _StepInputs:
         return self.flat[:self.table_start + bs * self.row_bytes]
 
     def clear(self) -> None:
-        """Padding everywhere: no slot, one token of context in block 0."""
+        """Padding everywhere: no slot, query_len tokens of context from block 0."""
         self.ints.zero_()
         self.ints[2].fill_(-1)
-        self.seq_lens.fill_(1)
+        self.seq_lens.fill_(self.query_len)
         self.block_table.zero_()
         self.rows = [None] * len(self.rows)
         self.num_written[:] = 0
