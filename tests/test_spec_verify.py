@@ -54,6 +54,10 @@ def test_adaptive_k_drafts_more_when_acceptance_is_high_and_pauses_under_load():
     assert adaptive.num_tokens(2, 8) == 0 and adaptive.acceptance[2] > 0  # paused, drifting back to probe
     adaptive.record(3, 4, 4)
     assert adaptive.acceptance[3] > 0.6
+    # a draft model as costly as 0.8 of the target pays only at very high acceptance
+    costly = AdaptiveK(SpeculativeConfig(num_speculative_tokens=4), draft_token_cost=0.8)
+    costly.acceptance.update({1: 0.6, 2: 0.98})
+    assert costly.num_tokens(1, 1) == 0 and costly.num_tokens(2, 1) > 0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 3) == 4
 
 

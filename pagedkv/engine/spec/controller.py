@@ -1,8 +1,9 @@
 """Adaptive k: how many tokens each sequence drafts this step, from its acceptance so far and the batch size.
 
 A verify step of k drafted tokens yields, when each is accepted with probability a (independently, the
-usual model), (1 - a^(k+1)) / (1 - a) tokens, and costs about 1 + c * batch_size * k decode steps
-(c: `verify_token_cost`, the relative cost of one more token per sequence at batch 1). Each sequence
+usual model), (1 - a^(k+1)) / (1 - a) tokens, and costs about 1 + (c * batch_size + d) * k decode steps
+(c: `verify_token_cost`, the relative cost of one more token per sequence at batch 1; d: the drafter's
+cost per drafted token, e.g. a draft model's size over the target's, 0 for n-gram lookup). Each sequence
 drafts the k <= num_speculative_tokens with the most tokens per unit of cost; k = 0 pauses it. A
 paused sequence's estimate drifts back towards the prior, so it probes again after a while; at
 `max_batch_size` running sequences or more nobody drafts.
@@ -25,8 +26,9 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class AdaptiveK:
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft_token_cost: float = 0.0):
         self.config = config
+        self.draft_token_cost = draft_token_cost
         self.acceptance: dict[int, float] = {}  # seq_id -> estimated per-token acceptance
 
     def num_tokens(self, seq_id: int, batch_size: int) -> int:
@@ -36,7 +38,7 @@ class AdaptiveK:
         if not cfg.adaptive:
             return cfg.num_speculative_tokens
         a = self.acceptance.get(seq_id, PRIOR)
-        cost = cfg.verify_token_cost * batch_size
+        cost = cfg.verify_token_cost * batch_size + self.draft_token_cost
         best = max(range(cfg.num_speculative_tokens + 1), key=lambda k: (expected_tokens(a, k) / (1 + cost * k), -k))
         if best == 0:
             self.acceptance[seq_id] = a + DRIFT * (PRIOR - a)

@@ -53,8 +53,10 @@ def load_draft_model(spec, target: torch.nn.Module, num_layers: int | None) -> t
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model: torch.nn.Module, vocab_size: int):
+    def __init__(self, model: torch.nn.Module, vocab_size: int, target: torch.nn.Module | None = None):
         self.model = model
+        if target is not None:  # a forward pass costs about its share of the target's parameters
+            self.token_cost = sum(p.numel() for p in model.parameters()) / sum(p.numel() for p in target.parameters())
         self.vocab_size = vocab_size  # the target's: draft rows are cut or padded to it
         self.cache = install_paged_kv_cache(model, dynamic=True, num_blocks=64)
         self.cache_kwarg = cache_kwarg(model)

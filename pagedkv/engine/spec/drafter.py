@@ -31,7 +31,13 @@ class Draft:
 
 
 class Drafter:
-    """Base class: `propose` is required, `release` optional."""
+    """Base class: `propose` is required, `release` optional.
+
+    token_cost: the cost of drafting one token relative to a decode step of the target (adaptive k
+    weighs it against the acceptance).
+    """
+
+    token_cost: float = 0.0
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
         """Up to num_tokens[i] tokens to follow seqs[i].token_ids (fewer, or none, when it has no guess)."""

@@ -26,7 +26,7 @@ from .verify import verify
 def make_drafter(config: SpeculativeConfig, target: torch.nn.Module, vocab_size: int) -> Drafter:
     if config.method == "ngram":
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-    return DraftModelDrafter(load_draft_model(config.draft_model, target, config.draft_layers), vocab_size)
+    return DraftModelDrafter(load_draft_model(config.draft_model, target, config.draft_layers), vocab_size, target)
 
 
 class Speculator:
@@ -36,7 +36,7 @@ class Speculator:
         self.drafter = drafter
         self.max_model_len = max_model_len
         self.fixed_k = fixed_k
-        self.adaptive = AdaptiveK(config)
+        self.adaptive = AdaptiveK(config, drafter.token_cost)
         self.num_verify_steps = 0  # sequence-steps that verified at least one drafted token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
