@@ -275,7 +275,7 @@ def decode_sweep(spec, layers, metas, queries, copies):
 
 
 # warp-split decode kernel configs: (keys per warp, warps, stages, values read as int16 units)
-WARP_SPLIT_CONFIGS = [(32, 4, 2, True), (16, 4, 2, True), (32, 4, 3, True), (32, 4, 2, False)]
+WARP_SPLIT_CONFIGS = [(32, 4, 3, True), (16, 4, 2, True), (16, 4, 3, True), (32, 4, 2, True)]
 
 
 def warp_split_sweep(spec, layers, metas, queries, copies):
@@ -288,7 +288,7 @@ def warp_split_sweep(spec, layers, metas, queries, copies):
     if not decode.is_supported(fmt):
         return {}
     num_seqs = metas[0].block_table.shape[0]
-    split_counts = [8, 16, 32, 64] if num_seqs == 1 else [1, 2, 4]
+    split_counts = [16, 32] if num_seqs == 1 else [1, 2]
     out = {}
     group = NUM_Q_HEADS // NUM_KV_HEADS
     splits, tiles = plan_attention(num_seqs, num_seqs, group, HEAD_DIM, fmt, metas[0].block_table.shape[1] * BLOCK_SIZE, DEV)

@@ -66,8 +66,10 @@ def model_identity(model: torch.nn.Module, name: str | None = None) -> dict:
 
 
 def format_fingerprint(fmt) -> str:
-    """sha256 over a bound page format's spec, page tensors and every tensor it holds (codebook, rotation signs)."""
+    """sha256 over a bound page format's spec, page layout, page tensors and every tensor it holds (codebook,
+    rotation signs)."""
     h = hashlib.sha256(str(fmt.spec).encode())
+    h.update(fmt.page_layout.encode())   # how codes are laid out in a page's bytes
     for name, (width, dtype) in fmt.page_spec().items():
         h.update(f"{name}:{width}:{dtype}".encode())
     for attr, value in sorted(vars(fmt).items()):

@@ -69,3 +69,13 @@ def test_decode_returns_the_model_dtype_and_the_mirror_dtype_comes_from_the_conf
 def test_q6_needs_a_head_dim_that_fills_whole_bytes():
     with pytest.raises(ConfigError, match="head_dim 6"):
         kvquant("q6", head_dim=6)
+
+
+def test_format_fingerprint_changes_with_the_page_layout():
+    """Pages saved in an older byte layout (before q6 planes) must not match today's format identity."""
+    from pagedkv.identity import format_fingerprint
+
+    fmt = kvquant("q6")
+    before = format_fingerprint(fmt)
+    fmt.page_layout = "1"
+    assert format_fingerprint(fmt) != before

@@ -59,3 +59,20 @@ def test_six_bit_planes_round_trip_and_keep_whole_fields_per_byte():
     c = codes[0, 0]
     assert packed[0, 0, 3].item() == (c[6] & 15) | ((c[7] & 15) << 4)
     assert packed[0, 0, 32 + 2].item() == sum(((c[8 + i] >> 4).item() & 3) << (2 * i) for i in range(4))
+
+
+def test_sign_magnitude_planes_round_trip():
+    from pagedkv.formats.packing import pack_sign_magnitude, unpack_sign_magnitude
+
+    codes = torch.randint(0, 8, (4, 3, 128), generator=torch.Generator().manual_seed(1))
+    packed = pack_sign_magnitude(codes)
+    assert packed.shape == (4, 3, 48) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_sign_magnitude(packed, 128), codes)
+    # code 6 (a positive value, magnitude index 2) and code 1 (negative, magnitude index 2) differ only in the sign plane
+    six, one = pack_sign_magnitude(torch.full((8,), 6)), pack_sign_magnitude(torch.full((8,), 1))
+    assert torch.equal(six[:2], one[:2]) and six[2].item() == 0 and one[2].item() == 0xFF
+    # unit order: int16 u of the magnitude plane holds channels u, u + 16, ..., u + 112 (head_dim 128)
+    c = torch.full((128,), 4)
+    c[3 + 16 * 5] = 7                                   # magnitude 3 at channel 83: unit 3, field 5
+    mag = pack_sign_magnitude(c)[:32].view(torch.int16)
+    assert mag.tolist() == [0, 0, 0, 3 << 10] + [0] * 12

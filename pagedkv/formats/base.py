@@ -22,6 +22,10 @@ class PageFormat(ABC):
     what `decode` returns and what dense pages store), `device`.
     """
 
+    # Names the byte layout of the codes inside a page; it changes whenever that layout does, so pages saved
+    # in an older layout (snapshots, the disk tier) are refused instead of misread (`identity`).
+    page_layout = "1"
+
     def __init__(self, spec: KVFormat, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.spec = spec
         self.num_kv_heads = num_kv_heads

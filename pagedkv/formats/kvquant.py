@@ -36,6 +36,7 @@ def quantize_symmetric(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.
 
 
 class KVQuantFormat(PageFormat):
+    page_layout = "2: q6 in two planes"
     def __init__(self, spec, num_kv_heads, head_dim, dtype, device):
         super().__init__(spec, num_kv_heads, head_dim, dtype, device)
         self.bits = BITS[spec.mode]

@@ -7,6 +7,13 @@ codes four per three bytes, 3-bit codes eight per three bytes.
 `pack_planes` stores 6-bit codes as two planes instead (the same bytes): the low 4 bits of every code as
 a 4-bit stream, then the high 2 bits as a 2-bit stream. Every byte then holds whole fields of 2 or 4
 codes, which the decode kernels unpack with masks alone (KV-Quant q6).
+
+`pack_sign_magnitude` stores indices into a symmetric 8-entry codebook (TurboQuant's 3-bit values) as a
+2-bit magnitude stream (index of |value| among the positive half), then a 1-bit stream of signs (1:
+negative): again the same bytes as a 3-bit stream, with whole fields per byte. Fields are in unit order:
+field 8u + j holds channel u + j * n / 8, so the int16 u of the magnitude plane (and byte u of the sign
+plane) holds eight channels n / 8 apart, and field j of every unit together is the contiguous run of
+channels [j * n / 8, (j + 1) * n / 8).
 """
 
 from __future__ import annotations
@@ -72,3 +79,22 @@ def unpack_planes(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
     lo = unpack_bits(packed[..., :num_codes // 2], 4, num_codes)
     hi = unpack_bits(packed[..., num_codes // 2:], 2, num_codes)
     return lo | (hi << 4)
+
+
+def pack_sign_magnitude(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., n] in [0, 8) of a symmetric sorted codebook -> [..., 3n / 8] uint8: magnitudes
+    (code - 4, or 3 - code below 4) as a 2-bit stream, then the signs (code < 4) as a 1-bit stream."""
+    n = codes.shape[-1]
+    c = codes.to(torch.int64).reshape(*codes.shape[:-1], 8, n // 8).transpose(-1, -2).reshape(codes.shape)  # unit order
+    negative = c < 4
+    magnitude = torch.where(negative, 3 - c, c - 4)
+    return torch.cat([pack_bits(magnitude, 2), pack_bits(negative.to(torch.int64), 1)], dim=-1)
+
+
+def unpack_sign_magnitude(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
+    """The inverse of `pack_sign_magnitude`: [..., 3n / 8] uint8 -> [..., n] int64 codes in [0, 8)."""
+    assert packed.shape[-1] == packed_width(num_codes, 3), f"expected {packed_width(num_codes, 3)} bytes per row"
+    magnitude = unpack_bits(packed[..., :num_codes // 4], 2, num_codes)
+    negative = unpack_bits(packed[..., num_codes // 4:], 1, num_codes)
+    c = torch.where(negative.bool(), 3 - magnitude, 4 + magnitude)             # unit order
+    return c.reshape(*c.shape[:-1], num_codes // 8, 8).transpose(-1, -2).reshape(c.shape)

@@ -12,7 +12,8 @@ Keys, per group of 32 consecutive head_dim elements, with an fp16 scale and zero
   rotates queries by the same R_k, so q . k is unchanged).
 Values: rotated by R_v over head_dim; per group of 32 an fp16 scale; code = the nearest centroid of
 x / scale in the Lloyd–Max codebook of N(0, 1) with 2^bits levels (q2_0 ... q5_0, q8_0), packed as a
-little-endian bitstream; decoded as centroid * scale. The scale is the group's RMS times the multiple
+little-endian bitstream (3-bit codes as a magnitude plane and a sign plane of the same bytes, since the
+codebook is symmetric: `packing.pack_sign_magnitude`); decoded as centroid * scale. The scale is the group's RMS times the multiple
 in SCALE_GRID (0.6 ... 1.4) that gives the group the smallest squared error (the RMS itself on ties):
 the codebook fits a standard normal, a group of 32 samples only roughly, and the search lowers the
 error by 20-35% at 3-4 bits. Decoding does not depend on how the scale was chosen.
@@ -31,7 +32,7 @@ from ..errors import ConfigError
 from .base import PageFormat
 from .codebook import lloyd_max_codebook, nearest_centroid
 from .hadamard import KEY_SEED, VALUE_SEED, random_signs, rotation_matrix
-from .packing import pack_bits, packed_width, unpack_bits
+from .packing import pack_bits, pack_sign_magnitude, packed_width, unpack_bits, unpack_sign_magnitude
 
 GROUP = 32
 HEAD_DIMS = (64, 128, 256)
@@ -72,6 +73,8 @@ def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 
 class TurboQuantFormat(PageFormat):
+    page_layout = "2: 3-bit values as magnitude and sign planes in unit order"
+
     def __init__(self, spec, num_kv_heads, head_dim, dtype, device):
         super().__init__(spec, num_kv_heads, head_dim, dtype, device)
         if head_dim not in HEAD_DIMS:
@@ -122,7 +125,16 @@ class TurboQuantFormat(PageFormat):
         pieces = [self._search_value_scales(g[i:i + step]) for i in range(0, max(g.shape[0], 1), step)]
         codes = torch.cat([c for c, _ in pieces])
         scale = torch.cat([s for _, s in pieces])
-        return {"v": pack_bits(codes.reshape(x.shape), self.value_bits), "v_scale": scale}
+        return {"v": self._pack_values(codes.reshape(x.shape)), "v_scale": scale}
+
+    def _pack_values(self, codes: torch.Tensor) -> torch.Tensor:
+        """3-bit codes go as magnitude and sign planes (`packing.pack_sign_magnitude`), others as a bitstream."""
+        return pack_sign_magnitude(codes) if self.value_bits == 3 else pack_bits(codes, self.value_bits)
+
+    def _unpack_values(self, packed: torch.Tensor) -> torch.Tensor:
+        if self.value_bits == 3:
+            return unpack_sign_magnitude(packed, self.head_dim)
+        return unpack_bits(packed, self.value_bits, self.head_dim)
 
     def _search_value_scales(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """g [n, H, groups, 32] rotated values -> codes (same shape), fp16 scales [n, H, groups]."""
@@ -139,7 +151,7 @@ class TurboQuantFormat(PageFormat):
 
     def _decode_values(self, parts) -> torch.Tensor:
         """Values in the rotated domain, float32 [N, H, D]."""
-        codes = unpack_bits(parts["v"], self.value_bits, self.head_dim)
+        codes = self._unpack_values(parts["v"])
         g = self.codebook[codes].reshape(*codes.shape[:-1], self.groups, GROUP)
         return (g * parts["v_scale"].float()[..., None]).reshape(codes.shape)
 

@@ -35,12 +35,26 @@ def test_decode_kernel_matches_reference(fmt, shape, num_splits):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+TQ_SHAPES = [(8, 2, 128, 16), (4, 4, 128, 16), (8, 1, 128, 5)]   # TurboQuant: head_dim 128 only
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
+def test_decode_kernel_matches_reference_over_turboquant_pages(shape, num_splits):
+    hq, hkv, d, bs = shape
+    case = build_case(hash(shape) % 1000, "turboquant", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=CTX_LENS, new_lens=NEW_LENS)
+    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5, num_splits=num_splits)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("options", [dict(sliding_window=7), dict(softcap=3.0), dict(sliding_window=40, softcap=2.0)],
                          ids=["window", "softcap", "window_softcap"])
-@pytest.mark.parametrize("fmt", ["off", "q6", "q4"])
+@pytest.mark.parametrize("fmt", ["off", "q6", "q4", "turboquant"])
 def test_decode_window_and_softcap_match_reference(fmt, options, num_splits):
-    case = build_case(7, fmt, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+    case = build_case(7, fmt, num_q_heads=8, num_kv_heads=2, head_dim=128 if fmt == "turboquant" else 64, block_size=16,
                       ctx_lens=[0, 161, 3], new_lens=[2, 1, 1])
     ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.3, **options)
     out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.3, num_splits=num_splits,
@@ -52,7 +66,7 @@ DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + ["turboquant"])
 def test_decode_kernel_16_bit_queries(fmt, dtype):
     case = build_case(11, fmt, num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
                       ctx_lens=[90, 33], new_lens=[1, 1], dtype=dtype)
@@ -63,7 +77,11 @@ def test_decode_kernel_16_bit_queries(fmt, dtype):
 
 
 def test_decode_kernel_reads_only_the_formats_it_supports():
-    def fmt(spec):
-        return make_format(KVFormat.parse(spec), 2, 64, torch.float32, "cpu")
+    def fmt(spec, head_dim=64):
+        return make_format(KVFormat.parse(spec), 2, head_dim, torch.float32, "cpu")
 
-    assert [decode.is_supported(fmt(s)) for s in ["off", "q8", "q6", "q4", "turboquant"]] == [True, True, True, True, False]
+    assert [decode.is_supported(fmt(s)) for s in ["off", "q8", "q6", "q4"]] == [True, True, True, True]
+    assert decode.is_supported(fmt("turboquant", 128))
+    assert not decode.is_supported(fmt("turboquant", 64))            # eight-channel value units: head_dim 128
+    assert not decode.is_supported(fmt("turboquant:k=q8_0,v=q3_0,rotate_keys", 128))
+    assert not decode.is_supported(fmt("turboquant:k=q4_0,v=q4_0", 128))

@@ -6,7 +6,7 @@ Each branch mirrors a format of `pagedkv/formats/` and is tested against that fo
   KVQUANT     code * scale, one float32 scale per (token, KV head); q8 stores int8 codes, q4 stores
               code + qmax as a little-endian bitstream, q6 as two planes (`formats/packing.py`).
   TURBOQUANT  keys (code + zero) * scale per group of 32; values codebook[code] * scale per group of 32
-              in the rotated domain.
+              in the rotated domain (3-bit codes stored as magnitude and sign planes).
 Attention applies per-token KV-Quant scales to whole score columns / probability columns rather than
 to every element (the same products, regrouped); see `tiles.attend_tiles`.
 """
@@ -89,7 +89,7 @@ def unpack_codes(ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
     if BITS == 8:
         offs = tl.arange(0, HEAD_DIM)
         codes = tl.load(ptr + row[:, None] + offs[None, :], mask=in_range[:, None], other=0).to(tl.int32)
-    elif BITS == 4 or BITS == 2:
+    elif BITS == 4 or BITS == 2 or BITS == 1:
         offs = tl.arange(0, HEAD_DIM * BITS // 8)
         x = tl.load(ptr + row[:, None] + offs[None, :], mask=in_range[:, None], other=0).to(tl.int32)
         codes = split_fields(x, BITS, 8 // BITS)
@@ -268,7 +268,14 @@ def load_values(v_ptr, vs_ptr, codebook_ptr, block, slot, in_range, v_strides, v
     if KIND == KVQUANT:
         v = load_kvquant_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, CDTYPE)
     elif KIND == TURBOQUANT:  # codebook[code] * rms scale per group of 32
-        codes = tl.reshape(unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False), [N, HEAD_DIM // GROUP, GROUP])
+        if V_BITS == 3:   # magnitude and sign planes in unit order (`packing.pack_sign_magnitude`)
+            magnitude = unpack_codes(v_ptr, row, in_range, HEAD_DIM, 2, False)
+            negative = unpack_codes(v_ptr + HEAD_DIM // 4, row, in_range, HEAD_DIM, 1, False)
+            codes = tl.where(negative != 0, 3 - magnitude, 4 + magnitude)
+            codes = tl.reshape(tl.permute(tl.reshape(codes, [N, HEAD_DIM // 8, 8]), [0, 2, 1]), [N, HEAD_DIM])
+        else:
+            codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False)
+        codes = tl.reshape(codes, [N, HEAD_DIM // GROUP, GROUP])
         centroids = codebook_lookup(codes, codebook_ptr, V_BITS).to(CDTYPE)
         scale = load_group_scales(vs_ptr, block, slot, in_range, vs_strides, HEAD_DIM).to(CDTYPE)
         v = tl.reshape(centroids * scale, [N, HEAD_DIM])
@@ -381,6 +388,12 @@ def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multiplie
         best_err = tl.where(better, err, best_err)
         best_scale = tl.where(better, scale16, best_scale)
         best_codes = tl.where(better[:, :, None], codes, best_codes)
-    pack_codes(ptr, row, tl.reshape(best_codes, [R, HEAD_DIM]), HEAD_DIM, BITS)
+    codes = tl.reshape(best_codes, [R, HEAD_DIM])
+    if BITS == 3:   # magnitude and sign planes in unit order (`packing.pack_sign_magnitude`)
+        codes = tl.reshape(tl.permute(tl.reshape(codes, [R, 8, HEAD_DIM // 8]), [0, 2, 1]), [R, HEAD_DIM])
+        pack_codes(ptr, row, tl.where(codes < 4, 3 - codes, codes - 4), HEAD_DIM, 2)
+        pack_codes(ptr + HEAD_DIM // 4, row, (codes < 4).to(tl.int32), HEAD_DIM, 1)
+    else:
+        pack_codes(ptr, row, codes, HEAD_DIM, BITS)
     offs_g = tl.arange(0, G)
     tl.store(s_ptr + s_row[:, None] + offs_g[None, :], best_scale)

@@ -16,11 +16,16 @@ Formats (compile-time `KIND`, `K_BITS`):
   DENSE          pages as stored (queries and pages share a dtype).
   KVQUANT q8     int8 codes; the products run in float16 (codes are exact there) and the per-token
                  scales multiply score and probability columns.
-  KVQUANT q4     two codes per byte (code + 7, channel 2j low, 2j + 1 high): a "split dot", even
-                 channels against low nibbles and odd channels against high nibbles, so no code is
-                 ever moved to its channel; the output's even and odd channels are stored apart.
-Codes become float16 with byte permutes under the exponent of 1024 (`FAST_CVT`, inline PTX), or with
-plain conversions under the interpreter, which cannot run PTX: the same values either way.
+  KVQUANT q4/q6  read as int16 units of four channels (q6: plus one byte of its 2-bit plane), one product
+                 per channel of a unit, so no code is ever moved to its channel ("split dot"); q8 values
+                 as int16 pairs of channels the same way. The output's channels are stored apart.
+  TURBOQUANT     int8 keys (q8_0): one product per group of 32 channels, the group's scale and zero
+                 point applied to score columns; 3-bit values (magnitude and sign planes in unit order,
+                 `packing.pack_sign_magnitude`): eight products per step, each over 16 channels of one
+                 group, whose scale goes on the probability columns; the output is rotated back at the end
+                 (split-K: by the reduce kernel). Keys not rotated, head_dim 128 (`is_supported`).
+Codes become float16 with byte permutes (under the exponent of 1024, or into the fp16 codebook) in inline
+PTX (`FAST_CVT`), or with plain conversions under the interpreter, which cannot run PTX: the same values.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ import triton.language as tl
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .attention import check_inputs, dot_precision
-from .codecs import DENSE, KVQUANT
-from .page_view import page_view, stride3
+from .codecs import KVQUANT, TURBOQUANT
+from .conversions import (int8_pairs_to_f16, int8_to_f16, nibble_quads_to_f16, nibbles_to_f16, sign_magnitude_to_f16,
+                          six_bit_quads_to_f16)
+from .page_view import page_view, stride3, value_codebook
 from .tiles import LOG2E, tanh
 
 # Integer arguments that change from step to step (see attention.PER_STEP_ARGS).
@@ -43,91 +50,12 @@ PER_STEP_ARGS = ["num_seqs", "stride_bt", "num_splits"]
 
 
 def is_supported(fmt: PageFormat) -> bool:
-    """Formats this kernel reads: dense pages and KV-Quant (TurboQuant uses the varlen kernels)."""
+    """Formats this kernel reads: dense pages, KV-Quant, and TurboQuant with int8 keys (q8_0, not rotated)
+    and 3-bit values at head_dim 128 (other TurboQuant pages use the varlen kernels)."""
     kind = fmt.spec.kind
+    if kind == "turboquant":   # (its fp16 look-up table is the 3-bit Lloyd-Max codebook: `_sign_magnitude_asm`)
+        return fmt.key_bits == 8 and fmt.value_bits == 3 and fmt.key_signs is None and fmt.head_dim == 128
     return kind == "dense" or kind == "kvquant"
-
-
-@triton.jit
-def int8_to_f16(c, FAST_CVT: tl.constexpr):
-    """int8 codes -> float16, exact: the bytes c ^ 0x80 put under the exponent of 1024 read 1152 + c."""
-    if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 u, b; xor.b32 u, $2, 0x80808080; mov.b32 b, 0x64806480;
-            prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362;
-            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }""",
-            constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=True, pack=4)
-    return c.to(tl.float16)
-
-
-@triton.jit
-def nibbles_to_f16(b, FAST_CVT: tl.constexpr):
-    """uint8 bytes holding (code + 7) in each nibble -> (low code, high code) as float16, exact."""
-    if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64076407;
-            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
-            prmt.b32 $0, lo, 0x64646464, 0x5140; prmt.b32 $1, lo, 0x64646464, 0x7362;
-            prmt.b32 $2, hi, 0x64646464, 0x5140; prmt.b32 $3, hi, 0x64646464, 0x7362;
-            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""",
-            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    x = b.to(tl.int32)
-    return ((x & 15) - 7).to(tl.float16), ((x >> 4) - 7).to(tl.float16)
-
-
-@triton.jit
-def int8_pairs_to_f16(x, FAST_CVT: tl.constexpr):
-    """int16 holding two int8 codes (channel 2j low byte, 2j + 1 high byte) -> (even, odd) as float16, exact."""
-    if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 u, b; xor.b32 u, $2, 0x80808080; mov.b32 b, 0x64806480;
-            prmt.b32 $0, u, 0x64646464, 0x4240; prmt.b32 $1, u, 0x64646464, 0x4341;
-            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }""",
-            constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-    x = x.to(tl.int32)
-    return ((x << 24) >> 24).to(tl.float16), (x >> 8).to(tl.float16)
-
-
-@triton.jit
-def nibble_quads_to_f16(x, FAST_CVT: tl.constexpr):
-    """int16 holding four (code + 7) nibbles (channel 4j + i at bits 4i) -> four float16 codes, exact."""
-    if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64076407;
-            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
-            prmt.b32 $0, lo, 0x64646464, 0x4240; prmt.b32 $1, hi, 0x64646464, 0x4240;
-            prmt.b32 $2, lo, 0x64646464, 0x4341; prmt.b32 $3, hi, 0x64646464, 0x4341;
-            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""",
-            constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
-    x = x.to(tl.int32)
-    return (((x & 15) - 7).to(tl.float16), (((x >> 4) & 15) - 7).to(tl.float16),
-            (((x >> 8) & 15) - 7).to(tl.float16), (((x >> 12) & 15) - 7).to(tl.float16))
-
-
-@triton.jit
-def six_bit_quads_to_f16(x, h, FAST_CVT: tl.constexpr):
-    """q6 codes of four channels from their two planes (`packing.pack_planes`): x int16 holding the low
-    nibbles of channels 4u..4u+3, h uint8 holding their high 2-bit fields -> four float16 codes, exact."""
-    if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 lo, hi, t, a, b, m;
-            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
-            prmt.b32 t, $5, 0, 0x1100;
-            and.b32 a, t, 0x00030003; shr.b32 b, t, 4; and.b32 b, b, 0x03000300; or.b32 a, a, b; shl.b32 a, a, 4;
-            add.u32 lo, lo, a;
-            shr.b32 a, t, 2; and.b32 a, a, 0x00030003; shr.b32 b, t, 6; and.b32 b, b, 0x03000300; or.b32 a, a, b;
-            shl.b32 a, a, 4; add.u32 hi, hi, a;
-            mov.b32 m, 0x641F641F;
-            prmt.b32 $0, lo, 0x64646464, 0x4240; prmt.b32 $1, hi, 0x64646464, 0x4240;
-            prmt.b32 $2, lo, 0x64646464, 0x4341; prmt.b32 $3, hi, 0x64646464, 0x4341;
-            sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m; }""",
-            constraints="=r,=r,=r,=r,r,r", args=[x, h], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
-    x = x.to(tl.int32) & 0xFFFF
-    h = h.to(tl.int32)
-    return (((x & 15) + 16 * (h & 3) - 31).to(tl.float16), (((x >> 4) & 15) + 16 * ((h >> 2) & 3) - 31).to(tl.float16),
-            (((x >> 8) & 15) + 16 * ((h >> 4) & 3) - 31).to(tl.float16), (((x >> 12) & 15) + 16 * (h >> 6) - 31).to(tl.float16))
 
 
 @triton.jit
@@ -139,6 +67,42 @@ def load_quads(ptr, row, offs_u, ok, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     if BITS == 6:
         return six_bit_quads_to_f16(units, load_rows(ptr + HEAD_DIM // 2, row, offs_u, ok), FAST_CVT)
     return nibble_quads_to_f16(units, FAST_CVT)
+
+
+@triton.jit
+def tq_key_group(q_g, qsum_g, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, G: tl.constexpr,
+                 CDTYPE: tl.constexpr, FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores [WARPS, ROWS, TILE_N] of TurboQuant int8 keys' channel group G (32 channels):
+    scale * (q_g . codes) + zero * scale * sum(q_g), the group's scale and zero applied to score columns."""
+    codes = int8_to_f16(load_rows(k_ptr + 32 * G, k_row, offs32, ok), FAST_CVT).to(CDTYPE)
+    d = tl.dot(q_g, tl.trans(codes, (0, 2, 1)), input_precision=DOT_PRECISION)
+    sc = tl.load(ks_ptr + s_row + G, mask=ok, other=0.0).to(tl.float32)
+    zs = tl.load(kz_ptr + s_row + G, mask=ok, other=0.0).to(tl.float32) * sc
+    return d * sc[:, None, :] + zs[:, None, :] * qsum_g[:, :, None]
+
+
+@triton.jit
+def query_group(q_row, row_ok, offs32, G: tl.constexpr, WARPS: tl.constexpr, CDTYPE: tl.constexpr):
+    """Channels 32G..32G+31 of the query rows, broadcast to every warp, and their sums: ([WARPS, ROWS, 32], [WARPS, ROWS])."""
+    q = tl.load(q_row + 32 * G + offs32[None, :], mask=row_ok[:, None], other=0.0).to(CDTYPE)
+    qsum = tl.sum(q.to(tl.float32), axis=1)
+    return tl.broadcast_to(q[None, :, :], [WARPS, q.shape[0], 32]), tl.broadcast_to(qsum[None, :], [WARPS, q.shape[0]])
+
+
+@triton.jit
+def rotate_channel(out_j, rotation_ptr, J: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out_j [ROWS, HEAD_DIM // 8] (channels J * HEAD_DIM / 8 + u) @ those rows of rotation [HEAD_DIM, HEAD_DIM]:
+    [ROWS, HEAD_DIM]."""
+    offs_u = tl.arange(0, HEAD_DIM // 8)
+    offs_d = tl.arange(0, HEAD_DIM)
+    r = tl.load(rotation_ptr + (J * (HEAD_DIM // 8) + offs_u)[:, None] * HEAD_DIM + offs_d[None, :])
+    return tl.dot(out_j, r, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def merge_warps(acc, f, inv):
+    """acc [WARPS, ROWS, C] partial outputs with weights f [WARPS, ROWS] -> [ROWS, C] scaled by inv [ROWS]."""
+    return tl.sum(acc * f[:, :, None], axis=0) * inv[:, None]
 
 
 @triton.jit
@@ -172,7 +136,7 @@ def store_channels(o_row, cols, acc, f, inv, mask):
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
 def decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
-    k_ptr, v_ptr, ks_ptr, vs_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, rotation_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,   # (block, slot, head) of each page tensor
@@ -196,6 +160,8 @@ def decode_kernel(
     head = kv_head * GROUP + offs_r                                      # [ROWS] query heads
     q_row = q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh
     QUANT: tl.constexpr = KIND == KVQUANT
+    TQ: tl.constexpr = KIND == TURBOQUANT      # int8 keys, 3-bit values, head_dim 128 (`is_supported`)
+    tl.static_assert(not TQ or HEAD_DIM == 128, "TurboQuant decode: head_dim 128 (four 32-channel groups)")
     # values read as int16 units of NV channels (q8: 2; q4, q6: 4), one product per channel of a unit;
     # q4 / q6 keys too (KU). Without units (V_UNITS=False, q8 and q4 only) q4 is read bytewise (PACKED).
     UNITS: tl.constexpr = QUANT and V_UNITS
@@ -203,7 +169,7 @@ def decode_kernel(
     KU: tl.constexpr = UNITS and K_BITS != 8
     PACKED: tl.constexpr = QUANT and K_BITS == 4 and not UNITS
     CDTYPE: tl.constexpr = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else (
-        tl.float16 if QUANT else q_ptr.dtype.element_ty)
+        tl.float16 if QUANT or TQ else q_ptr.dtype.element_ty)
     # columns of the products: the whole head, or (q4) the even channels and then the odd ones
     COLS: tl.constexpr = HEAD_DIM // 2 if PACKED else HEAD_DIM_PAD
     offs_c = tl.arange(0, COLS)
@@ -214,7 +180,7 @@ def decode_kernel(
     else:
         q_a = tl.load(q_row + offs_c[None, :], mask=row_ok[:, None] & (offs_c < HEAD_DIM)[None, :], other=0.0)
     q_a = tl.broadcast_to(q_a.to(CDTYPE)[None, :, :], [WARPS, ROWS, COLS])
-    VC: tl.constexpr = HEAD_DIM // NV if UNITS else 16
+    VC: tl.constexpr = HEAD_DIM // 8 if TQ else (HEAD_DIM // NV if UNITS else 16)
     offs_u = tl.arange(0, VC)
     if KU:   # the query's channels 4u + i, i = 0..3
         q0 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :], mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
@@ -225,6 +191,14 @@ def decode_kernel(
                              [WARPS, ROWS, VC])
         q3 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :] + 3, mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
                              [WARPS, ROWS, VC])
+
+    if TQ:   # the query's channel groups of 32 and their sums (the keys' zero points apply to them)
+        offs32 = tl.arange(0, 32)
+        qg0, qs0 = query_group(q_row, row_ok, offs32, 0, WARPS, CDTYPE)
+        qg1, qs1 = query_group(q_row, row_ok, offs32, 1, WARPS, CDTYPE)
+        qg2, qs2 = query_group(q_row, row_ok, offs32, 2, WARPS, CDTYPE)
+        qg3, qs3 = query_group(q_row, row_ok, offs32, 3, WARPS, CDTYPE)
+        V_ASM: tl.constexpr = FAST_CVT and CDTYPE == tl.float16   # the look-up asm builds float16 values
 
     # this split's keys: an even share, whole warp tiles
     STEP: tl.constexpr = WARPS * TILE_N
@@ -240,6 +214,7 @@ def decode_kernel(
     k_ptr += head_off * k_strides[2]
     v_ptr += head_off * v_strides[2]
     ks_ptr += head_off * ks_strides[2]
+    kz_ptr += head_off * ks_strides[2]   # k_zero shares k_scale's layout (`page_view`)
     vs_ptr += head_off * vs_strides[2]
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     pos0 = tl.arange(0, WARPS)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]   # [WARPS, TILE_N]
@@ -249,6 +224,10 @@ def decode_kernel(
     acc1 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
     acc2 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
     acc3 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
+    acc4 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)     # TurboQuant: eight channels per unit
+    acc5 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
+    acc6 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
+    acc7 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
     acc_b = tl.zeros([WARPS, ROWS, COLS], dtype=tl.float32)   # q4: odd channels (unused otherwise)
     m_i = tl.full([WARPS, ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
@@ -259,7 +238,13 @@ def decode_kernel(
         slot = offs_n % BLOCK_SIZE
         k_row = block * k_strides[0] + slot * k_strides[1]
         v_row = block * v_strides[0] + slot * v_strides[1]
-        if KU:
+        if TQ:
+            s_row = block * ks_strides[0] + slot * ks_strides[1]
+            s = tq_key_group(qg0, qs0, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 0, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq_key_group(qg1, qs1, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 1, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq_key_group(qg2, qs2, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 2, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq_key_group(qg3, qs3, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 3, CDTYPE, FAST_CVT, DOT_PRECISION)
+        elif KU:
             k0, k1, k2, k3 = load_quads(k_ptr, k_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
             s = tl.dot(q0, tl.trans(k0.to(CDTYPE), (0, 2, 1)), input_precision=DOT_PRECISION)
             s = tl.dot(q1, tl.trans(k1.to(CDTYPE), (0, 2, 1)), s, input_precision=DOT_PRECISION)
@@ -290,9 +275,28 @@ def decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=2)
         if QUANT:
             p = p * tl.load(vs_ptr + block * vs_strides[0] + slot * vs_strides[1], mask=ok, other=0.0)[:, None, :]
+        p_f = p
         p = p.to(CDTYPE)
         acc_a = acc_a * alpha[:, :, None]
-        if UNITS:
+        if TQ:
+            units = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)
+            negs = load_rows(v_ptr + HEAD_DIM // 4, v_row, offs_u, ok)
+            # field j of every unit is channels [16 j, 16 j + 16): group j // 2, whose scale goes on P's columns
+            v0, v1, v2, v3, v4, v5, v6, v7 = sign_magnitude_to_f16(units, negs, codebook_ptr, V_ASM)
+            v_s_row = block * vs_strides[0] + slot * vs_strides[1]
+            p0 = (p_f * tl.load(vs_ptr + v_s_row, mask=ok, other=0.0).to(tl.float32)[:, None, :]).to(CDTYPE)
+            p1 = (p_f * tl.load(vs_ptr + v_s_row + 1, mask=ok, other=0.0).to(tl.float32)[:, None, :]).to(CDTYPE)
+            p2 = (p_f * tl.load(vs_ptr + v_s_row + 2, mask=ok, other=0.0).to(tl.float32)[:, None, :]).to(CDTYPE)
+            p3 = (p_f * tl.load(vs_ptr + v_s_row + 3, mask=ok, other=0.0).to(tl.float32)[:, None, :]).to(CDTYPE)
+            acc0 = tl.dot(p0, v0.to(CDTYPE), acc0 * alpha[:, :, None], input_precision=DOT_PRECISION)
+            acc1 = tl.dot(p0, v1.to(CDTYPE), acc1 * alpha[:, :, None], input_precision=DOT_PRECISION)
+            acc2 = tl.dot(p1, v2.to(CDTYPE), acc2 * alpha[:, :, None], input_precision=DOT_PRECISION)
+            acc3 = tl.dot(p1, v3.to(CDTYPE), acc3 * alpha[:, :, None], input_precision=DOT_PRECISION)
+            acc4 = tl.dot(p2, v4.to(CDTYPE), acc4 * alpha[:, :, None], input_precision=DOT_PRECISION)
+            acc5 = tl.dot(p2, v5.to(CDTYPE), acc5 * alpha[:, :, None], input_precision=DOT_PRECISION)
+            acc6 = tl.dot(p3, v6.to(CDTYPE), acc6 * alpha[:, :, None], input_precision=DOT_PRECISION)
+            acc7 = tl.dot(p3, v7.to(CDTYPE), acc7 * alpha[:, :, None], input_precision=DOT_PRECISION)
+        elif UNITS:
             if NV == 2:
                 v0, v1 = int8_pairs_to_f16(load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok), FAST_CVT)
             else:
@@ -329,7 +333,27 @@ def decode_kernel(
         o_row = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh
         inv = 1.0 / tl.where(l > 0, l, 1.0)
     rows = row_ok[:, None]
-    if UNITS:
+    if TQ and not SPLIT:   # rotate the output back: out = out_rot @ rotation, one product per channel of a unit
+        out = rotate_channel(merge_warps(acc0, f, inv), rotation_ptr, 0, HEAD_DIM, DOT_PRECISION)
+        out += rotate_channel(merge_warps(acc1, f, inv), rotation_ptr, 1, HEAD_DIM, DOT_PRECISION)
+        out += rotate_channel(merge_warps(acc2, f, inv), rotation_ptr, 2, HEAD_DIM, DOT_PRECISION)
+        out += rotate_channel(merge_warps(acc3, f, inv), rotation_ptr, 3, HEAD_DIM, DOT_PRECISION)
+        out += rotate_channel(merge_warps(acc4, f, inv), rotation_ptr, 4, HEAD_DIM, DOT_PRECISION)
+        out += rotate_channel(merge_warps(acc5, f, inv), rotation_ptr, 5, HEAD_DIM, DOT_PRECISION)
+        out += rotate_channel(merge_warps(acc6, f, inv), rotation_ptr, 6, HEAD_DIM, DOT_PRECISION)
+        out += rotate_channel(merge_warps(acc7, f, inv), rotation_ptr, 7, HEAD_DIM, DOT_PRECISION)
+        offs_d = tl.arange(0, HEAD_DIM)
+        tl.store(o_row + offs_d[None, :], out.to(o_row.dtype.element_ty), mask=rows)
+    elif TQ:               # partial states stay in the rotated domain; the reduce kernel rotates
+        store_channels(o_row, offs_u, acc0, f, inv, rows)
+        store_channels(o_row, VC + offs_u, acc1, f, inv, rows)
+        store_channels(o_row, 2 * VC + offs_u, acc2, f, inv, rows)
+        store_channels(o_row, 3 * VC + offs_u, acc3, f, inv, rows)
+        store_channels(o_row, 4 * VC + offs_u, acc4, f, inv, rows)
+        store_channels(o_row, 5 * VC + offs_u, acc5, f, inv, rows)
+        store_channels(o_row, 6 * VC + offs_u, acc6, f, inv, rows)
+        store_channels(o_row, 7 * VC + offs_u, acc7, f, inv, rows)
+    elif UNITS:
         store_channels(o_row, NV * offs_u, acc0, f, inv, rows)
         store_channels(o_row, NV * offs_u + 1, acc1, f, inv, rows)
         if NV == 4:
@@ -349,11 +373,16 @@ def fast_conversions() -> bool:
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    num_splits: int = 1, tile_n: int = 32, num_warps: int = 4, num_stages: int = 3,
+                    num_splits: int = 1, tile_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                     value_units: bool = True) -> torch.Tensor:
     """Same contract as `reference.paged_attention`, for formats `is_supported` accepts: one program per
-    (query token, KV head, split), `num_warps` warps of `tile_n` keys each per step."""
+    (query token, KV head, split), `num_warps` warps of `tile_n` keys each per step (default: the
+    format's measured `tuning.warp_split_tiles`)."""
     from .split_k import reduce_splits_kernel
+    from .tuning import warp_split_tiles
+
+    default_tile_n, default_stages = warp_split_tiles(fmt)
+    tile_n, num_stages = tile_n or default_tile_n, num_stages or default_stages
 
     assert is_supported(fmt), f"the warp-split decode kernel does not read {fmt.spec} pages"
     assert value_units or fmt.spec.kind != "kvquant" or fmt.bits != 6, "q6 pages are read in units only"
@@ -375,7 +404,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         part_out = part_m = part_l = out
     precision = dot_precision(query.dtype)
     decode_kernel[(num_tokens, view.num_kv_heads, num_splits)](
-        out, part_out, part_m, part_l, query, view.k, view.v, view.k_scale, view.v_scale,
+        out, part_out, part_m, part_l, query, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
+        value_codebook(view, query.dtype), view.aux("out_rotation"),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
@@ -389,9 +419,9 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     )
     if split:
         reduce_splits_kernel[(num_tokens, view.num_kv_heads)](
-            out, part_out, part_m, part_l, view.k, out.stride(0), out.stride(1), num_splits,
+            out, part_out, part_m, part_l, view.aux("out_rotation"), out.stride(0), out.stride(1), num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, GROUP=group,
             BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            ROTATE_OUT=False, DOT_PRECISION=precision, num_warps=4,
+            ROTATE_OUT=view.rotate_out, DOT_PRECISION=precision, num_warps=4,
         )
     return out

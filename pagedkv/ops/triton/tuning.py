@@ -156,9 +156,17 @@ def warp_split_splits(num_programs: int, capacity_tokens: int, device: torch.dev
     return max(1, min(limit, -(-2 * num_sms // max(num_programs, 1))))
 
 
+def warp_split_tiles(fmt) -> tuple[int, int]:
+    """(keys per warp per step, pipeline stages) of the warp-split decode kernel, measured on an H200
+    (`bench/kernels.py --warp-split`): KV-Quant 32 keys, 3 stages; TurboQuant 16 keys, 2 stages (32 keys
+    spill its eight value accumulators: 1,376 against 759 us at batch 64, 8,192 tokens)."""
+    return (16, 2) if fmt.spec.kind == "turboquant" else (32, 3)
+
+
 def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
-    """Decode-like batches over KV-Quant q8 / q4 pages run the warp-split decode kernel: measured on an H200
-    1.04-1.5x faster than the varlen and split-K kernels there (dense pages: 0.86-0.92x, so they stay)."""
+    """Decode-like batches over KV-Quant pages and the TurboQuant pages it reads (`decode.is_supported`) run
+    the warp-split decode kernel: measured on an H200 1.1-2x faster than the varlen and split-K kernels there
+    (dense pages: 0.86-0.92x, so they stay)."""
     from .decode import is_supported
 
     return is_decode_like(num_tokens, num_seqs) and page_class(fmt) != "dense" and is_supported(fmt)

@@ -1,0 +1,157 @@
+"""Packed codes -> float16 in registers, one function per page layout, for the warp-split decode kernel.
+
+Each conversion is a few integer instructions per two or four values in inline PTX (`FAST_CVT`): byte
+permutes put a code under the exponent of 1024 (the float16 1024 + c), or select an entry of the fp16
+codebook; under the Triton interpreter, which cannot run PTX, plain arithmetic gives the same values.
+Every function is elementwise, so Triton can convert codes where the matrix units read them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...formats.codebook import lloyd_max_codebook
+
+
+def _positive_half_f16_words(bits: int = 3) -> tuple[int, int]:
+    """The positive half of the `bits`-bit Lloyd-Max codebook in float16, as two 32-bit words (two entries each)."""
+    half = lloyd_max_codebook(bits)[1 << (bits - 1):].half().view(torch.int16).to(torch.int64) & 0xFFFF
+    return int(half[0] | (half[1] << 16)), int(half[2] | (half[3] << 16))
+
+
+# TurboQuant 3-bit values, eight per int16 magnitude unit plus its sign byte, two units per call: per field
+# j a byte-permute selector 2m | (2m + 1) << 4 per value from the magnitude m, one look-up in the positive
+# half of the fp16 codebook (two immediate words), the sign bit.
+def _sign_magnitude_asm(first: int) -> str:
+    """Fields first..first+3 of two value units ($4, $5: int32 each, the unit's magnitude int16 in bits 0-15 and
+    its sign byte in bits 16-23)."""
+    return "\n".join([
+        "{ .reg .b32 x, s, t, u, v, w, c0, c1;",
+        "mov.b32 c0, 0x%08x; mov.b32 c1, 0x%08x;" % _positive_half_f16_words(),
+        "prmt.b32 x, $4, $5, 0x5410;",                          # the two magnitude int16s
+        "prmt.b32 s, $4, $5, 0x6020; and.b32 s, s, 0xFF00FF00;",  # the two sign bytes to bytes 1 and 3
+        *[f"shr.b32 t, x, {2 * j}; and.b32 t, t, 0x00030003; shr.b32 u, t, 8; or.b32 t, t, u; and.b32 t, t, 0x0303; "
+          f"mad.lo.u32 t, t, 0x22, 0x1010; prmt.b32 v, c0, c1, t; shl.b32 w, s, {7 - j}; and.b32 w, w, 0x80008000; "
+          f"xor.b32 ${j - first}, v, w;" for j in range(first, first + 4)],
+        "}"])
+
+
+SIGN_MAGNITUDE_ASM_LO = tl.constexpr(_sign_magnitude_asm(0))   # fields 0-3
+SIGN_MAGNITUDE_ASM_HI = tl.constexpr(_sign_magnitude_asm(4))   # fields 4-7
+
+
+@triton.jit
+def int8_to_f16(c, FAST_CVT: tl.constexpr):
+    """int8 codes -> float16, exact: the bytes c ^ 0x80 put under the exponent of 1024 read 1152 + c."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 u, b; xor.b32 u, $2, 0x80808080; mov.b32 b, 0x64806480;
+            prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362;
+            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }""",
+            constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=True, pack=4)
+    return c.to(tl.float16)
+
+
+@triton.jit
+def nibbles_to_f16(b, FAST_CVT: tl.constexpr):
+    """uint8 bytes holding (code + 7) in each nibble -> (low code, high code) as float16, exact."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64076407;
+            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 $0, lo, 0x64646464, 0x5140; prmt.b32 $1, lo, 0x64646464, 0x7362;
+            prmt.b32 $2, hi, 0x64646464, 0x5140; prmt.b32 $3, hi, 0x64646464, 0x7362;
+            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""",
+            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    x = b.to(tl.int32)
+    return ((x & 15) - 7).to(tl.float16), ((x >> 4) - 7).to(tl.float16)
+
+
+@triton.jit
+def int8_pairs_to_f16(x, FAST_CVT: tl.constexpr):
+    """int16 holding two int8 codes (channel 2j low byte, 2j + 1 high byte) -> (even, odd) as float16, exact."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 u, b; xor.b32 u, $2, 0x80808080; mov.b32 b, 0x64806480;
+            prmt.b32 $0, u, 0x64646464, 0x4240; prmt.b32 $1, u, 0x64646464, 0x4341;
+            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }""",
+            constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    x = x.to(tl.int32)
+    return ((x << 24) >> 24).to(tl.float16), (x >> 8).to(tl.float16)
+
+
+@triton.jit
+def nibble_quads_to_f16(x, FAST_CVT: tl.constexpr):
+    """int16 holding four (code + 7) nibbles (channel 4j + i at bits 4i) -> four float16 codes, exact."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64076407;
+            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 $0, lo, 0x64646464, 0x4240; prmt.b32 $1, hi, 0x64646464, 0x4240;
+            prmt.b32 $2, lo, 0x64646464, 0x4341; prmt.b32 $3, hi, 0x64646464, 0x4341;
+            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""",
+            constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
+    x = x.to(tl.int32)
+    return (((x & 15) - 7).to(tl.float16), (((x >> 4) & 15) - 7).to(tl.float16),
+            (((x >> 8) & 15) - 7).to(tl.float16), (((x >> 12) & 15) - 7).to(tl.float16))
+
+
+@triton.jit
+def six_bit_quads_to_f16(x, h, FAST_CVT: tl.constexpr):
+    """q6 codes of four channels from their two planes (`packing.pack_planes`): x int16 holding the low
+    nibbles of channels 4u..4u+3, h uint8 holding their high 2-bit fields -> four float16 codes, exact."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 lo, hi, t, a, b, m;
+            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 t, $5, 0, 0x1100;
+            and.b32 a, t, 0x00030003; shr.b32 b, t, 4; and.b32 b, b, 0x03000300; or.b32 a, a, b; shl.b32 a, a, 4;
+            add.u32 lo, lo, a;
+            shr.b32 a, t, 2; and.b32 a, a, 0x00030003; shr.b32 b, t, 6; and.b32 b, b, 0x03000300; or.b32 a, a, b;
+            shl.b32 a, a, 4; add.u32 hi, hi, a;
+            mov.b32 m, 0x641F641F;
+            prmt.b32 $0, lo, 0x64646464, 0x4240; prmt.b32 $1, hi, 0x64646464, 0x4240;
+            prmt.b32 $2, lo, 0x64646464, 0x4341; prmt.b32 $3, hi, 0x64646464, 0x4341;
+            sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m; }""",
+            constraints="=r,=r,=r,=r,r,r", args=[x, h], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
+    x = x.to(tl.int32) & 0xFFFF
+    h = h.to(tl.int32)
+    return (((x & 15) + 16 * (h & 3) - 31).to(tl.float16), (((x >> 4) & 15) + 16 * ((h >> 2) & 3) - 31).to(tl.float16),
+            (((x >> 8) & 15) + 16 * ((h >> 4) & 3) - 31).to(tl.float16), (((x >> 12) & 15) + 16 * (h >> 6) - 31).to(tl.float16))
+
+
+@triton.jit
+def sign_magnitude_value(x, n, cb_ptr, J: tl.constexpr):
+    """The centroid of field J of TurboQuant 3-bit value units (plain arithmetic)."""
+    mag = (x >> (2 * J)) & 3
+    val = tl.load(cb_ptr + 4 + mag)
+    return tl.where(((n >> J) & 1) != 0, -val, val)
+
+
+@triton.jit
+def sign_magnitude_to_f16(units, negs, cb_ptr, FAST_CVT: tl.constexpr):
+    """TurboQuant 3-bit values in unit order (`packing.pack_sign_magnitude`): units int16 holding eight
+    2-bit magnitude indices, negs uint8 their signs -> eight tensors of centroids, field j in the j-th (with
+    FAST_CVT a byte-permute look-up in the positive half of the fp16 codebook per two values and the sign
+    bit set by a mask; otherwise loads from the codebook, in its dtype)."""
+    if FAST_CVT:
+        # one operand per unit (magnitudes and signs in one int32): Triton then reads the units straight into
+        # the matrix units' layout, where a second loaded operand made it stage the values through shared memory
+        both = (units.to(tl.int32) & 0xFFFF) | (negs.to(tl.int32) << 16)
+        lo = tl.inline_asm_elementwise(asm=SIGN_MAGNITUDE_ASM_LO, constraints="=r,=r,=r,=r,r,r", args=[both],
+                                       dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+        hi = tl.inline_asm_elementwise(asm=SIGN_MAGNITUDE_ASM_HI, constraints="=r,=r,=r,=r,r,r", args=[both],
+                                       dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+        values = (lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3])
+    else:
+        x = units.to(tl.int32) & 0xFFFF
+        n = negs.to(tl.int32)
+        values = (sign_magnitude_value(x, n, cb_ptr, 0), sign_magnitude_value(x, n, cb_ptr, 1),
+                  sign_magnitude_value(x, n, cb_ptr, 2), sign_magnitude_value(x, n, cb_ptr, 3),
+                  sign_magnitude_value(x, n, cb_ptr, 4), sign_magnitude_value(x, n, cb_ptr, 5),
+                  sign_magnitude_value(x, n, cb_ptr, 6), sign_magnitude_value(x, n, cb_ptr, 7))
+    return values
