@@ -5,6 +5,11 @@
      each `--formats` page format, and the same engine with graphs off at the largest batch.
   2. `--requests` requests of `--prompt-tokens` prompt tokens and `--new-tokens` new tokens each:
      transformers' `generate_batch` (continuous batching) against `LLM.generate`.
+  `--same-memory GIB` runs instead the same-memory comparison: every `--formats` page format gets the same
+     GIB of pages (as many blocks as fit), and `--requests` requests of `--prompt-tokens` + `--new-tokens`
+     tokens (EOS ignored) run through `LLM.generate`, as many at once as the pages allow (the engine's own
+     scheduling): output tokens/s and preemptions per format, in engine_memory.{json,png}. The issue's run:
+     `--same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 --formats off q8 q4 turboquant`.
 
 The model is Llama-3-8B-shaped (hidden 4096, 32 query / 8 KV heads, head_dim 128, MLP 14336, vocab
 128256) with `--layers` layers, randomly initialised in bf16; every request ignores EOS, so each side
@@ -209,6 +214,51 @@ def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> 
             "ttft_p50_s": ttft[len(ttft) // 2]}
 
 
+def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int,
+                    max_num_batched_tokens: int) -> dict:
+    """`LLM.generate` over pages of `fmt` holding at most `budget_bytes` (all layers), every request admitted
+    as the pages allow: output tokens/s, preemptions, and how many blocks the budget bought."""
+    from pagedkv.config import KVFormat
+    from pagedkv.formats import make_format
+
+    text = model.config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    page = make_format(KVFormat.parse(fmt), text.num_key_value_heads, head_dim, torch.bfloat16, "cpu")
+    block_size = 16
+    bytes_per_block = page.bytes_per_token() * text.num_hidden_layers * block_size
+    num_blocks = budget_bytes // bytes_per_block
+    llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=len(prompts),
+              max_num_batched_tokens=max_num_batched_tokens)
+    out = engine_generate_run(llm, prompts, new_tokens)
+    stats = llm.stats()
+    out.update(num_blocks=num_blocks, bytes_per_token=page.bytes_per_token() * text.num_hidden_layers,
+               tokens_that_fit=num_blocks * block_size, preemptions=stats.get("preemptions"))
+    del llm
+    free_memory()
+    return out
+
+
+def plot_same_memory(results: dict, path: Path) -> bool:
+    plt = plotting.pyplot()
+    if plt is None:
+        return False
+    runs = results["same_memory"]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    names = list(runs)
+    bars = ax.barh(names, [runs[n]["tokens_per_s"] for n in names], color=[f"C{i}" for i in range(len(names))])
+    base = runs[names[0]]["tokens_per_s"]
+    ax.bar_label(bars, [f"{runs[n]['tokens_per_s'] / base:.2f}x, {runs[n]['preemptions']} preemptions" for n in names],
+                 fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"output tokens/s (labels: x {names[0]}), higher is better")
+    a = results["args"]
+    ax.set_title(f"the same {a['same_memory']} GiB of pages: {a['requests']} requests x {a['prompt_tokens']} prompt + "
+                 f"{a['new_tokens']} new tokens\n{results.get('gpu', '')}, {a['layers']}-layer Llama-3-8B shape, "
+                 f"{results.get('date', '')}", fontsize=9)
+    plotting.save(fig, path)
+    return True
+
+
 def plot(results: dict, path: Path) -> bool:
     """Decode tokens/s per batch (log scale; the DynamicCache loop and each format), and the batch workload's
     output tokens/s against generate_batch."""
@@ -264,9 +314,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for engine_gpu.json and engine_gpu.png")
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw engine_gpu.png next to this JSON")
+    p.add_argument("--same-memory", type=float, default=None, metavar="GIB",
+                   help="only the same-memory run: every format's pages get GIB gibibytes")
     args = p.parse_args(argv)
     if args.replot:
-        return 0 if plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png")) else 1
+        results = json.loads(Path(args.replot).read_text())
+        draw = plot_same_memory if "same_memory" in results else plot
+        return 0 if draw(results, Path(args.replot).with_suffix(".png")) else 1
     global DEVICE
     DEVICE = "cpu" if args.tiny else "cuda"
 
@@ -278,6 +332,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     model = build_model(args.layers, args.tiny)
     print(f"model ready in {time.perf_counter() - t_start:.1f}s", flush=True)
+    if args.same_memory is not None:
+        return main_same_memory(model, args, results, t_start)
 
     results["dynamic_cache"] = {}
     for b in args.batches:
@@ -344,6 +400,31 @@ def main(argv=None) -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "engine_gpu.json").write_text(json.dumps(results, indent=2, default=str))
         plot(json.loads(json.dumps(results, default=str)), Path(args.out) / "engine_gpu.png")
+    print(f"total {results['seconds']:.0f}s")
+    return 0
+
+
+def main_same_memory(model, args, results: dict, t_start: float) -> int:
+    prompts = random_prompts(args.requests, args.prompt_tokens, model.config.vocab_size, seed=1234)
+    budget = int(args.same_memory * 2**30)
+    results["same_memory"] = {}
+    for fmt in args.formats:
+        r = same_memory_run(model, fmt, budget, prompts, args.new_tokens, args.max_num_batched_tokens)
+        results["same_memory"][fmt] = r
+        print(f"pagedkv {fmt}, {args.same_memory} GiB of pages: {r}", flush=True)
+    results["seconds"] = time.perf_counter() - t_start
+    print(f"\n{results['gpu']}: the same {args.same_memory} GiB of pages, {args.requests} requests x "
+          f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens (EOS ignored), {args.layers} layers")
+    print("| format | tokens that fit | output tokens/s | vs first | preemptions |")
+    print("| --- | --- | --- | --- | --- |")
+    runs = results["same_memory"]
+    base = runs[args.formats[0]]["tokens_per_s"]
+    for fmt, r in runs.items():
+        print(f"| {fmt} | {r['tokens_that_fit']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x | {r['preemptions']} |")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "engine_memory.json").write_text(json.dumps(results, indent=2, default=str))
+        plot_same_memory(json.loads(json.dumps(results, default=str)), Path(args.out) / "engine_memory.png")
     print(f"total {results['seconds']:.0f}s")
     return 0
 
