@@ -102,3 +102,22 @@ def test_tiles_that_can_shrink_no_further_raise():
     with pytest.raises(OutOfResources), pytest.warns(RuntimeWarning):
         launch_fitting(launch, TileConfig(16, 64, 4, 5), 4, ("split", "test-device", "bf16", "off", 128))
     _fitted.clear()
+
+
+def test_first_use_of_kernels_is_announced_once_per_format_and_dtype(capsys):
+    import torch
+
+    from pagedkv.config import KVFormat
+    from pagedkv.formats import make_format
+    from pagedkv.ops import triton as triton_ops
+
+    fmt = make_format(KVFormat.parse("q4"), 2, 64, torch.float32, "cpu")
+    for _ in range(2):
+        with triton_ops.first_use("decode", fmt, torch.bfloat16):
+            pass
+    with triton_ops.first_use("prefill", fmt, torch.bfloat16):
+        pass
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert "decode kernels for q4 pages (bfloat16)" in lines[0] and "compiled on first use" in lines[0]
+    assert "prefill kernels" in lines[1]

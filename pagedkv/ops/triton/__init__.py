@@ -1,12 +1,39 @@
 """Triton kernels for CUDA tensors: `write_kv` and `paged_attention` with the reference's signatures.
 
 `supports` says whether they can run for a device and format. Kernel modules are imported on first
-use, so importing this package needs neither Triton nor a GPU.
+use, so importing this package needs neither Triton nor a GPU. The first launch of each kernel family
+for a format compiles it (seconds each; Triton keeps the result in its cache, `~/.triton/cache` or
+`TRITON_CACHE_DIR`, for later processes): `first_use` says so on stderr, once per process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+
 import torch
+
+_announced: set[tuple] = set()
+
+
+@contextlib.contextmanager
+def first_use(kernels: str, fmt, dtype: torch.dtype):
+    """Around a launch: the first time in this process that `kernels` run for this format and dtype, say on
+    stderr that they are being prepared (compiled, or loaded from Triton's cache) and, when that took over a
+    second, how long it took."""
+    key = (kernels, str(fmt.spec), dtype)
+    if key in _announced:
+        yield
+        return
+    _announced.add(key)
+    print(f"pagedkv: preparing the Triton {kernels} kernels for {fmt.spec} pages ({str(dtype).removeprefix('torch.')}): "
+          "compiled on first use, then kept in Triton's cache", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - start
+    if elapsed > 1.0:
+        print(f"pagedkv: Triton {kernels} kernels for {fmt.spec} pages ready in {elapsed:.1f} s", file=sys.stderr, flush=True)
 
 
 def supports(device: torch.device, fmt) -> tuple[bool, str | None]:
@@ -27,16 +54,24 @@ def write_kv(pages, fmt, key, value, meta) -> None:
     """Encode key/value [num_input_tokens, num_kv_heads, head_dim] into the slots of `meta.slot_mapping`."""
     from .kv_write import write_kv as impl
 
-    impl(pages, fmt, key, value, meta)
+    with first_use("cache-write", fmt, key.dtype):
+        impl(pages, fmt, key, value, meta)
 
 
 def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, softcap=None):
     """Attention of packed queries [num_tokens, num_q_heads, head_dim] over one layer's pages.
 
-    Decode-like batches over KV-Quant q8/q4 pages run the warp-split decode kernel (`decode.py`); other
-    batches the varlen kernel, or split-K when the (query block, KV head) programs would not fill the GPU.
-    Every choice is made from shapes alone.
+    Decode-like batches over KV-Quant pages and the TurboQuant pages it reads run the warp-split decode
+    kernel (`decode.py`); other batches the varlen kernel, or split-K when the (query block, KV head)
+    programs would not fill the GPU. Every choice is made from shapes alone.
     """
+    from .tuning import is_decode_like
+
+    with first_use("decode" if is_decode_like(query.shape[0], meta.block_table.shape[0]) else "prefill", fmt, query.dtype):
+        return _paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap)
+
+
+def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap):
     from . import attention, split_k
     from .tuning import plan_attention, uses_warp_split, warp_split_splits
 
