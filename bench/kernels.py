@@ -274,8 +274,8 @@ def decode_sweep(spec, layers, metas, queries, copies):
     return out
 
 
-# warp-split decode kernel configs: (keys per warp, warps, stages, values read as int16 units)
-WARP_SPLIT_CONFIGS = [(32, 4, 3, True), (16, 4, 2, True), (16, 4, 3, True), (32, 4, 2, True)]
+# warp-split decode kernel configs: (keys per warp, warps, stages)
+WARP_SPLIT_CONFIGS = [(32, 4, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2)]
 
 
 def warp_split_sweep(spec, layers, metas, queries, copies):
@@ -296,11 +296,11 @@ def warp_split_sweep(spec, layers, metas, queries, copies):
         if splits > 1 else (lambda q, p, f, m: attention.paged_attention(q, p, f, m, scale=SCALE, tiles=tiles))
     out["previous_default"] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: previous(q, p, f, m)
                                              for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
-    for tile_n, warps, stages, units in WARP_SPLIT_CONFIGS:
+    for tile_n, warps, stages in WARP_SPLIT_CONFIGS:
         for splits in split_counts:
-            key = f"warp_split_n{tile_n}_w{warps}_s{stages}{'' if units else '_bytes'}_split{splits}"
-            fn = lambda q, p, f, m, t=tile_n, w=warps, st=stages, sp=splits, u=units: decode.paged_attention(  # noqa: E731
-                q, p, f, m, scale=SCALE, num_splits=sp, tile_n=t, num_warps=w, num_stages=st, value_units=u)
+            key = f"warp_split_n{tile_n}_w{warps}_s{stages}_split{splits}"
+            fn = lambda q, p, f, m, t=tile_n, w=warps, st=stages, sp=splits: decode.paged_attention(  # noqa: E731
+                q, p, f, m, scale=SCALE, num_splits=sp, tile_n=t, num_warps=w, num_stages=st)
             try:
                 out[key] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)
                                           for i, ((f, p, _), m) in enumerate(zip(layers, metas))])

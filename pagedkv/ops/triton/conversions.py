@@ -55,21 +55,6 @@ def int8_to_f16(c, FAST_CVT: tl.constexpr):
 
 
 @triton.jit
-def nibbles_to_f16(b, FAST_CVT: tl.constexpr):
-    """uint8 bytes holding (code + 7) in each nibble -> (low code, high code) as float16, exact."""
-    if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64076407;
-            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
-            prmt.b32 $0, lo, 0x64646464, 0x5140; prmt.b32 $1, lo, 0x64646464, 0x7362;
-            prmt.b32 $2, hi, 0x64646464, 0x5140; prmt.b32 $3, hi, 0x64646464, 0x7362;
-            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""",
-            constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    x = b.to(tl.int32)
-    return ((x & 15) - 7).to(tl.float16), ((x >> 4) - 7).to(tl.float16)
-
-
-@triton.jit
 def int8_pairs_to_f16(x, FAST_CVT: tl.constexpr):
     """int16 holding two int8 codes (channel 2j low byte, 2j + 1 high byte) -> (even, odd) as float16, exact."""
     if FAST_CVT:

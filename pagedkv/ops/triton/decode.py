@@ -40,8 +40,7 @@ from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .attention import check_inputs, dot_precision
 from .codecs import KVQUANT, TURBOQUANT
-from .conversions import (int8_pairs_to_f16, int8_to_f16, nibble_quads_to_f16, nibbles_to_f16, sign_magnitude_to_f16,
-                          six_bit_quads_to_f16)
+from .conversions import int8_pairs_to_f16, int8_to_f16, nibble_quads_to_f16, sign_magnitude_to_f16, six_bit_quads_to_f16
 from .page_view import page_view, stride3, value_codebook
 from .tiles import LOG2E, tanh
 
@@ -145,7 +144,7 @@ def decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
-    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, V_UNITS: tl.constexpr,
+    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -162,25 +161,16 @@ def decode_kernel(
     QUANT: tl.constexpr = KIND == KVQUANT
     TQ: tl.constexpr = KIND == TURBOQUANT      # int8 keys, 3-bit values, head_dim 128 (`is_supported`)
     tl.static_assert(not TQ or HEAD_DIM == 128, "TurboQuant decode: head_dim 128 (four 32-channel groups)")
-    # values read as int16 units of NV channels (q8: 2; q4, q6: 4), one product per channel of a unit;
-    # q4 / q6 keys too (KU). Without units (V_UNITS=False, q8 and q4 only) q4 is read bytewise (PACKED).
-    UNITS: tl.constexpr = QUANT and V_UNITS
-    NV: tl.constexpr = (2 if K_BITS == 8 else 4) if UNITS else 1
-    KU: tl.constexpr = UNITS and K_BITS != 8
-    PACKED: tl.constexpr = QUANT and K_BITS == 4 and not UNITS
+    # KV-Quant values are read as int16 units of NV channels (q8: 2; q4, q6: 4), one product per channel of
+    # a unit; q4 / q6 keys too (KU)
+    NV: tl.constexpr = (2 if K_BITS == 8 else 4) if QUANT else 1
+    KU: tl.constexpr = QUANT and K_BITS != 8
     CDTYPE: tl.constexpr = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else (
         tl.float16 if QUANT or TQ else q_ptr.dtype.element_ty)
-    # columns of the products: the whole head, or (q4) the even channels and then the odd ones
-    COLS: tl.constexpr = HEAD_DIM // 2 if PACKED else HEAD_DIM_PAD
-    offs_c = tl.arange(0, COLS)
-    if PACKED:
-        q_a = tl.load(q_row + 2 * offs_c[None, :], mask=row_ok[:, None], other=0.0)
-        q_b = tl.load(q_row + 2 * offs_c[None, :] + 1, mask=row_ok[:, None], other=0.0)
-        q_b = tl.broadcast_to(q_b.to(CDTYPE)[None, :, :], [WARPS, ROWS, COLS])
-    else:
-        q_a = tl.load(q_row + offs_c[None, :], mask=row_ok[:, None] & (offs_c < HEAD_DIM)[None, :], other=0.0)
-    q_a = tl.broadcast_to(q_a.to(CDTYPE)[None, :, :], [WARPS, ROWS, COLS])
-    VC: tl.constexpr = HEAD_DIM // 8 if TQ else (HEAD_DIM // NV if UNITS else 16)
+    offs_c = tl.arange(0, HEAD_DIM_PAD)
+    q_a = tl.load(q_row + offs_c[None, :], mask=row_ok[:, None] & (offs_c < HEAD_DIM)[None, :], other=0.0)
+    q_a = tl.broadcast_to(q_a.to(CDTYPE)[None, :, :], [WARPS, ROWS, HEAD_DIM_PAD])
+    VC: tl.constexpr = HEAD_DIM // 8 if TQ else (HEAD_DIM // NV if QUANT else 16)
     offs_u = tl.arange(0, VC)
     if KU:   # the query's channels 4u + i, i = 0..3
         q0 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :], mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
@@ -219,7 +209,7 @@ def decode_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     pos0 = tl.arange(0, WARPS)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]   # [WARPS, TILE_N]
 
-    acc_a = tl.zeros([WARPS, ROWS, COLS], dtype=tl.float32)
+    acc_a = tl.zeros([WARPS, ROWS, HEAD_DIM_PAD], dtype=tl.float32)   # dense pages
     acc0 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)     # value units: channel NV * u + i in acc<i>
     acc1 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
     acc2 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
@@ -228,7 +218,6 @@ def decode_kernel(
     acc5 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
     acc6 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
     acc7 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
-    acc_b = tl.zeros([WARPS, ROWS, COLS], dtype=tl.float32)   # q4: odd channels (unused otherwise)
     m_i = tl.full([WARPS, ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
     for start in range(kv_lo, kv_hi, STEP):
@@ -250,10 +239,6 @@ def decode_kernel(
             s = tl.dot(q1, tl.trans(k1.to(CDTYPE), (0, 2, 1)), s, input_precision=DOT_PRECISION)
             s = tl.dot(q2, tl.trans(k2.to(CDTYPE), (0, 2, 1)), s, input_precision=DOT_PRECISION)
             s = tl.dot(q3, tl.trans(k3.to(CDTYPE), (0, 2, 1)), s, input_precision=DOT_PRECISION)
-        elif PACKED:
-            k_lo, k_hi = nibbles_to_f16(load_rows(k_ptr, k_row, offs_c, ok), FAST_CVT)
-            s = tl.dot(q_a, tl.trans(k_lo.to(CDTYPE), (0, 2, 1)), input_precision=DOT_PRECISION)
-            s = tl.dot(q_b, tl.trans(k_hi.to(CDTYPE), (0, 2, 1)), s, input_precision=DOT_PRECISION)
         elif QUANT:
             k = int8_to_f16(load_rows(k_ptr, k_row, offs_c, ok), FAST_CVT).to(CDTYPE)
             s = tl.dot(q_a, tl.trans(k, (0, 2, 1)), input_precision=DOT_PRECISION)
@@ -277,7 +262,6 @@ def decode_kernel(
             p = p * tl.load(vs_ptr + block * vs_strides[0] + slot * vs_strides[1], mask=ok, other=0.0)[:, None, :]
         p_f = p
         p = p.to(CDTYPE)
-        acc_a = acc_a * alpha[:, :, None]
         if TQ:
             units = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)
             negs = load_rows(v_ptr + HEAD_DIM // 4, v_row, offs_u, ok)
@@ -296,7 +280,7 @@ def decode_kernel(
             acc5 = tl.dot(p2, v5.to(CDTYPE), acc5 * alpha[:, :, None], input_precision=DOT_PRECISION)
             acc6 = tl.dot(p3, v6.to(CDTYPE), acc6 * alpha[:, :, None], input_precision=DOT_PRECISION)
             acc7 = tl.dot(p3, v7.to(CDTYPE), acc7 * alpha[:, :, None], input_precision=DOT_PRECISION)
-        elif UNITS:
+        elif QUANT:
             if NV == 2:
                 v0, v1 = int8_pairs_to_f16(load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok), FAST_CVT)
             else:
@@ -305,17 +289,10 @@ def decode_kernel(
                 acc3 = tl.dot(p, v3.to(CDTYPE), acc3 * alpha[:, :, None], input_precision=DOT_PRECISION)
             acc0 = tl.dot(p, v0.to(CDTYPE), acc0 * alpha[:, :, None], input_precision=DOT_PRECISION)
             acc1 = tl.dot(p, v1.to(CDTYPE), acc1 * alpha[:, :, None], input_precision=DOT_PRECISION)
-        elif PACKED:
-            v_lo, v_hi = nibbles_to_f16(load_rows(v_ptr, v_row, offs_c, ok), FAST_CVT)
-            acc_a = tl.dot(p, v_lo.to(CDTYPE), acc_a, input_precision=DOT_PRECISION)
-            acc_b = tl.dot(p, v_hi.to(CDTYPE), acc_b * alpha[:, :, None], input_precision=DOT_PRECISION)
-        elif QUANT:
-            v = int8_to_f16(load_rows(v_ptr, v_row, offs_c, ok), FAST_CVT).to(CDTYPE)
-            acc_a = tl.dot(p, v, acc_a, input_precision=DOT_PRECISION)
         else:
             v = tl.load(v_ptr + v_row[:, :, None] + offs_c[None, None, :],
                         mask=ok[:, :, None] & (offs_c < HEAD_DIM)[None, None, :], other=0.0)
-            acc_a = tl.dot(p, v.to(CDTYPE), acc_a, input_precision=DOT_PRECISION)
+            acc_a = tl.dot(p, v.to(CDTYPE), acc_a * alpha[:, :, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     # the warps meet: one softmax state per row
@@ -353,15 +330,12 @@ def decode_kernel(
         store_channels(o_row, 5 * VC + offs_u, acc5, f, inv, rows)
         store_channels(o_row, 6 * VC + offs_u, acc6, f, inv, rows)
         store_channels(o_row, 7 * VC + offs_u, acc7, f, inv, rows)
-    elif UNITS:
+    elif QUANT:
         store_channels(o_row, NV * offs_u, acc0, f, inv, rows)
         store_channels(o_row, NV * offs_u + 1, acc1, f, inv, rows)
         if NV == 4:
             store_channels(o_row, NV * offs_u + 2, acc2, f, inv, rows)
             store_channels(o_row, NV * offs_u + 3, acc3, f, inv, rows)
-    elif PACKED:
-        store_channels(o_row, 2 * offs_c, acc_a, f, inv, rows)
-        store_channels(o_row, 2 * offs_c + 1, acc_b, f, inv, rows)
     else:
         store_channels(o_row, offs_c, acc_a, f, inv, rows & (offs_c < HEAD_DIM)[None, :])
 
@@ -373,8 +347,8 @@ def fast_conversions() -> bool:
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    num_splits: int = 1, tile_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                    value_units: bool = True) -> torch.Tensor:
+                    num_splits: int = 1, tile_n: int | None = None, num_warps: int = 4,
+                    num_stages: int | None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`, for formats `is_supported` accepts: one program per
     (query token, KV head, split), `num_warps` warps of `tile_n` keys each per step (default: the
     format's measured `tuning.warp_split_tiles`)."""
@@ -385,7 +359,6 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     tile_n, num_stages = tile_n or default_tile_n, num_stages or default_stages
 
     assert is_supported(fmt), f"the warp-split decode kernel does not read {fmt.spec} pages"
-    assert value_units or fmt.spec.kind != "kvquant" or fmt.bits != 6, "q6 pages are read in units only"
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -414,7 +387,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=meta.block_size,
         WARPS=num_warps, TILE_N=tile_n, SPLIT=split,
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), KIND=view.kind, K_BITS=view.k_bits,
-        FAST_CVT=fast_conversions(), DOT_PRECISION=precision, V_UNITS=value_units,
+        FAST_CVT=fast_conversions(), DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
