@@ -128,8 +128,7 @@ def load_rows(ptr, row, offs, mask):
 def store_channels(o_row, cols, acc, f, inv, mask):
     """Merge the warps' partial outputs acc [WARPS, ROWS, C] (weights f [WARPS, ROWS]), scale rows by inv
     [ROWS] and store them at o_row [ROWS, 1] + cols [C]."""
-    out = tl.sum(acc * f[:, :, None], axis=0) * inv[:, None]
-    tl.store(o_row + cols[None, :], out.to(o_row.dtype.element_ty), mask=mask)
+    tl.store(o_row + cols[None, :], merge_warps(acc, f, inv).to(o_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
