@@ -34,6 +34,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, param in sorted(model.state_dict().items()):
         h.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
+        if hasattr(param, "to_local"):  # a tensor-parallel shard (DTensor): its own part, no collective
+            param = param.to_local()
         flat = param.detach().reshape(-1)
         if flat.numel():
             step = max(1, flat.numel() // _FINGERPRINT_ELEMENTS)
