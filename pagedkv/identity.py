@@ -37,7 +37,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         if hasattr(param, "to_local"):  # a tensor-parallel shard (DTensor): its own part, no collective
             param = param.to_local()
         flat = param.detach().reshape(-1)
-        if flat.numel():
+        if flat.numel() and not flat.is_meta:  # offloaded (meta) weights: name, shape and dtype only
             step = max(1, flat.numel() // _FINGERPRINT_ELEMENTS)
             sample = flat[::step][:_FINGERPRINT_ELEMENTS].to("cpu").contiguous()
             h.update(sample.view(torch.uint8).numpy().tobytes() if sample.element_size() else b"")
