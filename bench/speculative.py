@@ -44,7 +44,7 @@ ASKS = ["Repeat the following passage word for word.", "Quote this passage exact
 DRAFTERS = {
     "off": None,
     "ngram": "ngram:k=6",
-    "draft": "draft:model=default,layers=24,k=4",
+    "draft": "draft:model=default,layers=24,k=4,adaptive=0",  # raw figures: adaptive k pauses this draft
 }
 
 
