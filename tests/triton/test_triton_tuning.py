@@ -113,10 +113,8 @@ def test_first_use_of_kernels_is_announced_once_per_format_and_dtype(capsys):
 
     fmt = make_format(KVFormat.parse("q4"), 2, 64, torch.float32, "cpu")
     for _ in range(2):
-        with triton_ops.first_use("decode", fmt, torch.bfloat16):
-            pass
-    with triton_ops.first_use("prefill", fmt, torch.bfloat16):
-        pass
+        assert triton_ops.announced("decode", fmt, torch.bfloat16, lambda: 7) == 7
+    triton_ops.announced("prefill", fmt, torch.bfloat16, lambda: None)
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2, lines
     assert "decode kernels for q4 pages (bfloat16)" in lines[0] and "compiled on first use" in lines[0]

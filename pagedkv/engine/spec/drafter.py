@@ -7,6 +7,7 @@ leaves (`release`). A third kind (a model's own multi-token-prediction heads) fi
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ class Draft:
         return len(self.token_ids)
 
 
-class Drafter:
+class Drafter(ABC):
     """Base class: `propose` is required, `release` optional.
 
     token_cost: the cost of drafting one token relative to a decode step of the target (adaptive k
@@ -39,9 +40,9 @@ class Drafter:
 
     token_cost: float = 0.0
 
+    @abstractmethod
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
         """Up to num_tokens[i] tokens to follow seqs[i].token_ids (fewer, or none, when it has no guess)."""
-        raise NotImplementedError
 
     def release(self, seq: Sequence) -> None:
         """`seq` finished or was preempted: drop whatever state the drafter keeps for it."""

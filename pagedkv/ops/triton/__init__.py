@@ -3,12 +3,11 @@
 `supports` says whether they can run for a device and format. Kernel modules are imported on first
 use, so importing this package needs neither Triton nor a GPU. The first launch of each kernel family
 for a format compiles it (seconds each; Triton keeps the result in its cache, `~/.triton/cache` or
-`TRITON_CACHE_DIR`, for later processes): `first_use` says so on stderr, once per process.
+`TRITON_CACHE_DIR`, for later processes): `announced` says so on stderr, once per process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 
@@ -17,23 +16,22 @@ import torch
 _announced: set[tuple] = set()
 
 
-@contextlib.contextmanager
-def first_use(kernels: str, fmt, dtype: torch.dtype):
-    """Around a launch: the first time in this process that `kernels` run for this format and dtype, say on
-    stderr that they are being prepared (compiled, or loaded from Triton's cache) and, when that took over a
-    second, how long it took."""
-    key = (kernels, str(fmt.spec), dtype)
+def announced(kernels: str, fmt, dtype: torch.dtype, launch):
+    """launch(). The first time in this process that `kernels` run for this format and dtype, say on stderr
+    that they are being prepared (compiled, or loaded from Triton's cache) and, when that took over a second,
+    how long it took; afterwards a set look-up is all it adds to a launch."""
+    key = (kernels, fmt.spec, dtype)
     if key in _announced:
-        yield
-        return
+        return launch()
     _announced.add(key)
     print(f"pagedkv: preparing the Triton {kernels} kernels for {fmt.spec} pages ({str(dtype).removeprefix('torch.')}): "
           "compiled on first use, then kept in Triton's cache", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    yield
+    out = launch()
     elapsed = time.perf_counter() - start
     if elapsed > 1.0:
         print(f"pagedkv: Triton {kernels} kernels for {fmt.spec} pages ready in {elapsed:.1f} s", file=sys.stderr, flush=True)
+    return out
 
 
 def supports(device: torch.device, fmt) -> tuple[bool, str | None]:
@@ -54,8 +52,7 @@ def write_kv(pages, fmt, key, value, meta) -> None:
     """Encode key/value [num_input_tokens, num_kv_heads, head_dim] into the slots of `meta.slot_mapping`."""
     from .kv_write import write_kv as impl
 
-    with first_use("cache-write", fmt, key.dtype):
-        impl(pages, fmt, key, value, meta)
+    announced("cache-write", fmt, key.dtype, lambda: impl(pages, fmt, key, value, meta))
 
 
 def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, softcap=None):
@@ -67,8 +64,9 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
     """
     from .tuning import is_decode_like
 
-    with first_use("decode" if is_decode_like(query.shape[0], meta.block_table.shape[0]) else "prefill", fmt, query.dtype):
-        return _paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap)
+    kernels = "decode" if is_decode_like(query.shape[0], meta.block_table.shape[0]) else "prefill"
+    return announced(kernels, fmt, query.dtype, lambda: _paged_attention(
+        query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap))
 
 
 def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap):

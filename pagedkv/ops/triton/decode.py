@@ -81,11 +81,17 @@ def tq_key_group(q_g, qsum_g, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, G
 
 
 @triton.jit
+def query_columns(q_row, row_ok, cols, WARPS: tl.constexpr, CDTYPE: tl.constexpr):
+    """Channels `cols` [C] of the query rows q_row [ROWS, 1] in CDTYPE, broadcast to every warp: [WARPS, ROWS, C]."""
+    q = tl.load(q_row + cols[None, :], mask=row_ok[:, None], other=0.0).to(CDTYPE)
+    return tl.broadcast_to(q[None, :, :], [WARPS, q.shape[0], q.shape[1]])
+
+
+@triton.jit
 def query_group(q_row, row_ok, offs32, G: tl.constexpr, WARPS: tl.constexpr, CDTYPE: tl.constexpr):
     """Channels 32G..32G+31 of the query rows, broadcast to every warp, and their sums: ([WARPS, ROWS, 32], [WARPS, ROWS])."""
-    q = tl.load(q_row + 32 * G + offs32[None, :], mask=row_ok[:, None], other=0.0).to(CDTYPE)
-    qsum = tl.sum(q.to(tl.float32), axis=1)
-    return tl.broadcast_to(q[None, :, :], [WARPS, q.shape[0], 32]), tl.broadcast_to(qsum[None, :], [WARPS, q.shape[0]])
+    q = query_columns(q_row, row_ok, 32 * G + offs32, WARPS, CDTYPE)
+    return q, tl.sum(q.to(tl.float32), axis=2)
 
 
 @triton.jit
@@ -172,14 +178,10 @@ def decode_kernel(
     VC: tl.constexpr = HEAD_DIM // 8 if TQ else (HEAD_DIM // NV if QUANT else 16)
     offs_u = tl.arange(0, VC)
     if KU:   # the query's channels 4u + i, i = 0..3
-        q0 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :], mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
-                             [WARPS, ROWS, VC])
-        q1 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :] + 1, mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
-                             [WARPS, ROWS, VC])
-        q2 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :] + 2, mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
-                             [WARPS, ROWS, VC])
-        q3 = tl.broadcast_to(tl.load(q_row + 4 * offs_u[None, :] + 3, mask=row_ok[:, None], other=0.0).to(CDTYPE)[None, :, :],
-                             [WARPS, ROWS, VC])
+        q0 = query_columns(q_row, row_ok, 4 * offs_u, WARPS, CDTYPE)
+        q1 = query_columns(q_row, row_ok, 4 * offs_u + 1, WARPS, CDTYPE)
+        q2 = query_columns(q_row, row_ok, 4 * offs_u + 2, WARPS, CDTYPE)
+        q3 = query_columns(q_row, row_ok, 4 * offs_u + 3, WARPS, CDTYPE)
 
     if TQ:   # the query's channel groups of 32 and their sums (the keys' zero points apply to them)
         offs32 = tl.arange(0, 32)
@@ -351,7 +353,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     """Same contract as `reference.paged_attention`, for formats `is_supported` accepts: one program per
     (query token, KV head, split), `num_warps` warps of `tile_n` keys each per step (default: the
     format's measured `tuning.warp_split_tiles`)."""
-    from .split_k import reduce_splits_kernel
+    from .split_k import partial_states, reduce_splits
     from .tuning import warp_split_tiles
 
     default_tile_n, default_stages = warp_split_tiles(fmt)
@@ -368,15 +370,10 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     if num_tokens == 0:
         return out
     split = num_splits > 1
-    if split:
-        part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device)
-        part_m = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_out = part_m = part_l = out
+    parts = partial_states(query, num_splits, head_dim_pad) if split else (out, out, out)
     precision = dot_precision(query.dtype)
     decode_kernel[(num_tokens, view.num_kv_heads, num_splits)](
-        out, part_out, part_m, part_l, query, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
+        out, *parts, query, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
         value_codebook(view, query.dtype), view.aux("out_rotation"),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
@@ -390,10 +387,5 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
-        reduce_splits_kernel[(num_tokens, view.num_kv_heads)](
-            out, part_out, part_m, part_l, view.aux("out_rotation"), out.stride(0), out.stride(1), num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, GROUP=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            ROTATE_OUT=view.rotate_out, DOT_PRECISION=precision, num_warps=4,
-        )
+        reduce_splits(out, parts, view, precision)
     return out

@@ -110,6 +110,30 @@ def reduce_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
+def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
+    """Buffers for the splits' partial states of queries [num_tokens, num_q_heads, head_dim]: out
+    [num_tokens, num_q_heads, num_splits, head_dim_pad], max and sum [num_tokens, num_q_heads, num_splits]
+    (float32)."""
+    num_tokens, num_q_heads, _ = query.shape
+    part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device)
+    part_m = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+    return part_out, part_m, torch.empty_like(part_m)
+
+
+def reduce_splits(out: torch.Tensor, parts, view, precision: str) -> None:
+    """Merge the partial states `parts` (`partial_states`) into out [num_tokens, num_q_heads, head_dim],
+    rotating back when the format accumulates values in a rotated domain."""
+    part_out, part_m, part_l = parts
+    num_tokens, num_q_heads, num_splits, head_dim_pad = part_out.shape
+    group = num_q_heads // view.num_kv_heads
+    reduce_splits_kernel[(num_tokens, view.num_kv_heads)](
+        out, part_out, part_m, part_l, view.aux("out_rotation"), out.stride(0), out.stride(1), num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=out.shape[-1], HEAD_DIM_PAD=head_dim_pad,
+        ROTATE_OUT=view.rotate_out, DOT_PRECISION=precision, num_warps=4,
+    )
+
+
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
                     num_splits: int = 8, tiles: TileConfig | None = None) -> torch.Tensor:
@@ -126,9 +150,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device)
-    part_m = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
-    part_l = torch.empty_like(part_m)
+    part_out, part_m, part_l = partial_states(query, num_splits, head_dim_pad)
     grid = (num_tokens // block_q + num_seqs, view.num_kv_heads, num_splits)
     precision = dot_precision(query.dtype)
     split_attention_kernel[grid](
@@ -144,10 +166,5 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_Q=view.rotate_keys, DOT_PRECISION=precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    reduce_splits_kernel[(num_tokens, view.num_kv_heads)](
-        out, part_out, part_m, part_l, view.aux("out_rotation"), out.stride(0), out.stride(1), num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        ROTATE_OUT=view.rotate_out, DOT_PRECISION=precision, num_warps=4,
-    )
+    reduce_splits(out, (part_out, part_m, part_l), view, precision)
     return out

@@ -135,8 +135,7 @@ def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.dev
                       head_dim: int = 128) -> int:
     if device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    num_sms = multiprocessor_count(index)
+    num_sms = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
     if pages != "dense":
         return splits_for(num_programs, capacity_tokens, num_sms, min_programs_per_sm=QUANTIZED_PROGRAMS_PER_SM)
     return splits_for(num_programs, capacity_tokens, num_sms, CTAS_PER_SM["wide" if head_dim > 128 else "dense"])
@@ -148,8 +147,7 @@ def warp_split_splits(num_programs: int, capacity_tokens: int, device: torch.dev
     on an H200 over 1, 2, 4 splits at batch 32-128 and 8-64 at batch 1: `bench/kernels.py --warp-split`)."""
     if device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    num_sms = multiprocessor_count(index)
+    num_sms = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
     if num_programs >= num_sms:
         return 1
     limit = max(1, min(MAX_SPLITS, capacity_tokens // MIN_SPLIT_TOKENS))
