@@ -16,11 +16,10 @@ from pagedkv.errors import ConfigError
 from pagedkv.prefix import extend_block_hashes
 from test_engine_cuda_graph import EagerReplayRunner, graph_llm, tensor_driven_kernels, tiny_llama  # noqa: F401
 
-# Every page format but TurboQuant with rotate_keys: its key rotation runs in float32 whatever the model's
-# dtype (formats/turboquant.py), and a rotation of the 1 + k tokens of a verify step rounds differently from
-# one of a single token often enough to flip a 4-bit key code and, once in a while, a greedy token (seen at
-# the 16th token of one request). Rotating in the keys' own dtype would make it exact as the others.
-FORMATS = ["off", "q8", "q6", "q4", "turboquant"]
+# Every page format, TurboQuant with rotated 4-bit keys included (its rotations run in the model's float64:
+# a float32 product rounds by how many rows it holds, which once moved a key code between a verify and a
+# decode step).
+FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0,rotate_keys"]
 QUESTIONS = [
     "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.",
     "Copy the list: apples, pears, plums, cherries, grapes, melons, lemons.",

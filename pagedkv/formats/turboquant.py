@@ -45,6 +45,12 @@ SCALE_GRID = [1.0] + [round(0.6 + 0.025 * i, 3) for i in range(33) if i != 16]
 SEARCH_ELEMENTS = 1 << 22  # candidate codes held at once while searching value scales
 
 
+def _rotation_dtype(x: torch.Tensor) -> torch.dtype:
+    """Rotations run in float32, or float64 for float64 inputs (where a float32 product's rounding, which
+    depends on how many rows one matrix product holds, could move a code between a verify and a decode step)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
     """The smallest fp16 value >= x (x float32, positive)."""
     h = x.to(torch.float16)
@@ -105,8 +111,8 @@ class TurboQuantFormat(PageFormat):
     # keys ---------------------------------------------------------------------------------------
     def _encode_keys(self, key: torch.Tensor) -> dict[str, torch.Tensor]:
         x = key.float()
-        if self.key_rotation is not None:
-            x = x @ self.key_rotation
+        if self.key_rotation is not None:  # rotated in float64 for float64 keys: rounding that no batch shape moves
+            x = (key.to(_rotation_dtype(key)) @ self.key_rotation.to(_rotation_dtype(key))).float()
         codes, scale, zero = quantize_keys(x, self.key_bits, self.key_signed)
         packed = codes.to(torch.int8) if self.key_signed else pack_bits(codes, self.key_bits)
         return {"k": packed, "k_scale": scale, "k_zero": zero}
@@ -119,7 +125,7 @@ class TurboQuantFormat(PageFormat):
 
     # values -------------------------------------------------------------------------------------
     def _encode_values(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        x = value.float() @ self.value_rotation
+        x = (value.to(_rotation_dtype(value)) @ self.value_rotation.to(_rotation_dtype(value))).float()
         g = x.reshape(*x.shape[:-1], self.groups, GROUP)  # [N, H, groups, 32]
         step = max(1, SEARCH_ELEMENTS // (len(SCALE_GRID) * math.prod(g.shape[1:])))  # bounds the search's memory
         pieces = [self._search_value_scales(g[i:i + step]) for i in range(0, max(g.shape[0], 1), step)]
@@ -169,7 +175,7 @@ class TurboQuantFormat(PageFormat):
     def attention_query(self, query):
         if self.key_rotation is None:
             return query
-        return query.float() @ self.key_rotation
+        return query.to(_rotation_dtype(query)) @ self.key_rotation.to(_rotation_dtype(query))
 
     def decode_for_attention(self, parts):
         return self._decode_keys(parts), self._decode_values(parts)
