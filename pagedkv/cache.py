@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache
 
 from . import ops
 from .config import CacheConfig
+from .devices import concrete_device, same_device
 from .errors import CacheCapacityError, CacheMismatchError, ConfigError
 from .formats import PageFormat, make_format
 from .mirror import DequantMirror
@@ -380,12 +381,12 @@ class PagedKVCache(Cache):
         fmt = self.formats[layer_idx]
         if fmt is None:
             dtype = self.config.dtype or key.dtype
-            device = key.device if self.config.device is None else self.config.device
+            device = concrete_device(key.device if self.config.device is None else self.config.device)
             spec = self.config.layer_format(layer_idx)
             fmt = make_format(spec, num_kv_heads, head_dim, dtype, device)
             self.formats[layer_idx] = fmt
             self.pages[layer_idx] = fmt.allocate_pages(self.pool.num_blocks, self.block_size)
-        elif (fmt.num_kv_heads, fmt.head_dim) != (num_kv_heads, head_dim) or fmt.device != key.device:
+        elif (fmt.num_kv_heads, fmt.head_dim) != (num_kv_heads, head_dim) or not same_device(fmt.device, key.device):
             raise CacheMismatchError(
                 f"layer {layer_idx} holds pages for {fmt.num_kv_heads} KV heads x head_dim {fmt.head_dim} on {fmt.device}, "
                 f"but got keys with {num_kv_heads} heads x {head_dim} on {key.device}; use a new cache (or cache.reset() "
