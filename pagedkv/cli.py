@@ -112,9 +112,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def generate_text(model, tokenizer, cache, prompt: str, args: argparse.Namespace) -> int:
     """Stream the answer to `prompt` from `model` over `cache` (sampling and stats options from `args`)."""
     import torch
-    from transformers import TextStreamer
 
-    from .errors import ContextWindowError
+    from .errors import CacheCapacityError, ContextWindowError
     from .hf import cache_kwarg
 
     device = model.device
@@ -135,20 +134,63 @@ def generate_text(model, tokenizer, cache, prompt: str, args: argparse.Namespace
     sampling = dict(do_sample=args.temperature > 0)
     if args.temperature > 0:
         sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=0)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    limit = cache_limit(cache)
+    if limit is not None and ids.shape[1] > limit[0]:
+        raise ContextWindowError(f"the prompt has {ids.shape[1]} tokens, more than the {limit[0]} the KV cache holds "
+                                 f"({limit[1]}); shorten the prompt or {limit[2]}")
+    streamer = _counting_streamer(tokenizer)
     start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                             streamer=streamer, pad_token_id=tokenizer.pad_token_id, **sampling,
-                             **{cache_kwarg(model): cache})
+    try:
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                           streamer=streamer, pad_token_id=tokenizer.pad_token_id, **sampling,
+                           **{cache_kwarg(model): cache})
+    except CacheCapacityError:  # the cache is full: an ordinary end, like --max-new-tokens (cache left as it was)
+        if limit is None:
+            raise
+        streamer.end()
+        say_cache_full(streamer.num_new_tokens, limit)
     elapsed = time.perf_counter() - start
-    new_tokens = out.shape[1] - ids.shape[1]
+    new_tokens = streamer.num_new_tokens
     if args.stats:
         stats = cache.paged_stats()
         stats.update(prompt_tokens=ids.shape[1], new_tokens=new_tokens, seconds=round(elapsed, 3),
                      tokens_per_s=round(new_tokens / elapsed, 2))
         print(json.dumps(stats, indent=2, default=str), file=sys.stderr)
     return 0
+
+
+def cache_limit(cache) -> tuple[int, str, str] | None:
+    """(tokens one sequence can hold, the setting that caps them, how to raise it), or None when unbounded."""
+    cfg = cache.config
+    if cfg.dynamic:
+        if cfg.context_window_tokens is None:
+            return None
+        return (cfg.context_window_tokens, f"context_window_tokens={cfg.context_window_tokens}",
+                "raise --context-window-tokens (env PAGEDKV_CONTEXT_WINDOW_TOKENS)")
+    return (cache.num_blocks * cfg.block_size, f"num_blocks={cache.num_blocks} of {cfg.block_size} tokens, no growth",
+            "raise --num-blocks or add --dynamic")
+
+
+def say_cache_full(num_new_tokens: int, limit: tuple[int, str, str]) -> None:
+    """The one stderr line of a generation that ended because the KV cache was full (`cache_limit`)."""
+    print(f"pagedkv: stopped after {num_new_tokens} new tokens: the KV cache is full at {limit[0]} tokens "
+          f"({limit[1]}); {limit[2]} to generate more", file=sys.stderr)
+
+
+def _counting_streamer(tokenizer):
+    """transformers' TextStreamer over `tokenizer` (prompt skipped) that also counts the new tokens it is given."""
+    from transformers import TextStreamer
+
+    class CountingStreamer(TextStreamer):
+        num_new_tokens = 0
+
+        def put(self, value):
+            if not (self.skip_prompt and self.next_tokens_are_prompt):
+                self.num_new_tokens += value.numel()
+            super().put(value)
+
+    return CountingStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
 def generate_speculative(args: argparse.Namespace, prompt: str, opts: dict, speculative) -> int:
@@ -159,9 +201,14 @@ def generate_speculative(args: argparse.Namespace, prompt: str, opts: dict, spec
     llm = LLM(args.model, device=device, dtype=dtype, speculative=speculative, **opts)
     ids = llm.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat and getattr(
         llm.tokenizer, "chat_template", None) else prompt
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                            max_tokens=args.max_new_tokens)
     engine = llm.engine
+    if isinstance(ids, str):
+        ids = llm.tokenizer(ids).input_ids
+    max_tokens, limit = args.max_new_tokens, cache_limit(engine.cache)
+    is_capped = limit is not None and len(ids) <= limit[0] < len(ids) + max_tokens - 1
+    if is_capped:  # the last token is never written: the cache holds prompt + new tokens - 1
+        max_tokens = limit[0] - len(ids) + 1
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=max_tokens)
     request_id = engine.add_request(ids, params, stream=True)
     start, shown, out = time.perf_counter(), 0, None
     while engine.has_unfinished():
@@ -169,6 +216,8 @@ def generate_speculative(args: argparse.Namespace, prompt: str, opts: dict, spec
             print(out.text[shown:], end="", flush=True)
             shown = len(out.text)
     print()
+    if is_capped and out.outputs[0].finish_reason == "length":
+        say_cache_full(len(out.token_ids), limit)
     elapsed = time.perf_counter() - start
     if args.stats:
         stats = engine.cache.paged_stats()

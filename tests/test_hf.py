@@ -183,3 +183,24 @@ def test_switched_model_still_works_with_other_caches_and_without_one():
         logits = model(ids, attention_mask=mask, use_cache=False).logits
     assert torch.equal(seq, ref_seq) and max_diff(lp, ref_lp) <= 1e-4
     assert (logits - ref_logits)[mask.bool()].abs().max().item() < 1e-4
+
+
+def test_generate_past_a_full_pool_raises_capacity_error_and_leaves_the_cache_as_it_was():
+    model = tiny_model("qwen3")
+    ids = torch.tensor([[5, 17, 33, 2, 9]])
+    key = cache_kwarg(model)
+    full = install_paged_kv_cache(model, block_size=4, num_blocks=2)  # 8 tokens: the prompt and 3 fed tokens
+    with torch.inference_mode(), pytest.raises(pagedkv.CacheCapacityError, match="raise num_blocks"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0,
+                       **{key: full})
+    fits = install_paged_kv_cache(model, block_size=4, num_blocks=2)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             min_new_tokens=4, pad_token_id=0, **{key: fits})
+    assert out.shape[1] == 9
+    assert full.paged_stats()["tokens"] == fits.paged_stats()["tokens"] == 8
+    assert full.paged_stats()["used_blocks"] == 2
+    full.pool.check()
+    for pages, expected in zip(full.pages, fits.pages):  # the refused write left no trace in the pages
+        assert pages.keys() == expected.keys()
+        assert all(torch.equal(pages[name], expected[name]) for name in pages)
