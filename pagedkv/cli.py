@@ -1,4 +1,6 @@
-"""The `pagedkv` command: `generate` (and the subcommands other modules register in `COMMANDS`)."""
+"""The `pagedkv` command: `generate`, `serve`, and `eval` (which `pagedkv.evaluate` registers).
+
+The options the commands share, and their parsing, live in `pagedkv.options`, below every command."""
 
 from __future__ import annotations
 
@@ -8,77 +10,12 @@ import sys
 import time
 
 from .errors import PagedKVError
+from .evaluate import register_cli as register_eval
+from .options import (add_cache_options, add_model_options, add_speculative_options, add_tensor_parallel_option,
+                      cache_options, resolve_device_dtype, speculative_options)
+from .text_generation import cache_limit, generate_text, say_cache_full
 
 DEFAULT_PROMPT = "Explain in two sentences why a paged key/value cache saves memory."
-
-
-def add_cache_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("paged KV cache")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per page block (default 16)")
-    g.add_argument("--num-blocks", type=int, default=1024, help="blocks in the pool (default 1024)")
-    g.add_argument("--dynamic", action="store_true", default=None,
-                   help="grow the pool geometrically, capped by the context window (env PAGEDKV_DYNAMIC)")
-    g.add_argument("--context-window-tokens", type=int, default=None,
-                   help="growth cap per sequence (default: the model's max_position_embeddings)")
-    g.add_argument("--paged-kv-quantization", default="off", metavar="FORMAT",
-                   help="page format: off, q8, q6, q4, turboquant, turboquant:k=q4_0,v=q3_0[,rotate_keys]")
-    g.add_argument("--boundary-layers", type=int, default=0,
-                   help="keep the first and last N layers dense when quantizing (default 0)")
-    g.add_argument("--kernels", choices=("auto", "triton", "reference"), default=None,
-                   help="attention kernels (env PAGEDKV_KERNELS; default auto)")
-
-
-def cache_options(args: argparse.Namespace) -> dict:
-    """Validated `PagedKVCache` options from the parsed flags (raises ConfigError on bad values)."""
-    from .config import CacheConfig
-
-    opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, dynamic=args.dynamic,
-                context_window_tokens=args.context_window_tokens, kv_format=args.paged_kv_quantization,
-                boundary_layers=args.boundary_layers, kernels=args.kernels)
-    CacheConfig.build(**opts)  # validate before loading a model
-    return opts
-
-
-def add_speculative_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative", default=None, metavar="SPEC",
-                   help="draft tokens and verify them in one forward: 'ngram' (prompt lookup), 'ngram:min=2,max=4', "
-                        "'draft:model=PATH' (a smaller model with the same tokenizer; layers=N keeps its first N "
-                        "layers); default off")
-    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="tokens drafted per step at most (default 4; adaptive per request)")
-
-
-def speculative_options(args: argparse.Namespace):
-    """The validated `SpeculativeConfig` of --speculative / --num-speculative-tokens, or None (off)."""
-    from .engine.spec import SpeculativeConfig
-    from .errors import ConfigError
-
-    if args.speculative is None:
-        if args.num_speculative_tokens is not None:
-            raise ConfigError("--num-speculative-tokens needs --speculative (e.g. --speculative ngram)")
-        return None
-    config = SpeculativeConfig.build(args.speculative)
-    if args.num_speculative_tokens is not None:
-        config = SpeculativeConfig(**{**config.__dict__, "num_speculative_tokens": args.num_speculative_tokens})
-    return config
-
-
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help="'default' (SmolLM2-135M-Instruct), a transformers folder, or a .gguf file")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="model dtype: fp32, bf16, fp16 (default fp32 on CPU, bf16 on CUDA)")
-
-
-def resolve_device_dtype(args):
-    import torch
-
-    from .config import parse_dtype
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = parse_dtype(args.dtype, "--dtype") or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    return device, dtype
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -107,90 +44,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     device, dtype = resolve_device_dtype(args)
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     return generate_text(model, tokenizer, install_paged_kv_cache(model, **opts), prompt, args)
-
-
-def generate_text(model, tokenizer, cache, prompt: str, args: argparse.Namespace) -> int:
-    """Stream the answer to `prompt` from `model` over `cache` (sampling and stats options from `args`)."""
-    import torch
-
-    from .errors import CacheCapacityError, ContextWindowError
-    from .hf import cache_kwarg
-
-    device = model.device
-    use_chat = args.chat and getattr(tokenizer, "chat_template", None)
-    if use_chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-    else:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-    ids = ids.to(device)
-    window = getattr(model.config, "max_position_embeddings", None)
-    if window and ids.shape[1] + args.max_new_tokens > window:
-        raise ContextWindowError(f"the prompt has {ids.shape[1]} tokens and --max-new-tokens is {args.max_new_tokens}, "
-                                 f"more than the model's context window of {window} tokens; shorten the prompt or "
-                                 "lower --max-new-tokens")
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
-    sampling = dict(do_sample=args.temperature > 0)
-    if args.temperature > 0:
-        sampling.update(temperature=args.temperature, top_p=args.top_p, top_k=0)
-    limit = cache_limit(cache)
-    if limit is not None and ids.shape[1] > limit[0]:
-        raise ContextWindowError(f"the prompt has {ids.shape[1]} tokens, more than the {limit[0]} the KV cache holds "
-                                 f"({limit[1]}); shorten the prompt or {limit[2]}")
-    streamer = _counting_streamer(tokenizer)
-    start = time.perf_counter()
-    try:
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                           streamer=streamer, pad_token_id=tokenizer.pad_token_id, **sampling,
-                           **{cache_kwarg(model): cache})
-    except CacheCapacityError:  # the cache is full: an ordinary end, like --max-new-tokens (cache left as it was)
-        if limit is None:
-            raise
-        streamer.end()
-        say_cache_full(streamer.num_new_tokens, limit)
-    elapsed = time.perf_counter() - start
-    new_tokens = streamer.num_new_tokens
-    if args.stats:
-        stats = cache.paged_stats()
-        stats.update(prompt_tokens=ids.shape[1], new_tokens=new_tokens, seconds=round(elapsed, 3),
-                     tokens_per_s=round(new_tokens / elapsed, 2))
-        print(json.dumps(stats, indent=2, default=str), file=sys.stderr)
-    return 0
-
-
-def cache_limit(cache) -> tuple[int, str, str] | None:
-    """(tokens one sequence can hold, the setting that caps them, how to raise it), or None when unbounded."""
-    cfg = cache.config
-    if cfg.dynamic:
-        if cfg.context_window_tokens is None:
-            return None
-        return (cfg.context_window_tokens, f"context_window_tokens={cfg.context_window_tokens}",
-                "raise --context-window-tokens (env PAGEDKV_CONTEXT_WINDOW_TOKENS)")
-    return (cache.num_blocks * cfg.block_size, f"num_blocks={cache.num_blocks} of {cfg.block_size} tokens, no growth",
-            "raise --num-blocks or add --dynamic")
-
-
-def say_cache_full(num_new_tokens: int, limit: tuple[int, str, str]) -> None:
-    """The one stderr line of a generation that ended because the KV cache was full (`cache_limit`)."""
-    print(f"pagedkv: stopped after {num_new_tokens} new tokens: the KV cache is full at {limit[0]} tokens "
-          f"({limit[1]}); {limit[2]} to generate more", file=sys.stderr)
-
-
-def _counting_streamer(tokenizer):
-    """transformers' TextStreamer over `tokenizer` (prompt skipped) that also counts the new tokens it is given."""
-    from transformers import TextStreamer
-
-    class CountingStreamer(TextStreamer):
-        num_new_tokens = 0
-
-        def put(self, value):
-            if not (self.skip_prompt and self.next_tokens_are_prompt):
-                self.num_new_tokens += value.numel()
-            super().put(value)
-
-    return CountingStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
 def generate_speculative(args: argparse.Namespace, prompt: str, opts: dict, speculative) -> int:
@@ -229,6 +82,71 @@ def generate_speculative(args: argparse.Namespace, prompt: str, opts: dict, spec
     return 0
 
 
+def register_serve(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="model name clients pass in 'model' (repeatable; default: the --model value)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per forward pass: decodes plus prefill chunks (default 2048)")
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share cached blocks between requests with a common prefix (default on)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context window)")
+    g.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
+    g.add_argument("--cpu-cache-gb", type=float, default=0.0, metavar="GB",
+                   help="host memory for prefix-cache blocks evicted from the device pool (default 0: off)")
+    g.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                   help="keep prefix-cache blocks in files under DIR, across restarts (default: off)")
+    g.add_argument("--disk-cache-gb", type=float, default=16.0, metavar="GB",
+                   help="size cap of --kv-cache-dir, least recently used blocks out (default 16)")
+    g.add_argument("--swap-on-preemption", action="store_true",
+                   help="swap a preempted request's blocks to the host tier instead of recomputing them")
+    add_tensor_parallel_option(g)
+    g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    add_cache_options(p)
+    add_speculative_options(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .engine.config import EngineConfig
+    from .errors import ConfigError
+
+    try:
+        import uvicorn
+    except ImportError:
+        raise ConfigError("`pagedkv serve` needs FastAPI and uvicorn: pip install 'pagedkv[serve]'") from None
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port}: must be between 1 and 65535")
+    opts = cache_options(args)
+    engine_opts = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
+                       max_model_len=args.max_model_len, cpu_cache_gb=args.cpu_cache_gb,
+                       kv_cache_dir=args.kv_cache_dir, disk_cache_gb=args.disk_cache_gb,
+                       swap_on_preemption=args.swap_on_preemption)
+    EngineConfig(**engine_opts)  # validate before loading a model
+    speculative = speculative_options(args)
+    if args.tensor_parallel != 1 and speculative is not None:
+        raise ConfigError("--speculative is not supported with --tensor-parallel; drop one of them")
+    if args.tensor_parallel != 1 and (args.cpu_cache_gb or args.kv_cache_dir):
+        raise ConfigError("--cpu-cache-gb / --kv-cache-dir are not supported with --tensor-parallel; drop one of them")
+    if args.tensor_parallel != 1:
+        from .parallel.commands import serve_tensor_parallel
+
+        return serve_tensor_parallel(args, opts, engine_opts)
+    from .engine.llm import LLM
+    from .engine.server import serve
+
+    device, dtype = resolve_device_dtype(args)
+    return serve(LLM(args.model, device=device, dtype=dtype, speculative=speculative, **engine_opts, **opts), args,
+                 device)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedkv", description="Paged, quantized KV cache for LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,28 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the tokenizer's chat template (default on)")
     g.add_argument("--stats", action="store_true", help="print paged_stats() as JSON on stderr at the end")
-    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="shard the model's heads over N ranks (GPUs with NCCL, CPU processes with gloo; default 1)")
+    add_tensor_parallel_option(g)
     add_cache_options(g)
     add_speculative_options(g)
     g.set_defaults(func=cmd_generate)
-    for register in _subcommand_registrars():
-        register(sub)
+    register_eval(sub)
+    register_serve(sub)
     return parser
-
-
-def _subcommand_registrars():
-    """Other modules' subcommands (eval, serve), each `register(subparsers)`; missing ones are skipped."""
-    import importlib
-
-    out = []
-    for module in ("pagedkv.evaluate", "pagedkv.engine.server"):
-        try:
-            out.append(importlib.import_module(module).register_cli)
-        except ImportError as exc:
-            if getattr(exc, "name", None) not in (module, None) and not str(exc).startswith("No module named 'pagedkv"):
-                raise
-    return out
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

@@ -294,7 +294,7 @@ def run_eval(settings: EvalSettings, checkpoint: Callable[[dict], None] | None =
     """
     from tqdm.auto import tqdm
 
-    from .cli import resolve_device_dtype
+    from .options import resolve_device_dtype
     from .hf import cache_kwarg, switch_model, text_config
     from .models import load_model
 

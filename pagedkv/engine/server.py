@@ -16,7 +16,7 @@ import re
 import sys
 import time
 
-from ..errors import ConfigError, PagedKVError
+from ..errors import PagedKVError
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -210,75 +210,6 @@ def build_app(llm, served_model_names: list[str]):
         return PlainTextResponse(metrics.render(engine.stats, extra), media_type="text/plain; version=0.0.4")
 
     return app
-
-
-# ----------------------------------------------------------------------------------------------
-# the CLI
-def register_cli(subparsers) -> None:
-    from ..cli import add_cache_options, add_model_options, add_speculative_options
-
-    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    add_model_options(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--served-model-name", action="append", default=None,
-                   help="model name clients pass in 'model' (repeatable; default: the --model value)")
-    g = p.add_argument_group("engine")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens per forward pass: decodes plus prefill chunks (default 2048)")
-    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share cached blocks between requests with a common prefix (default on)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's context window)")
-    g.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
-    g.add_argument("--cpu-cache-gb", type=float, default=0.0, metavar="GB",
-                   help="host memory for prefix-cache blocks evicted from the device pool (default 0: off)")
-    g.add_argument("--kv-cache-dir", default=None, metavar="DIR",
-                   help="keep prefix-cache blocks in files under DIR, across restarts (default: off)")
-    g.add_argument("--disk-cache-gb", type=float, default=16.0, metavar="GB",
-                   help="size cap of --kv-cache-dir, least recently used blocks out (default 16)")
-    g.add_argument("--swap-on-preemption", action="store_true",
-                   help="swap a preempted request's blocks to the host tier instead of recomputing them")
-    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="shard the model's heads over N ranks (GPUs with NCCL, CPU processes with gloo; default 1)")
-    g.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
-    add_cache_options(p)
-    add_speculative_options(p)
-    p.set_defaults(func=cmd_serve)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli import cache_options, resolve_device_dtype, speculative_options
-    from .config import EngineConfig
-
-    try:
-        import uvicorn
-    except ImportError:
-        raise ConfigError("`pagedkv serve` needs FastAPI and uvicorn: pip install 'pagedkv[serve]'") from None
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port {args.port}: must be between 1 and 65535")
-    opts = cache_options(args)
-    engine_opts = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
-                       max_model_len=args.max_model_len, cpu_cache_gb=args.cpu_cache_gb,
-                       kv_cache_dir=args.kv_cache_dir, disk_cache_gb=args.disk_cache_gb,
-                       swap_on_preemption=args.swap_on_preemption)
-    EngineConfig(**engine_opts)  # validate before loading a model
-    speculative = speculative_options(args)
-    if args.tensor_parallel != 1 and speculative is not None:
-        raise ConfigError("--speculative is not supported with --tensor-parallel; drop one of them")
-    if args.tensor_parallel != 1 and (args.cpu_cache_gb or args.kv_cache_dir):
-        raise ConfigError("--cpu-cache-gb / --kv-cache-dir are not supported with --tensor-parallel; drop one of them")
-    if args.tensor_parallel != 1:
-        from ..parallel.commands import serve_tensor_parallel
-
-        return serve_tensor_parallel(args, opts, engine_opts)
-    from .llm import LLM
-
-    device, dtype = resolve_device_dtype(args)
-    return serve(LLM(args.model, device=device, dtype=dtype, speculative=speculative, **engine_opts, **opts), args,
-                 device)
 
 
 def serve(llm, args: argparse.Namespace, device: str) -> int:

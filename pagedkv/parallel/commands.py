@@ -43,8 +43,8 @@ def resolve_parallel_device(device: str, world_size: int) -> str:
 
 
 def _prepare(args: argparse.Namespace) -> tuple[RankSetup, str]:
-    from ..cli import resolve_device_dtype
     from ..models import resolve_model_dir
+    from ..options import resolve_device_dtype
 
     device, dtype = resolve_device_dtype(args)
     device_type = resolve_parallel_device(device, args.tensor_parallel)
@@ -86,7 +86,7 @@ def _load(group, setup: RankSetup):
 
 
 def _generate_rank(group, setup: RankSetup, prompt: str, cache_options: dict, args: argparse.Namespace):
-    from ..cli import generate_text
+    from ..text_generation import generate_text
 
     model, tokenizer = _load(group, setup)
     if not group.is_leader:

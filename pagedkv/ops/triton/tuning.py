@@ -161,15 +161,6 @@ def warp_split_tiles(fmt) -> tuple[int, int]:
     return (16, 2) if fmt.spec.kind == "turboquant" else (32, 3)
 
 
-def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
-    """Decode-like batches over KV-Quant pages and the TurboQuant pages it reads (`decode.is_supported`) run
-    the warp-split decode kernel: measured on an H200 1.1-2x faster than the varlen and split-K kernels there
-    (dense pages: 0.86-0.92x, so they stay)."""
-    from .decode import is_supported
-
-    return is_decode_like(num_tokens, num_seqs) and page_class(fmt) != "dense" and is_supported(fmt)
-
-
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
                    device: torch.device) -> tuple[int, TileConfig]:
     """(num_splits, tiles) of one attention call: for decode-like batches, split-K (with its own tiles)
