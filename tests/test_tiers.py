@@ -16,8 +16,10 @@ import torch
 from pagedkv import PagedKVCache
 from pagedkv.errors import TierPathError
 from pagedkv.ops.reference import gather_sequence
-from pagedkv.tiers import DiskTier, TieredPrefixCache, TierSettings
+from pagedkv.tiers import DiskTier, HostTier, TieredPrefixCache, TierSettings
+from pagedkv.tiers import prefix as tiers_prefix
 from pagedkv.tiers.disk import _Entry
+from pagedkv.tiers.layout import copy_runs, runs
 
 MODEL = {"architecture": "TestForCausalLM", "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "weights": "a" * 64}
 BS = 4
@@ -32,7 +34,8 @@ def make_tiered(kv_format="off", num_blocks=12, model=MODEL, **settings):
 def run_sequence(cache, prefix, tokens, seed=0):
     """Admit `tokens` through the prefix cache, write the uncached rest, register its full blocks."""
     hashes = prefix.block_hashes([], tokens)
-    cached = prefix.match(hashes, (len(tokens) - 1) // BS)
+    free = cache.pool.num_free if cache.pool.num_blocks else None  # what the scheduler passes
+    cached = prefix.match(hashes, (len(tokens) - 1) // BS, free_blocks=free)
     seq = cache.add_sequence(prefix_block_ids=cached)
     n = len(tokens) - len(cached) * BS
     gen = torch.Generator().manual_seed(seed)
@@ -80,6 +83,63 @@ def test_blocks_come_back_bit_exact_from_the_host_tier(kv_format):
     assert cache.pool.num_used == 0
 
 
+def test_a_conversation_comes_back_whole_from_the_host_after_another_filled_the_pool():
+    # the pool holds one conversation (as in bench/tiers.py): the other one's offload must not keep device blocks
+    cache, prefix = make_tiered(num_blocks=4, cpu_cache_gb=0.01)
+    seq, _, _ = run_sequence(cache, prefix, TOKENS)
+    original = full_blocks(cache, seq)
+    prefix.release(seq)
+    assert cache.pool.num_used == 0
+    other, _, num_cached = run_sequence(cache, prefix, [7] + TOKENS, seed=1)
+    assert num_cached == 0 and cache.pool.num_free == 0
+    prefix.release(other)
+    assert cache.pool.num_used == 0  # at once: no block waits for its copy to the host
+    again, _, num_cached = run_sequence(cache, prefix, TOKENS, seed=2)
+    assert num_cached == 3 and prefix.loaded_blocks["host"] == 3 and prefix.as_dict()["tier_load_gbps"] > 0
+    assert_same(full_blocks(cache, again), original, 12)
+
+
+def test_host_slots_of_a_chain_are_consecutive_and_its_stored_blocks_stay():
+    host = HostTier(6 * 8, 8, pin=False)
+    a, b, c = ([bytes([k, i]) for i in range(3)] for k in range(3))
+    assert host.allocate(a) == [0, 1, 2] and host.allocate(b) == [3, 4, 5]
+    host.touch(reversed(b))
+    host.touch(reversed(a))  # a used last: b is evicted, from its tail
+    assert host.allocate(a[:1] + c[:2]) == [0, 4, 5]  # a's first block keeps its slot; b's tail's, ascending
+    assert host.num_evictions == 2 and list(host._slots) == [b[0], a[2], a[1], a[0], c[0], c[1]]
+    assert host.allocate([bytes([9, i]) for i in range(8)]) == list(range(6))  # too long: its first blocks
+
+
+def test_copies_go_by_runs_of_consecutive_rows():
+    assert runs([0, 1, 2, 5, 6], [4, 5, 9, 10, 11]) == [(0, 4, 2), (2, 9, 1), (5, 10, 2)]
+    src = torch.arange(6 * 16, dtype=torch.uint8).view(6, 16)
+    dst = torch.zeros(4, 16, dtype=torch.uint8)
+    copy_runs(dst, [3, 0, 1], src, [5, 2, 3])
+    assert torch.equal(dst, torch.stack([src[2], src[3], torch.zeros(16, dtype=torch.uint8), src[5]]))
+
+
+def test_a_chain_moves_between_the_device_and_the_host_in_one_copy(monkeypatch):
+    copies = []
+
+    def counted(dst, dst_index, src, src_index):
+        copies.append(len(runs(dst_index, src_index)))
+        copy_runs(dst, dst_index, src, src_index)
+
+    monkeypatch.setattr(tiers_prefix, "copy_runs", counted)
+    cache, prefix = make_tiered(num_blocks=4, cpu_cache_gb=0)
+    prefix.host = HostTier(6 * prefix.layout.block_bytes, prefix.layout.block_bytes, pin=False)  # two chains
+    for k in range(3):  # the third chain evicts the first, tail first, and takes its slots in order
+        seq, hashes, _ = run_sequence(cache, prefix, [k] + TOKENS[1:], seed=k)
+        original = full_blocks(cache, seq)
+        prefix.release(seq)
+    assert copies == [1, 1, 1] and prefix.host.num_evictions == 3
+    assert [prefix.host.slot(h) for h in hashes[:3]] == [0, 1, 2]
+    evict_device(cache)
+    again, _, num_cached = run_sequence(cache, prefix, [2] + TOKENS[1:], seed=9)
+    assert num_cached == 3 and copies == [1, 1, 1, 1]
+    assert_same(full_blocks(cache, again), original, 12)
+
+
 def test_disk_tier_keeps_blocks_across_a_restart(tmp_path):
     cache, prefix = make_tiered("turboquant", kv_cache_dir=str(tmp_path))
     seq, hashes, _ = run_sequence(cache, prefix, TOKENS)
@@ -95,6 +155,22 @@ def test_disk_tier_keeps_blocks_across_a_restart(tmp_path):
     seq2, _, num_cached = run_sequence(cache2, prefix2, TOKENS, seed=1)
     assert num_cached == 3 and prefix2.loaded_blocks["disk"] == 3
     assert_same(full_blocks(cache2, seq2), original, 12)
+
+
+def test_a_chain_split_between_host_and_disk_loads_whole_and_its_disk_part_is_promoted(tmp_path):
+    cache, prefix = make_tiered(kv_cache_dir=str(tmp_path))
+    prefix.host = HostTier(2 * prefix.layout.block_bytes, prefix.layout.block_bytes, pin=False)  # 2 of 3 blocks
+    seq, hashes, _ = run_sequence(cache, prefix, TOKENS)
+    original = full_blocks(cache, seq)
+    prefix.release(seq)
+    prefix.disk.flush()
+    assert [h in prefix.host for h in hashes] == [True, True, False] and len(prefix.disk) == 3
+    prefix.host.allocate([b"x"])  # another block takes the chain's second slot: host, disk, disk
+    evict_device(cache)
+    again, _, num_cached = run_sequence(cache, prefix, TOKENS, seed=1)
+    assert num_cached == 3 and prefix.loaded_blocks == {"host": 1, "disk": 2}
+    assert_same(full_blocks(cache, again), original, 12)
+    assert [h in prefix.host for h in hashes] == [True, True, False]  # promoted as far as the host holds
 
 
 def test_block_hashes_are_the_same_in_another_process_and_differ_with_the_identity():

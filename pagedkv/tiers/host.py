@@ -1,7 +1,8 @@
 """`HostTier`: full blocks in host memory (pinned on CUDA), addressed by block hash, least recently used out.
 
-One uint8 tensor `[num_slots, block_bytes]`, allocated on first use. Chains are touched tail first, so a
-chain's first block is always more recent than its last and eviction removes chains from their tails.
+One uint8 tensor `[num_slots, block_bytes]`, allocated on first use; the owner copies rows in and out
+(`layout.copy_runs`). Chains are touched tail first, so a chain's first block is always more recent than
+its last and eviction removes chains from their tails.
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-
-from .layout import words
 
 
 class HostTier:
@@ -51,28 +50,21 @@ class HostTier:
             if h in self._slots:
                 self._slots.move_to_end(h)
 
-    def allocate(self, block_hash: bytes) -> int:
-        """A slot for `block_hash` (evicting the least recently used block if full); the caller fills it."""
-        data = self.storage()
-        if block_hash in self._slots:
-            self._slots.move_to_end(block_hash)
-            return self._slots[block_hash]
-        if not self._free:
+    def allocate(self, hashes: list[bytes]) -> list[int]:
+        """Slots for a chain's blocks `hashes`, in order (a block stored already keeps its slot): as many as fit,
+        evicting the least recently used other blocks. New blocks take the lowest free slots in ascending order,
+        so a chain's rows are mostly consecutive and move in few copies. The caller fills the new slots."""
+        self.storage()
+        hashes = hashes[:self.num_slots]
+        for h in hashes:
+            if h in self._slots:
+                self._slots.move_to_end(h)  # not evicted below
+        new = [h for h in hashes if h not in self._slots]
+        while len(self._free) < len(new):
             _, slot = self._slots.popitem(last=False)
             self._free.append(slot)
             self.num_evictions += 1
-        slot = self._free.pop()
-        self._slots[block_hash] = slot
-        assert data.shape[0] > slot
-        return slot
-
-    def rows(self, slots: list[int]) -> torch.Tensor:
-        """The rows of `slots` as one [len(slots), block_bytes] tensor (pinned on CUDA)."""
-        data = self.storage()
-        out = torch.empty(len(slots), self.block_bytes, dtype=torch.uint8, pin_memory=self.pin)
-        torch.index_select(words(data), 0, torch.tensor(slots, dtype=torch.long), out=words(out))
-        return out
-
-    def write(self, slot: int, row: torch.Tensor) -> None:
-        """Copy one block's bytes ([block_bytes] uint8, host or device) into `slot` (non-blocking from a device)."""
-        words(self.storage()[slot]).copy_(words(row), non_blocking=True)
+        self._free.sort(reverse=True)
+        for h in new:
+            self._slots[h] = self._free.pop()
+        return [self._slots[h] for h in hashes]

@@ -8,13 +8,22 @@
 Blocks are addressed by the chained block hash (`pagedkv.prefix`), seeded here with the digest of the
 cache identity (model, page formats with their codebooks and rotations, block size, the byte layout of a
 block), so the hash of a token prefix is the same in every process that would produce the same bytes,
-and a restarted server finds its files. On CUDA, copies run on a side stream: an offload holds a
-reference on its device blocks until its copy is done (`poll`), so compute never waits for it; a load
-makes the current stream wait for its copy, which the forward pass needs anyway.
+and a restarted server finds its files.
+
+On CUDA, a batch of blocks moves between the device pages and a device staging buffer (`BlockLayout`:
+one copy per page tensor) and between that buffer and pinned host memory in one copy per run of
+consecutive host slots (`copy_runs`; a chain's slots are allocated consecutively). An offload gathers on
+the current stream, so its device blocks are free again in stream order as soon as they are released,
+and copies to the host on the offload stream, overlapping compute. A load copies on the load stream
+(host->device uses the other copy engine, so it never queues behind an offload), after any copy still
+in flight into the host slots it reads (`_writing`); the current stream then waits for it, which the
+forward pass needs anyway. A host slot is reused only by the offload stream, which waits for the
+current stream, which waited for every earlier load: a slot is never overwritten while a load reads it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -25,7 +34,7 @@ from ..identity import cache_identity, digest
 from ..prefix import PrefixCache
 from .disk import DiskTier
 from .host import HostTier
-from .layout import BlockLayout, words
+from .layout import BlockLayout, copy_runs, words
 
 GB = 1 << 30
 
@@ -36,6 +45,46 @@ class TierSettings:
     kv_cache_dir: str | None = None
     disk_cache_gb: float = 16.0
     swap_on_preemption: bool = False
+
+
+class CopyClock:
+    """Seconds and bytes of the tiers' loads and offloads, each from its start until its copies are done: wall time
+    on the CPU; on CUDA, where copies are asynchronous, the time between two events on the copy's stream."""
+
+    def __init__(self):
+        self.seconds = {"load": 0.0, "offload": 0.0}
+        self.nbytes = {"load": 0, "offload": 0}
+        self._running: list[tuple[str, torch.cuda.Event, torch.cuda.Event, int]] = []
+
+    def start(self, stream):
+        if stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def stop(self, kind: str, started, stream, nbytes: int) -> None:
+        if stream is None:
+            self.seconds[kind] += time.perf_counter() - started
+            self.nbytes[kind] += nbytes
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self._running.append((kind, started, end, nbytes))
+
+    def collect(self) -> None:
+        """Count the copies that are done."""
+        running = []
+        for kind, start, end, nbytes in self._running:
+            if end.query():
+                self.seconds[kind] += start.elapsed_time(end) / 1e3
+                self.nbytes[kind] += nbytes
+            else:
+                running.append((kind, start, end, nbytes))
+        self._running = running
+
+    def gbps(self, kind: str) -> float:
+        return self.nbytes[kind] / self.seconds[kind] / 1e9 if self.seconds[kind] else 0.0
 
 
 class TieredPrefixCache(PrefixCache):
@@ -49,23 +98,27 @@ class TieredPrefixCache(PrefixCache):
         self.page_format = f"{self.page_format}@{self.identity_digest}"  # seeds every block hash
         device = self.layout.device
         self.is_cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.is_cuda else None
+        # loads (host -> device) and offloads (device -> host) on their own streams: they use separate copy engines
+        self.load_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.offload_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.host = HostTier(int(settings.cpu_cache_gb * GB), self.layout.block_bytes, pin=self.is_cuda)
         self.disk = None
         if settings.kv_cache_dir:
             self.disk = DiskTier(settings.kv_cache_dir, int(settings.disk_cache_gb * GB), self.identity_digest,
                                  busy=lambda: bool(cache.seqs))
         self._seq_hashes: dict[int, list[bytes]] = {}
-        self._pending: list[tuple[torch.cuda.Event, list[int]]] = []  # offloads in flight, device blocks held
+        self._writing: list[tuple[torch.cuda.Event, set[int]]] = []  # copies in flight into these host slots
         self._last_match = (0, 0, 0)  # blocks from the device, the host, the disk
         self.hits = {"gpu": 0, "host": 0, "disk": 0}
         self.loaded_blocks = {"host": 0, "disk": 0}
         self.offloaded_blocks = 0
-        self.load_s = self.offload_s = 0.0
-        self.loaded_bytes = self.offloaded_bytes = 0
+        self.clock = CopyClock()
 
     def _disk_has(self, block_hash: bytes) -> bool:
         return self.disk is not None and self.disk.enabled and block_hash.hex() in self.disk
+
+    def _disk_lacks(self, block_hash: bytes) -> bool:
+        return self.disk is not None and self.disk.enabled and block_hash.hex() not in self.disk
 
     # ------------------------------------------------------------------------------------------
     # the prefix-cache protocol
@@ -111,55 +164,62 @@ class TieredPrefixCache(PrefixCache):
 
     # ------------------------------------------------------------------------------------------
     # copies
+    @contextlib.contextmanager
+    def _on(self, stream):
+        """Queue work on `stream` after the current stream's queued work (on the CPU: run it now)."""
+        if stream is None:
+            yield
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            yield
+
     def _load(self, found: list[tuple[bytes, str]]) -> list[int]:
         """Device blocks holding `found`'s blocks (referenced once, registered), as many as fit and read."""
-        start = time.perf_counter()
         cache, pool = self.cache, self.cache.pool
+        started = self.clock.start(self.load_stream)
         try:
             cache._ensure_free(len(found), len(cache.seqs) + 1)  # sizes (or grows) the pool like a write would
         except CacheCapacityError:
             found = found[:pool.num_free]
-        disk_rows: dict[int, torch.Tensor] = {}
-        num_read = 0
+        disk_blocks = []
         for i, (h, tier) in enumerate(found):
             if tier == "disk":
                 block = self.disk.read(h.hex())
                 if block is None:  # damaged or gone: the chain ends here
+                    found = found[:i]
                     break
-                disk_rows[i] = block
-            num_read += 1
-        found = found[:num_read]
+                disk_blocks.append(words(block))
         if not found:
             return []
-        if not disk_rows:
-            data = self.host.rows([self.host.slot(h) for h, _ in found])  # [n, block_bytes], a copy
-        else:
-            storage = self.host.storage() if self.host.enabled else None
-            data = torch.stack([words(disk_rows[i] if i in disk_rows else storage[self.host.slot(h)])
-                                for i, (h, _) in enumerate(found)]).view(torch.uint8)
-            if self.is_cuda:
-                data = data.pin_memory()
+        host_at = [i for i, (_, tier) in enumerate(found) if tier == "host"]
+        disk_at = [i for i, (_, tier) in enumerate(found) if tier == "disk"]
+        slots = [self.host.slot(found[i][0]) for i in host_at]
+        if disk_blocks:  # [len(disk_at), block_bytes]
+            disk_rows = torch.empty(len(disk_blocks), self.layout.block_bytes, dtype=torch.uint8,
+                                    pin_memory=self.is_cuda)
+            torch.stack(disk_blocks, out=words(disk_rows))
         block_ids = pool.allocate(len(found))
+        with self._on(self.load_stream):  # after the stream that freed (or grew) the pool's blocks
+            for event in self._writes_to(slots):
+                self.load_stream.wait_event(event)
+            rows = torch.empty(len(found), self.layout.block_bytes, dtype=torch.uint8, device=self.layout.device)
+            if slots:
+                copy_runs(rows, host_at, self.host.storage(), slots)
+            if disk_blocks:
+                copy_runs(rows, disk_at, disk_rows, list(range(len(disk_at))))
+            self.layout.scatter(cache, block_ids, rows)
+        self.clock.stop("load", started, self.load_stream, rows.numel())
         if self.is_cuda:
-            main = torch.cuda.current_stream()
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_stream(main)  # the pool's new blocks (and a grown pool) are ready
-                self.layout.scatter(cache, block_ids, data)
-                self._record_pages()
-            main.wait_stream(self.stream)  # the forward pass reads these blocks
-            if disk_rows:
-                self.stream.synchronize()  # the host slots promoted below may still be read by a copy in flight
-        else:
-            self.layout.scatter(cache, block_ids, data)
-        if self.host.enabled:  # promote what came from disk: the next miss on the device finds it in memory
-            for i, block in disk_rows.items():
-                self.host.write(self.host.allocate(found[i][0]), block)
+            torch.cuda.current_stream().wait_stream(self.load_stream)  # the forward pass reads these blocks
+        if disk_at and self.host.enabled:  # promoted: the next miss on the device finds them in memory
+            slots = self.host.allocate([h for h, _ in found])
+            promoted = [i for i in disk_at if i < len(slots)]
+            self._copy_out(rows, promoted, [slots[i] for i in promoted], [])
         for b, (h, _) in zip(block_ids, found):
             pool.register_hash(b, h)
-        for _, tier in found:
-            self.loaded_blocks[tier] += 1
-        self.loaded_bytes += data.numel()
-        self.load_s += time.perf_counter() - start
+        self.loaded_blocks["host"] += len(host_at)
+        self.loaded_blocks["disk"] += len(disk_at)
         return block_ids
 
     def _offload(self, seq_id: int, hashes: list[bytes]) -> None:
@@ -167,66 +227,54 @@ class TieredPrefixCache(PrefixCache):
         cache, bs = self.cache, self.cache.block_size
         block_ids = cache.block_table(seq_id)
         n = min(len(hashes), cache.seq_len(seq_id) // bs, len(block_ids))
-        todo = [i for i in range(n) if (self.host.enabled and hashes[i] not in self.host)
-                or (self.disk is not None and self.disk.enabled and hashes[i].hex() not in self.disk)]
+        to_host = [i for i in range(n) if self.host.enabled and hashes[i] not in self.host]
+        to_disk = [i for i in range(n) if self._disk_lacks(hashes[i])]
+        todo = sorted(set(to_host) | set(to_disk))
         if not todo:
             return
-        start = time.perf_counter()
-        ids = [block_ids[i] for i in todo]
-        to_host = [j for j, i in enumerate(todo) if self.host.enabled and hashes[i] not in self.host]
-        to_disk = [j for j, i in enumerate(todo) if self.disk is not None and self.disk.enabled
-                   and hashes[i].hex() not in self.disk]
-        event = None
-        if self.is_cuda:
-            main = torch.cuda.current_stream()
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_stream(main)  # the blocks' last writes are done
-                rows = self.layout.gather(cache, ids)  # [len(ids), block_bytes] on the device
-                self._record_pages()
-                self._fill_host(hashes, todo, to_host, rows)
-                disk_rows = torch.empty(len(to_disk), rows.shape[1], dtype=torch.uint8, pin_memory=True)
-                if to_disk:
-                    words(disk_rows).copy_(words(rows[to_disk]), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            cache.pool.incref(ids)  # held until the copy is done (poll)
-            self._pending.append((event, ids))
-        else:
-            rows = self.layout.gather(cache, ids)
-            self._fill_host(hashes, todo, to_host, rows)
-            disk_rows = words(rows)[to_disk].view(torch.uint8) if to_disk else rows[:0]
-        for k, j in enumerate(to_disk):
-            i = todo[j]
-            parent = hashes[i - 1].hex() if i else ""
-            self.disk.put(hashes[i].hex(), parent, disk_rows[k], ready=event)
-        self.offloaded_blocks += len(todo)
-        self.offloaded_bytes += len(todo) * self.layout.block_bytes
-        self.offload_s += time.perf_counter() - start
-
-    def _fill_host(self, hashes, todo, to_host, rows) -> None:
-        for j in to_host:
-            self.host.write(self.host.allocate(hashes[todo[j]]), rows[j])
-        self.host.touch(reversed(hashes[:max(todo) + 1]))
+        started = self.clock.start(self.offload_stream)
+        # on the current stream: the blocks are free for the next writes as soon as the sequence releases them
+        rows = self.layout.gather(cache, [block_ids[i] for i in todo])  # [len(todo), block_bytes] on the device
+        row = {i: j for j, i in enumerate(todo)}
+        slots = self.host.allocate(hashes[:n]) if to_host else []  # the chain's stored blocks keep theirs and stay
+        to_host = [i for i in to_host if i < len(slots)]
+        self._copy_out(rows, [row[i] for i in to_host], [slots[i] for i in to_host],
+                       [(hashes[i], hashes[i - 1].hex() if i else "", row[i]) for i in to_disk])
+        self.clock.stop("offload", started, self.offload_stream, rows.numel())
+        self.host.touch(reversed(hashes[:todo[-1] + 1]))
         if self.disk is not None:
-            self.disk.touch(h.hex() for h in reversed(hashes[:max(todo) + 1]))
+            self.disk.touch(h.hex() for h in reversed(hashes[:todo[-1] + 1]))
+        self.offloaded_blocks += len(todo)
 
-    def _record_pages(self) -> None:
-        """The side stream uses the page tensors: a pool that grows meanwhile must not hand their memory on."""
-        for pages in self.cache.pages:
-            for page in pages.values():
-                page.record_stream(self.stream)
+    def _copy_out(self, rows: torch.Tensor, host_at: list[int], slots: list[int],
+                  disk_jobs: list[tuple[bytes, str, int]]) -> None:
+        """Copy device rows `host_at` into host slots `slots`, and rows for the disk writer into pinned memory
+        (`disk_jobs`: block hash, parent hash hex, row); on CUDA on the offload stream, after the current stream."""
+        with self._on(self.offload_stream):
+            if slots:
+                copy_runs(self.host.storage(), slots, rows, host_at)
+            if disk_jobs:  # [len(disk_jobs), block_bytes], kept by the writer's queue
+                disk_rows = torch.empty(len(disk_jobs), rows.shape[1], dtype=torch.uint8, pin_memory=self.is_cuda)
+                copy_runs(disk_rows, list(range(len(disk_jobs))), rows, [j for _, _, j in disk_jobs])
+            event = None
+            if self.is_cuda:
+                rows.record_stream(self.offload_stream)  # allocated on another stream
+                event = torch.cuda.Event()
+                event.record(self.offload_stream)
+                self._writing.append((event, set(slots)))
+        for k, (h, parent, _) in enumerate(disk_jobs):
+            self.disk.put(h.hex(), parent, disk_rows[k], ready=event)
+
+    def _writes_to(self, slots: list[int]) -> list:
+        """Events of the copies in flight that write any of the host slots `slots`."""
+        wanted = set(slots)
+        return [event for event, written in self._writing if not written.isdisjoint(wanted)]
 
     def poll(self, wait: bool = False) -> None:
-        """Give back the device blocks of offloads whose copies are done (all of them with `wait`)."""
-        still = []
-        for event, ids in self._pending:
-            if wait:
-                event.synchronize()
-            if event.query():
-                self.cache.pool.decref(reversed(ids))
-            else:
-                still.append((event, ids))
-        self._pending = still
+        """Forget the copies into the host tier that are done (wait for all of them with `wait`)."""
+        for event, _ in self._writing if wait else ():
+            event.synchronize()
+        self._writing = [(event, slots) for event, slots in self._writing if not event.query()]
 
     def close(self) -> None:
         """Finish copies in flight and write the disk tier's queue (run at exit too)."""
@@ -237,7 +285,8 @@ class TieredPrefixCache(PrefixCache):
     # ------------------------------------------------------------------------------------------
     def as_dict(self) -> dict:
         out = super().as_dict()
-        disk = self.disk
+        disk, clock = self.disk, self.clock
+        clock.collect()
         out.update({
             "tier_gpu_hits": self.hits["gpu"],
             "tier_host_hits": self.hits["host"],
@@ -245,10 +294,10 @@ class TieredPrefixCache(PrefixCache):
             "tier_host_loaded_blocks": self.loaded_blocks["host"],
             "tier_disk_loaded_blocks": self.loaded_blocks["disk"],
             "tier_offloaded_blocks": self.offloaded_blocks,
-            "tier_load_s": round(self.load_s, 4),
-            "tier_offload_s": round(self.offload_s, 4),
-            "tier_load_gbps": round(self.loaded_bytes / self.load_s / 1e9, 3) if self.load_s else 0.0,
-            "tier_offload_gbps": round(self.offloaded_bytes / self.offload_s / 1e9, 3) if self.offload_s else 0.0,
+            "tier_load_s": round(clock.seconds["load"], 4),
+            "tier_offload_s": round(clock.seconds["offload"], 4),
+            "tier_load_gbps": round(clock.gbps("load"), 3),
+            "tier_offload_gbps": round(clock.gbps("offload"), 3),
             "tier_block_bytes": self.layout.block_bytes,
             "tier_host_blocks": len(self.host),
             "tier_host_capacity_blocks": self.host.num_slots,
