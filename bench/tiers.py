@@ -86,9 +86,17 @@ class Conversations:
 
 
 def ask(llm: LLM, prompt: list[int], answer_tokens: int) -> tuple[float, list[int], dict]:
-    """Run one turn; returns (time to first token in s, the answer's token ids, the engine's stats after it)."""
+    """Run one turn; returns (time to first token in s, the answer's token ids, the engine's stats after it).
+
+    Then the user's think time: the tiers' copies and the disk writer's queue finish before the next turn.
+    Without it, a 32K-token conversation (1 GiB of llama8b pages) queued behind another would overflow the
+    writer's queue (writes are dropped past 4x its high-water mark) and the disk tier would miss blocks."""
     out = llm.generate(prompt, SamplingParams(max_tokens=answer_tokens, ignore_eos=True))[0]
     ttft = out.metrics.first_token_time - out.metrics.arrival_time
+    prefix = llm.engine.prefix
+    prefix.poll(wait=True)
+    if prefix.disk is not None:
+        prefix.disk.flush()
     return ttft, out.outputs[0].token_ids, llm.stats()
 
 
