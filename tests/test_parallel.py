@@ -414,3 +414,49 @@ def test_smollm2_on_three_gloo_ranks_equals_single_process_for_every_format():
     assert leader == expected
     assert "Paris" in tokenizer.decode(leader["off"])
     assert followers == [[1] * len(FORMATS)] * 2  # one of the 3 KV heads per rank
+
+
+# ----------------------------------------------------------------------------------------------
+# one rank, and ranks spread over hosts
+def test_one_rank_loads_the_whole_model_onto_its_device(tiny_llama):
+    """One rank has no collectives to shard through: transformers loads the model on the CPU and the rank moves it to
+    its own device (here the meta device stands in for cuda:r)."""
+    from pagedkv.parallel import TensorParallelGroup
+
+    model, tokenizer = load_sharded_model(tiny_llama, TensorParallelGroup(0, 1, torch.device("meta"), None))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (NUM_KV_HEADS * 64, 128)  # unsharded
+    assert tokenizer is not None
+
+
+def test_ranks_on_other_hosts_do_not_count_against_this_hosts_devices():
+    cores = os.cpu_count()
+    check_tensor_parallel(2 * cores, 8 * cores, 8 * cores, "cpu", ranks_here=cores)  # the rest run elsewhere
+    with pytest.raises(ConfigError, match=f"needs {cores + 1} CPU cores here .* fewer processes per node"):
+        check_tensor_parallel(2 * cores + 2, 8 * cores + 8, 8 * cores + 8, "cpu", ranks_here=cores + 1)
+
+
+def test_two_torchrun_nodes_generate_what_one_process_generates(tiny_llama):
+    """The multi-node path on one host: two torchrun "nodes" of one CPU rank each meet at a master address (gloo)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--model", tiny_llama, "--device", "cpu", "--no-chat", "--max-new-tokens", "12",
+              "--paged-kv-quantization", "q4", "Hello there"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "pagedkv", "generate", "--tensor-parallel", "2", *common],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+             for i in range(2)]
+    try:
+        outs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    one = run_cli(*common)
+    assert [node.returncode for node in nodes] == [0, 0], outs[0][1] + outs[1][1]
+    assert one.returncode == 0 and one.stdout.strip()
+    assert outs[0][0] == one.stdout  # rank 0, on node 0, prints the answer
+    assert outs[1][0] == ""  # the follower on node 1 prints nothing

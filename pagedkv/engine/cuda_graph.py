@@ -20,11 +20,15 @@ A batch of n sequences runs in the smallest bucket >= n; the rows past n are pad
 `query_len` tokens of context) and their logits are dropped. Graphs are captured at the first decode step, when
 the page tensors exist, and again whenever the pool reallocates them (dynamic growth). They need the
 Triton kernels (the reference path loops over sequences in Python and cannot be captured).
+
+Under tensor parallelism every rank captures the same buckets at the same time and replays the same one
+each step, with rank 0's static buffers broadcast to the others first (`pagedkv.parallel.graphs`).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 
 import numpy as np
 import torch
@@ -105,19 +109,32 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (they share one memory pool)."""
+        """Capture every bucket, largest first (they share one memory pool); a tensor-parallel cache's peers
+        capture theirs at the same time (the collectives inside the forwards pair up)."""
         self.graphs.clear()
         self.logits.clear()
         for inputs in (self.static, *self.host):
             inputs.clear()
-        for bs in reversed(self.batch_sizes):
-            self.cache.plan = self._metadata(bs)
-            try:
-                self.graphs[bs], self.logits[bs] = self._capture(bs)
-            finally:
-                self.cache.end_forward()
+        with self._peers("capturing"):
+            for bs in reversed(self.batch_sizes):
+                self.cache.plan = self._metadata(bs)
+                try:
+                    self.graphs[bs], self.logits[bs] = self._capture(bs)
+                finally:
+                    self.cache.end_forward()
         self._pages_key = self._current_pages_key()
         self.num_captures += 1
+
+    def replay(self, bs: int) -> None:
+        """Replay bucket `bs` over what the static buffers hold (with a tensor-parallel cache's peers)."""
+        with self._peers("replaying", bs):
+            self.graphs[bs].replay()
+
+    def _peers(self, phase: str, *args):
+        """The cache's `peers` (a `pagedkv.parallel` sharded cache: the other ranks, which capture and replay
+        with this runner, see `pagedkv.parallel.graphs`) around a capture or replay; a no-op otherwise."""
+        peers = getattr(self.cache, "peers", None)
+        return contextlib.nullcontext() if peers is None else getattr(peers, phase)(self, *args)
 
     def _capture(self, bs: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """(graph, its logits output [bs, vocab]) for one bucket; the plan is set to the static metadata."""
@@ -213,7 +230,7 @@ class CUDAGraphRunner:
             static.copy_(host[turn], non_blocking=True)
             if input_ids is not None:
                 self.input_ids[0, :n].copy_(input_ids)
-            self.graphs[bs].replay()
+            self.replay(bs)
         except Exception:  # leave the cache as it was: the reserved slots were never written
             for seq_id in seq_ids:
                 self.cache.trim(q, seq_id)

@@ -28,7 +28,7 @@ class CacheStep:
     num_blocks: int                       # the leader's pool size: followers grow their pages to it
     copies: list[tuple[int, int]]         # (src, dst) block copies made since the last step, in order
     mirror_events: list[tuple[str, tuple]]  # (DequantMirror method, args) since the last step, in order
-    plan: dict                            # AttentionMetadata fields, tensors on the CPU
+    plan: dict | None                     # AttentionMetadata fields, tensors on the CPU (None: a graph step)
     pending_columns: int                  # positions this forward adds to transformers' view of the cache
 
 
@@ -72,6 +72,9 @@ class ShardedPagedKVCache(PagedKVCache):
         self._copies: list[tuple[int, int]] = []
         self._mirror_events: list[tuple[str, tuple]] = []
         self.mirror = _RecordingMirror(self.mirror, self._mirror_events)
+        # the ranks that capture and replay this cache's CUDA graphs with it (`pagedkv.parallel.graphs`): set by
+        # `lead` on rank 0 when the cache first reaches the followers, and by `follow` on the others
+        self.peers = None
 
     def _copy_on_write(self, seq) -> None:
         src = seq.block_ids[-1]
@@ -90,10 +93,20 @@ class ShardedPagedKVCache(PagedKVCache):
         self._mirror_events.clear()
         return step
 
+    def export_events(self) -> CacheStep:
+        """The pool size, block copies and mirror events since the last step, without a plan (a CUDA-graph step:
+        its block tables and slots reach the followers as device tensors)."""
+        step = CacheStep(num_blocks=self.pool.num_blocks, copies=list(self._copies),
+                         mirror_events=list(self._mirror_events), plan=None, pending_columns=0)
+        self._copies.clear()
+        self._mirror_events.clear()
+        return step
+
     # ------------------------------------------------------------------------------------------
     # follower
     def follow_step(self, step: CacheStep, device: torch.device) -> None:
-        """Take the leader's step: same pool size, same block copies, same mirror events, same plan."""
+        """Take the leader's step: same pool size, same block copies, same mirror events, same plan (a step
+        without one, from `export_events`, leaves the plan to the caller)."""
         if step.num_blocks != self.pool.num_blocks:
             assert step.num_blocks > self.pool.num_blocks, "the leader's pool never shrinks"
             self._resize(step.num_blocks)
@@ -104,6 +117,8 @@ class ShardedPagedKVCache(PagedKVCache):
                         page[dst].copy_(page[src])
         for name, args in step.mirror_events:
             getattr(self.mirror, name)(*args)
+        if step.plan is None:
+            return
         self.plan = _plan_on(step.plan, device)
         self._plan_is_implicit = False
         self._last_layer_written = -1

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .launcher import RankFailed, launch
+from .launcher import RankFailed, launch, ranks_on_this_host
 from .model import check_model, load_sharded_model
 from .step import follow, install_sharded_cache, lead
 
@@ -49,7 +49,7 @@ def _prepare(args: argparse.Namespace) -> tuple[RankSetup, str]:
     device, dtype = resolve_device_dtype(args)
     device_type = resolve_parallel_device(device, args.tensor_parallel)
     folder, gguf = resolve_model_dir(args.model)
-    check_model(folder, args.tensor_parallel, device_type)
+    check_model(folder, args.tensor_parallel, device_type, ranks_on_this_host(args.tensor_parallel))
     return RankSetup(str(folder), gguf, dtype, device), device_type
 
 
@@ -67,8 +67,8 @@ def generate_tensor_parallel(args: argparse.Namespace, prompt: str, cache_option
 
 
 def serve_tensor_parallel(args: argparse.Namespace, cache_options: dict, engine_options: dict) -> int:
-    # CUDA graphs replay kernels without calling the model, so the followers could not mirror those steps
-    return _launch(_serve_rank, args, cache_options, dict(engine_options, enforce_eager=True), args)
+    # decode steps replay CUDA graphs on every rank, as on one GPU (pagedkv.parallel.graphs)
+    return _launch(_serve_rank, args, cache_options, engine_options, args)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

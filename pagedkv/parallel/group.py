@@ -54,8 +54,10 @@ def available_devices(device_type: str) -> int:
     return os.cpu_count() or 1
 
 
-def check_tensor_parallel(world_size: int, num_kv_heads: int, num_heads: int, device_type: str) -> None:
-    """Raise ConfigError unless `world_size` ranks can each own an equal share of the heads on `device_type`."""
+def check_tensor_parallel(world_size: int, num_kv_heads: int, num_heads: int, device_type: str,
+                          ranks_here: int | None = None) -> None:
+    """Raise ConfigError unless `world_size` ranks can each own an equal share of the heads on `device_type`,
+    `ranks_here` of them (default: all) on this host's devices."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"--tensor-parallel {world_size!r}: must be a positive number of ranks")
     if num_kv_heads % world_size or num_heads % world_size:
@@ -63,12 +65,13 @@ def check_tensor_parallel(world_size: int, num_kv_heads: int, num_heads: int, de
         raise ConfigError(f"--tensor-parallel {world_size}: this model has {num_kv_heads} KV heads and {num_heads} "
                           f"attention heads, which {world_size} ranks cannot share equally (each rank owns whole KV "
                           f"heads); use one of {', '.join(map(str, divisors))}")
-    have = available_devices(device_type)
-    if world_size > have:
+    have, here = available_devices(device_type), world_size if ranks_here is None else ranks_here
+    if here > have:
+        lower = "lower --tensor-parallel" if here == world_size else "start fewer processes per node (--nproc-per-node)"
         if device_type == "cuda":
             found = f"{have} CUDA device{'s' if have != 1 else ''}" if have else "no CUDA device"
-            fix = f"lower --tensor-parallel to at most {have}" if have else "run the ranks on the CPU with --device cpu"
-            raise ConfigError(f"--tensor-parallel {world_size}: needs {world_size} GPUs (one per rank) but this "
+            fix = f"{lower} to at most {have}" if have else "run the ranks on the CPU with --device cpu"
+            raise ConfigError(f"--tensor-parallel {world_size}: needs {here} GPUs here (one per rank) but this "
                               f"machine has {found}; {fix}")
-        raise ConfigError(f"--tensor-parallel {world_size}: needs {world_size} CPU cores (one per rank) but this "
-                          f"machine has {have}; lower --tensor-parallel to at most {have}")
+        raise ConfigError(f"--tensor-parallel {world_size}: needs {here} CPU cores here (one per rank) but this "
+                          f"machine has {have}; {lower} to at most {have}")

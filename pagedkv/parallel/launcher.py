@@ -52,6 +52,18 @@ def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def ranks_on_this_host(world_size: int) -> int:
+    """How many of `world_size` ranks run on this machine: torchrun's processes of this node, else all of them."""
+    if _under_torchrun():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return world_size
+
+
+def _prepare_cpu_rank(ranks_here: int) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # transformers meshes over the accelerator it sees
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+
+
 def launch(fn: Callable[..., Any], world_size: int, device_type: str, *args) -> list[Any]:
     """Run `fn(group, *args)` on `world_size` ranks; returns each rank's return value, by rank.
 
@@ -62,6 +74,8 @@ def launch(fn: Callable[..., Any], world_size: int, device_type: str, *args) -> 
             raise ConfigError(f"--tensor-parallel {world_size} but torchrun started {os.environ['WORLD_SIZE']} "
                                "processes; make them equal")
         os.environ.update(RANK_ENVIRONMENT)
+        if device_type == "cpu":
+            _prepare_cpu_rank(ranks_on_this_host(world_size))
         return [_run_rank(int(os.environ["RANK"]), world_size, device_type, "env://", fn, args)]
     with tempfile.TemporaryDirectory(prefix="pagedkv-tp-") as tmp:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -100,8 +114,7 @@ def _spawned_rank(rank: int, world_size: int, device_type: str, init_method: str
     os.setpgrp()  # out of the terminal's process group: Ctrl-C reaches the launcher, which tells rank 0 once
     os.environ.update(RANK_ENVIRONMENT, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     if device_type == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # transformers meshes over the accelerator it sees
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        _prepare_cpu_rank(world_size)
     result = _run_rank(rank, world_size, device_type, init_method, fn, args)
     Path(result_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 

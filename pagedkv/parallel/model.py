@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..devices import same_device
 from ..errors import ConfigError, ModelNotFoundError
 from ..hf import text_config
 from .group import TensorParallelGroup, check_tensor_parallel
@@ -25,8 +26,9 @@ from .group import TensorParallelGroup, check_tensor_parallel
 _KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
 
 
-def check_model(folder: str | Path, world_size: int, device_type: str) -> None:
-    """Raise ConfigError unless the model in `folder` can be sharded over `world_size` ranks on `device_type`."""
+def check_model(folder: str | Path, world_size: int, device_type: str, ranks_here: int | None = None) -> None:
+    """Raise ConfigError unless the model in `folder` can be sharded over `world_size` ranks on `device_type`
+    (`ranks_here` of them on this host; default all)."""
     from transformers import AutoConfig
 
     try:
@@ -35,7 +37,7 @@ def check_model(folder: str | Path, world_size: int, device_type: str) -> None:
         raise ModelNotFoundError(f"could not read a model config from {folder}: {exc}") from None
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    check_tensor_parallel(world_size, num_kv_heads, num_heads, device_type)
+    check_tensor_parallel(world_size, num_kv_heads, num_heads, device_type, ranks_here)
     plan = getattr(config, "base_model_tp_plan", None) or {}
     if world_size > 1 and not any(k.rsplit(".", 1)[-1] in _KEY_PROJECTIONS and "colwise" in v for k, v in plan.items()):
         raise ConfigError(f"--tensor-parallel {world_size}: transformers has no tensor-parallel plan that shards the "
@@ -52,12 +54,15 @@ def _distributed_kwargs(world_size: int) -> dict:
 
 def load_sharded_model(folder: str | Path, group: TensorParallelGroup, *, dtype: torch.dtype = torch.float32,
                        gguf_file: str | None = None):
-    """This rank's shard of the causal LM in `folder` (every rank calls it together), and its tokenizer."""
+    """This rank's shard of the causal LM in `folder` (every rank calls it together), on the rank's device, and its
+    tokenizer. One rank loads the whole model, unsharded (no collectives in its forward)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **_distributed_kwargs(group.world_size),
-                                                 **extra)
+    sharding = _distributed_kwargs(group.world_size) if group.world_size > 1 else {}
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **sharding, **extra)
+    if any(not same_device(p.device, group.device) for p in model.parameters()):
+        model.to(group.device)  # one rank loads the whole model where transformers puts it (the CPU)
     model.eval()
     tokenizer = None
     try:

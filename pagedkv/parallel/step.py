@@ -6,7 +6,8 @@ and, when the forward carries a `ShardedPagedKVCache`, that cache's `CacheStep` 
 copies, mirror events, block tables and slot mapping). Followers wait in `follow`, replay the forward
 with the same inputs on their shard (so the all-reduces inside the sharded model pair up) and drop the
 logits. Sampling, stopping and scheduling happen on the leader alone. Leaving `lead` releases the
-followers.
+followers. Decode steps the engine replays from CUDA graphs reach the followers through the cache's
+`peers` instead (`pagedkv.parallel.graphs`): every rank captures and replays the same graphs.
 
     leader:   plan (cache.begin_step / begin_forward) -> broadcast ForwardStep -> forward (collectives)
     follower:                         receive ForwardStep -> follow_step -> forward (collectives)
@@ -27,6 +28,7 @@ from ..config import CacheConfig
 from ..errors import ConfigError
 from ..hf import switch_model
 from .cache import CacheStep, ShardedPagedKVCache
+from .graphs import FollowerPeers, FollowerRunners, GraphStep, LeaderPeers
 from .group import TensorParallelGroup
 
 _CACHE_KWARGS = ("cache", "past_key_values")
@@ -52,7 +54,7 @@ def _to(value, device):
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
-def _broadcast(group: TensorParallelGroup, step: ForwardStep | None) -> ForwardStep | None:
+def _broadcast(group: TensorParallelGroup, step: ForwardStep | GraphStep | None) -> ForwardStep | GraphStep | None:
     box = [step]
     dist.broadcast_object_list(box, src=0, group=group.control)
     return box[0]
@@ -65,6 +67,7 @@ class _Leader:
         self.group = group
         self.uids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.dropped: list[int] = []
+        self.is_quiet = False  # a graph capture or replay is running the model: the followers run their own
 
     def _uid(self, cache: ShardedPagedKVCache) -> tuple[int, bool]:
         uid = self.uids.get(cache)
@@ -72,20 +75,42 @@ class _Leader:
             return uid, False
         uid = self.uids[cache] = next(_cache_uids)
         weakref.finalize(cache, self._drop, uid)
+        cache.peers = LeaderPeers(self, uid)
         return uid, True
+
+    def send(self, step: ForwardStep | GraphStep) -> None:
+        """Broadcast `step` to the followers, with the caches dropped since the last one."""
+        step.dropped_caches, self.dropped = self.dropped, []  # (finalizers append to the new list)
+        _broadcast(self.group, step)
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """Forwards of the model in this block are not mirrored (a CUDA-graph capture or stand-in replay)."""
+        was, self.is_quiet = self.is_quiet, True
+        try:
+            yield
+        finally:
+            self.is_quiet = was
+
+    def release(self) -> None:
+        """Tell the followers to return; this leader's caches have no followers from now on."""
+        for cache in list(self.uids.keys()):
+            cache.peers = None
+        self.send(ForwardStep(args=(), kwargs={}, grad_enabled=False, is_release=True))
 
     def _drop(self, uid: int) -> None:
         self.dropped.append(uid)
 
     def pre_forward(self, module, args, kwargs):
+        if self.is_quiet:
+            return None
         step = ForwardStep(args=tuple(_to(a, "cpu") for a in args), kwargs={}, grad_enabled=torch.is_grad_enabled())
         for name, value in kwargs.items():
             if name in _CACHE_KWARGS and value is not None:
                 self._attach_cache(step, name, value, args, kwargs)
             else:
                 step.kwargs[name] = _to(value, "cpu")
-        step.dropped_caches, self.dropped = self.dropped, []  # (finalizers append to the new list)
-        _broadcast(self.group, step)
+        self.send(step)
         return None
 
     def _attach_cache(self, step: ForwardStep, name: str, cache, args, kwargs) -> None:
@@ -113,23 +138,33 @@ def lead(model: torch.nn.Module, group: TensorParallelGroup):
         yield leader
     finally:
         handle.remove()
-        release = ForwardStep(args=(), kwargs={}, grad_enabled=False, dropped_caches=leader.dropped, is_release=True)
-        _broadcast(group, release)
+        leader.release()
 
 
-def follow(model: torch.nn.Module, group: TensorParallelGroup) -> list[ShardedPagedKVCache]:
-    """On ranks other than 0: replay the leader's forwards until it leaves `lead`.
+def follow(model: torch.nn.Module, group: TensorParallelGroup, graph_runner=None) -> list[ShardedPagedKVCache]:
+    """On ranks other than 0: replay the leader's forwards and CUDA graphs until it leaves `lead`.
 
+    graph_runner: the class of this rank's graph runners, built like the leader's when it captures
+    (default `pagedkv.engine.cuda_graph.CUDAGraphRunner`; tests pass a CPU stand-in).
     Returns this rank's caches that the leader still held at the end, in the order the leader made them.
     """
     assert not group.is_leader, "rank 0 leads; follow() runs on the other ranks"
+    if graph_runner is None:
+        from ..engine.cuda_graph import CUDAGraphRunner as graph_runner
     caches: dict[int, ShardedPagedKVCache] = {}
+    runners = FollowerRunners(model, graph_runner)
     while True:
         step = _broadcast(group, None)
         for uid in step.dropped_caches:
             caches.pop(uid, None)
+            runners.drop(uid)
         if step.is_release:
             return list(caches.values())
+        if isinstance(step, GraphStep):
+            cache = caches[step.cache_uid]
+            cache.follow_step(step.cache_step, group.device)
+            runners.apply(step, cache)
+            continue
         args = tuple(_to(a, group.device) for a in step.args)
         kwargs = {k: _to(v, group.device) for k, v in step.kwargs.items()}
         cache = None
@@ -140,6 +175,7 @@ def follow(model: torch.nn.Module, group: TensorParallelGroup) -> list[ShardedPa
                 if config.device is not None:
                     config = replace(config, device=group.device)
                 caches[step.cache_uid] = ShardedPagedKVCache(config)
+                caches[step.cache_uid].peers = FollowerPeers()
             cache = caches[step.cache_uid]
             cache.follow_step(step.cache_step, group.device)
             kwargs[step.cache_kwarg] = cache
