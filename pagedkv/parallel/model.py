@@ -59,8 +59,11 @@ def load_sharded_model(folder: str | Path, group: TensorParallelGroup, *, dtype:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
-    sharding = _distributed_kwargs(group.world_size) if group.world_size > 1 else {}
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **sharding, **extra)
+    if group.world_size > 1:
+        placement = _distributed_kwargs(group.world_size)
+    else:  # straight onto the GPU, not through host memory
+        placement = {"device_map": str(group.device)} if group.device.type == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **placement, **extra)
     if any(not same_device(p.device, group.device) for p in model.parameters()):
         model.to(group.device)  # one rank loads the whole model where transformers puts it (the CPU)
     model.eval()
