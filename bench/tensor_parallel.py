@@ -59,6 +59,7 @@ def save_random_model(folder: Path, shape: str, num_layers: int, dtype: torch.dt
         return
     config = LlamaConfig(**SHAPES[shape], num_hidden_layers=num_layers, max_position_embeddings=8192,
                          rope_theta=500000.0, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    say(f"model: drawing {num_layers} layers of the {shape} shape ({dtype}) and saving them to {folder}")
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     init_device = "cuda" if device == "cuda" else "cpu"  # a GPU draws 8B random numbers in a moment
@@ -75,7 +76,7 @@ def save_random_model(folder: Path, shape: str, num_layers: int, dtype: torch.dt
     del model
     if init_device == "cuda":
         torch.cuda.empty_cache()
-    say(f"model: {num_layers} layers of the {shape} shape saved to {folder}")
+    say(f"model: saved to {folder}")
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
