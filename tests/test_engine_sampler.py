@@ -56,3 +56,21 @@ def test_bad_sampling_values_are_refused():
         with pytest.raises(ConfigError):
             SamplingParams(**kwargs)
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324])
+def test_a_top_p_below_float32_keeps_the_most_likely_token(top_p):
+    assert kept(apply_top_k_top_p(LOGITS, 0, top_p)) == [1]
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-6])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature):
+    logits = torch.stack([LOGITS * 30, LOGITS])  # large logits overflow first
+    tokens = Sampler().sample(logits, [seq(SamplingParams(temperature=temperature), i) for i in range(2)])
+    assert tokens.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
+def test_a_temperature_that_is_not_a_finite_number_is_refused(temperature):
+    with pytest.raises(ConfigError, match="temperature"):
+        SamplingParams(temperature=temperature)

@@ -17,6 +17,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens ranked above it already reach top_p
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False  # the most likely token always stays (a top_p under float32's range rounds to 0)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+
+
+MIN_TEMPERATURE = 1e-5  # temperatures below it sample greedily (as vLLM does)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings, validated on construction (a bad value raises `ConfigError`).
 
-    temperature: 0 picks the most likely token (greedy); > 0 samples from softmax(logits / temperature).
+    temperature: 0 picks the most likely token (greedy); > 0 samples from softmax(logits / temperature)
+    (below `MIN_TEMPERATURE` it is greedy too: dividing by it would overflow the logits).
     top_p: keep the smallest set of tokens whose probability adds up to at least top_p (1 keeps all).
     top_k: keep the k most likely tokens (0 or -1 keeps all).
     seed: a private random generator for this request, so its samples do not depend on the batch.
@@ -34,8 +39,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature!r} must be a number >= 0 (0 means greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -49,4 +54,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
