@@ -186,8 +186,12 @@ def count_variants(spec: str) -> dict:
     fmt = make_format(KVFormat.parse(spec), 2, 64, torch.bfloat16, "cpu")
     pages = fmt.allocate_pages(64, BLOCK_SIZE)
     kernels = (attention.paged_attention_kernel, split_k.split_attention_kernel, split_k.reduce_splits_kernel)
+    from pagedkv.ops.triton.tuning import warp_split_tiles
+
+    warp_split = None
     if decode.is_supported(fmt) and spec != "off":
-        kernels += (decode.decode_kernel,)
+        warp_split = decode.decode_kernel_transposed if warp_split_tiles(fmt).transposed else decode.decode_kernel
+        kernels += (warp_split,)
     before = {k.fn.__name__: len(k.device_caches[0][0]) for k in kernels}
     with _CompileOnly():
         for seqs, width in ((1, 1), (2, 4), (16, 16), (3, 17)):
@@ -200,7 +204,7 @@ def count_variants(spec: str) -> dict:
             tiles = choose_tiles(seqs, seqs, 4, 64, torch.device("cuda"), pages=page_class(fmt))
             attention.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles)
             split_k.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=4, tiles=split_tiles(4, 64, page_class(fmt)))
-            if decode.decode_kernel in kernels:
+            if warp_split is not None:
                 for num_splits in (1, 4):
                     decode.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=num_splits)
     return {k.fn.__name__: len(k.device_caches[0][0]) - before[k.fn.__name__] for k in kernels}

@@ -40,6 +40,7 @@ from pagedkv.ops.triton import attention, split_k  # noqa: E402
 from pagedkv.ops.triton.tuning import TileConfig  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+HEAD_MAJOR = "--head-major" in sys.argv
 DECODE_SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 PREFILL_CHUNK, PREFILL_CONTEXTS = 2048, [0, 8192]
 FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "turboquant:k=q8_0,v=q4_0",
@@ -131,6 +132,9 @@ def paged_layer(fmt_spec: str, keys: torch.Tensor, values: torch.Tensor, num_seq
     num_blocks = num_seqs * blocks_per_seq
     fmt = make_format(KVFormat.parse(fmt_spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, DEV)
     pages = fmt.allocate_pages(num_blocks, BLOCK_SIZE)
+    if HEAD_MAJOR:  # each head's tokens of a block side by side in memory: [blocks, heads, slots, width] viewed as usual
+        pages = {name: torch.empty(t.shape[0], t.shape[2], t.shape[1], *t.shape[3:], dtype=t.dtype, device=t.device)
+                 .transpose(1, 2) for name, t in pages.items()}
     perm = torch.randperm(num_blocks, generator=gen).to(DEV, torch.int32)
     table = perm.view(num_seqs, blocks_per_seq)
     pos = torch.arange(seq_len, device=DEV)
@@ -275,7 +279,9 @@ def decode_sweep(spec, layers, metas, queries, copies):
 
 
 # warp-split decode kernel configs: (keys per warp, warps, stages)
-WARP_SPLIT_CONFIGS = [(32, 4, 3), (16, 4, 2), (16, 4, 3), (32, 4, 2)]
+# (keys per warp, warps, stages, transposed, register cap)
+WARP_SPLIT_CONFIGS = [(32, 4, 3, False, None), (16, 4, 2, True, 128), (16, 4, 3, True, 128), (32, 4, 2, True, 128),
+                      (16, 4, 2, True, None), (32, 4, 2, False, None)]
 
 
 def warp_split_sweep(spec, layers, metas, queries, copies):
@@ -288,7 +294,7 @@ def warp_split_sweep(spec, layers, metas, queries, copies):
     if not decode.is_supported(fmt):
         return {}
     num_seqs = metas[0].block_table.shape[0]
-    split_counts = [16, 32] if num_seqs == 1 else [1, 2]
+    split_counts = [32, 64] if num_seqs == 1 else [1, 2]
     out = {}
     group = NUM_Q_HEADS // NUM_KV_HEADS
     splits, tiles = plan_attention(num_seqs, num_seqs, group, HEAD_DIM, fmt, metas[0].block_table.shape[1] * BLOCK_SIZE, DEV)
@@ -296,11 +302,13 @@ def warp_split_sweep(spec, layers, metas, queries, copies):
         if splits > 1 else (lambda q, p, f, m: attention.paged_attention(q, p, f, m, scale=SCALE, tiles=tiles))
     out["previous_default"] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: previous(q, p, f, m)
                                              for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
-    for tile_n, warps, stages in WARP_SPLIT_CONFIGS:
+    for tile_n, warps, stages, swap, maxnreg in WARP_SPLIT_CONFIGS:
         for splits in split_counts:
-            key = f"warp_split_n{tile_n}_w{warps}_s{stages}_split{splits}"
-            fn = lambda q, p, f, m, t=tile_n, w=warps, st=stages, sp=splits: decode.paged_attention(  # noqa: E731
-                q, p, f, m, scale=SCALE, num_splits=sp, tile_n=t, num_warps=w, num_stages=st)
+            key = (f"warp_split_n{tile_n}_w{warps}_s{stages}{'_t' if swap else ''}"
+                   f"{f'_r{maxnreg}' if maxnreg else ''}_split{splits}")
+            tiles = DecodeTiles(tile_n, warps, stages, transposed=swap, max_registers=maxnreg)
+            fn = lambda q, p, f, m, sp=splits, t=tiles: decode.paged_attention(  # noqa: E731
+                q, p, f, m, scale=SCALE, num_splits=sp, tiles=t)
             try:
                 out[key] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)
                                           for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
@@ -433,6 +441,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no prefill context 8192")
     parser.add_argument("--warp-split", action="store_true", help="also time the warp-split decode kernel's configs")
+    parser.add_argument("--head-major", action="store_true", help="pages stored head-major inside a block (experiment)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode,prefill,write")
     args = parser.parse_args()
     formats = [f for f in args.formats.split(";") if f]

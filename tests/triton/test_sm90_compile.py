@@ -49,9 +49,9 @@ def test_a_new_batch_shape_does_not_compile_the_attention_kernels_again():
 
 
 def test_a_new_batch_shape_does_not_compile_the_warp_split_decode_kernel_again():
-    """The same for the warp-split decode kernel (KV-Quant pages): one variant unsplit, one split."""
+    """The same for the warp-split decode kernel (q4 pages: the transposed one): one variant unsplit, one split."""
     r = kernel_report("--count-variants", "--formats", "q4")
     assert r.returncode == 0, r.stdout + r.stderr
     counts = json.loads(r.stdout.strip().splitlines()[-1])
     assert counts == {"paged_attention_kernel": 1, "split_attention_kernel": 1, "reduce_splits_kernel": 1,
-                      "decode_kernel": 2}, counts
+                      "decode_kernel_transposed": 2}, counts

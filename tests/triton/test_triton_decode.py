@@ -4,6 +4,8 @@ Run compiled on CUDA, else under the Triton interpreter (conftest.py), where the
 with plain arithmetic instead of inline PTX (same values).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from pagedkv.config import KVFormat
 from pagedkv.formats import make_format
 from pagedkv.ops import reference
 from pagedkv.ops.triton import decode
+from pagedkv.ops.triton.tuning import warp_split_tiles
 from triton_cases import DEVICE, build_case, rel_err
 
 FORMATS = ["off", "q8", "q6", "q4"]
@@ -22,30 +25,39 @@ NEW_LENS = [5, 1, 3, 1, 0]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
+def tiles_of(fmt, transposed):
+    """The format's default config, in the given orientation (both kernels read every supported format)."""
+    return dataclasses.replace(warp_split_tiles(fmt), transposed=transposed)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["heads_m", "keys_m"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_decode_kernel_matches_reference(fmt, shape, num_splits):
+def test_decode_kernel_matches_reference(fmt, shape, num_splits, transposed):
     hq, hkv, d, bs = shape
     case = build_case(hash((fmt, shape)) % 1000, fmt, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                       ctx_lens=CTX_LENS, new_lens=NEW_LENS)
     scale = d ** -0.5
     ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=scale)
-    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits,
+                                 tiles=tiles_of(case.fmt, transposed))
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
 TQ_SHAPES = [(8, 2, 128, 16), (4, 4, 128, 16), (8, 1, 128, 5)]   # TurboQuant: head_dim 128 only
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["heads_m", "keys_m"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
-def test_decode_kernel_matches_reference_over_turboquant_pages(shape, num_splits):
+def test_decode_kernel_matches_reference_over_turboquant_pages(shape, num_splits, transposed):
     hq, hkv, d, bs = shape
     case = build_case(hash(shape) % 1000, "turboquant", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                       ctx_lens=CTX_LENS, new_lens=NEW_LENS)
     ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5)
-    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5, num_splits=num_splits)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5, num_splits=num_splits,
+                                 tiles=tiles_of(case.fmt, transposed))
     assert rel_err(out, ref) < TOL[torch.float32]
 
 

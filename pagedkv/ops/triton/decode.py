@@ -24,6 +24,8 @@ Formats (compile-time `KIND`, `K_BITS`):
                  `packing.pack_sign_magnitude`): eight products per step, each over 16 channels of one
                  group, whose scale goes on the probability columns; the output is rotated back at the end
                  (split-K: by the reduce kernel). Keys not rotated, head_dim 128 (`is_supported`).
+`decode_transposed.py` is the same kernel with keys on the matrix units' M dimension (faster for TurboQuant
+and q4 pages); `tuning.warp_split_tiles` chooses the orientation per format.
 Codes become float16 with byte permutes (under the exponent of 1024, or into the fp16 codebook) in inline
 PTX (`FAST_CVT`), or with plain conversions under the interpreter, which cannot run PTX: the same values.
 """
@@ -40,9 +42,12 @@ from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .attention import check_inputs, dot_precision
 from .codecs import KVQUANT, TURBOQUANT
-from .conversions import int8_pairs_to_f16, int8_to_f16, nibble_quads_to_f16, sign_magnitude_to_f16, six_bit_quads_to_f16
+from .conversions import int8_pairs_to_f16, int8_to_f16, sign_magnitude_to_f16
+from .decode_io import load_quads, load_rows, token_sequence
+from .decode_transposed import decode_kernel_transposed
 from .page_view import page_view, stride3, value_codebook
 from .tiles import LOG2E, tanh
+from .tuning import DecodeTiles, warp_split_tiles
 
 # Integer arguments that change from step to step (see attention.PER_STEP_ARGS).
 PER_STEP_ARGS = ["num_seqs", "stride_bt", "num_splits"]
@@ -55,17 +60,6 @@ def is_supported(fmt: PageFormat) -> bool:
     if kind == "turboquant":   # (its fp16 look-up table is the 3-bit Lloyd-Max codebook: `_sign_magnitude_asm`)
         return fmt.key_bits == 8 and fmt.value_bits == 3 and fmt.key_signs is None and fmt.head_dim == 128
     return kind == "dense" or kind == "kvquant"
-
-
-@triton.jit
-def load_quads(ptr, row, offs_u, ok, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, FAST_CVT: tl.constexpr):
-    """q4 / q6 codes of the rows at ptr + row [WARPS, TILE_N] in units of four channels: four float16
-    tensors [WARPS, TILE_N, HEAD_DIM // 4], channel 4u + i in the i-th. A unit is one int16 of the nibble
-    plane (plus, for q6, one byte of the 2-bit plane), so the matrix units read values as 16-bit pairs."""
-    units = load_rows(ptr.to(tl.pointer_type(tl.int16)), row // 2, offs_u, ok)
-    if BITS == 6:
-        return six_bit_quads_to_f16(units, load_rows(ptr + HEAD_DIM // 2, row, offs_u, ok), FAST_CVT)
-    return nibble_quads_to_f16(units, FAST_CVT)
 
 
 @triton.jit
@@ -108,26 +102,6 @@ def rotate_channel(out_j, rotation_ptr, J: tl.constexpr, HEAD_DIM: tl.constexpr,
 def merge_warps(acc, f, inv):
     """acc [WARPS, ROWS, C] partial outputs with weights f [WARPS, ROWS] -> [ROWS, C] scaled by inv [ROWS]."""
     return tl.sum(acc * f[:, :, None], axis=0) * inv[:, None]
-
-
-@triton.jit
-def token_sequence(token, query_start_loc_ptr, num_seqs):
-    """The sequence whose query rows hold packed query token `token`: the last i with qsl[i] <= token."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) <= token:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
-def load_rows(ptr, row, offs, mask):
-    """[WARPS, TILE_N, len(offs)] elements at ptr + row [WARPS, TILE_N] + offs."""
-    return tl.load(ptr + row[:, :, None] + offs[None, None, :], mask=mask[:, :, None], other=0)
 
 
 @triton.jit
@@ -348,17 +322,13 @@ def fast_conversions() -> bool:
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    num_splits: int = 1, tile_n: int | None = None, num_warps: int = 4,
-                    num_stages: int | None = None) -> torch.Tensor:
+                    num_splits: int = 1, tiles: DecodeTiles | None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`, for formats `is_supported` accepts: one program per
-    (query token, KV head, split), `num_warps` warps of `tile_n` keys each per step (default: the
-    format's measured `tuning.warp_split_tiles`)."""
+    (query token, KV head, split), `tiles.num_warps` warps of `tiles.tile_n` keys each per step, in either
+    orientation (default: the format's measured `tuning.warp_split_tiles`)."""
     from .split_k import partial_states, reduce_splits
-    from .tuning import warp_split_tiles
 
-    default_tile_n, default_stages = warp_split_tiles(fmt)
-    tile_n, num_stages = tile_n or default_tile_n, num_stages or default_stages
-
+    tiles = tiles or warp_split_tiles(fmt)
     assert is_supported(fmt), f"the warp-split decode kernel does not read {fmt.spec} pages"
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -372,19 +342,24 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     split = num_splits > 1
     parts = partial_states(query, num_splits, head_dim_pad) if split else (out, out, out)
     precision = dot_precision(query.dtype)
-    decode_kernel[(num_tokens, view.num_kv_heads, num_splits)](
+    if tiles.transposed:   # the group's heads on the N dimension: 8 columns at least
+        kernel, rows = decode_kernel_transposed, max(8, triton.next_power_of_2(group))
+    else:                  # the group's heads on the M dimension: 16 rows at least
+        kernel, rows = decode_kernel, max(16, triton.next_power_of_2(group))
+    registers = {"maxnreg": tiles.max_registers} if tiles.max_registers else {}
+    kernel[(num_tokens, view.num_kv_heads, num_splits)](
         out, *parts, query, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
         value_codebook(view, query.dtype), view.aux("out_rotation"),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
         num_seqs, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
-        NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=rows,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=meta.block_size,
-        WARPS=num_warps, TILE_N=tile_n, SPLIT=split,
+        WARPS=tiles.num_warps, TILE_N=tiles.tile_n, SPLIT=split,
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), KIND=view.kind, K_BITS=view.k_bits,
         FAST_CVT=fast_conversions(), DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **registers,
     )
     if split:
         reduce_splits(out, parts, view, precision)

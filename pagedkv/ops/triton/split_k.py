@@ -79,35 +79,29 @@ def split_attention_kernel(
 def reduce_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, rotation_ptr,
     stride_ot, stride_oh, num_splits,
-    SPLITS_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     ROTATE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """One program per (query token, query head): every split's partial state read at once."""
     token = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    offs_g = tl.arange(0, BLOCK_G)
-    g_ok = offs_g < GROUP
-    head = kv_head * GROUP + offs_g
+    head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    state0 = (token * NUM_Q_HEADS + head) * num_splits                     # [BLOCK_G]
-    stat_ok = g_ok[:, None] & (offs_s[None, :] < num_splits)
-    m = tl.load(part_m_ptr + state0[:, None] + offs_s[None, :], mask=stat_ok, other=float("-inf"))
-    l = tl.load(part_l_ptr + state0[:, None] + offs_s[None, :], mask=stat_ok, other=0.0)
-    m_max = tl.max(m, axis=1)
+    state0 = (token * NUM_Q_HEADS + head) * num_splits
+    s_ok = offs_s < num_splits
+    m = tl.load(part_m_ptr + state0 + offs_s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + state0 + offs_s, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_max[:, None])                                  # [BLOCK_G, SPLITS_PAD]
-    total = tl.sum(w * l, axis=1)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
-    for s in range(num_splits):
-        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
-        part = tl.load(part_out_ptr + (state0 + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        acc += w_s[:, None] * part
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    w = tl.math.exp2(m - m_max)                                               # [SPLITS_PAD]
+    total = tl.sum(w * l, axis=0)
+    part = tl.load(part_out_ptr + (state0 + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_ok[:, None],
+                   other=0.0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM_PAD]
     if ROTATE_OUT:
-        out = rotate_rows(out, rotation_ptr, HEAD_DIM, DOT_PRECISION)
-    tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+        out = tl.sum(rotate_rows(out[None, :], rotation_ptr, HEAD_DIM, DOT_PRECISION), axis=0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
@@ -125,12 +119,10 @@ def reduce_splits(out: torch.Tensor, parts, view, precision: str) -> None:
     rotating back when the format accumulates values in a rotated domain."""
     part_out, part_m, part_l = parts
     num_tokens, num_q_heads, num_splits, head_dim_pad = part_out.shape
-    group = num_q_heads // view.num_kv_heads
-    reduce_splits_kernel[(num_tokens, view.num_kv_heads)](
+    reduce_splits_kernel[(num_tokens, num_q_heads)](
         out, part_out, part_m, part_l, view.aux("out_rotation"), out.stride(0), out.stride(1), num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=out.shape[-1], HEAD_DIM_PAD=head_dim_pad,
-        ROTATE_OUT=view.rotate_out, DOT_PRECISION=precision, num_warps=4,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, HEAD_DIM=out.shape[-1],
+        HEAD_DIM_PAD=head_dim_pad, ROTATE_OUT=view.rotate_out, DOT_PRECISION=precision, num_warps=4,
     )
 
 

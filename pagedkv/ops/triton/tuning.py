@@ -154,11 +154,29 @@ def warp_split_splits(num_programs: int, capacity_tokens: int, device: torch.dev
     return max(1, min(limit, -(-2 * num_sms // max(num_programs, 1))))
 
 
-def warp_split_tiles(fmt) -> tuple[int, int]:
-    """(keys per warp per step, pipeline stages) of the warp-split decode kernel, measured on an H200
-    (`bench/kernels.py --warp-split`): KV-Quant 32 keys, 3 stages; TurboQuant 16 keys, 2 stages (32 keys
-    spill its eight value accumulators: 1,376 against 759 us at batch 64, 8,192 tokens)."""
-    return (16, 2) if fmt.spec.kind == "turboquant" else (32, 3)
+@dataclass(frozen=True)
+class DecodeTiles:
+    """A warp-split decode kernel config (`decode.py`): keys per warp per step, warps, pipeline stages, the
+    orientation (`transposed`: keys on the matrix units' M dimension, `decode_transposed.py`) and a register
+    cap per thread (None: the compiler's choice)."""
+    tile_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+    transposed: bool = False
+    max_registers: int | None = None
+
+
+def warp_split_tiles(fmt) -> DecodeTiles:
+    """The warp-split decode kernel's config per format, the fastest measured on an H200 over batch 1-128
+    (`bench/kernels.py --warp-split`, BENCHMARKS.md). TurboQuant and q4: transposed, capped at 128 registers
+    so that four programs (16 warps) fit a multiprocessor (TurboQuant 1.11-1.25x, q4 0.96-1.12x, geometric
+    mean 1.16x and 1.05x); q8 and q6: the original orientation, 32 keys, 3 stages (transposed they
+    measured 0.99x and 0.86x)."""
+    if fmt.spec.kind == "turboquant":
+        return DecodeTiles(16, 4, 2, transposed=True, max_registers=128)
+    if fmt.spec.kind == "kvquant" and fmt.bits == 4:
+        return DecodeTiles(32, 4, 2, transposed=True, max_registers=128)
+    return DecodeTiles(32, 4, 3)
 
 
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,

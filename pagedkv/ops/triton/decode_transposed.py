@@ -1,0 +1,264 @@
+"""The warp-split decode kernel transposed: keys on the matrix units' M dimension, the GQA group's query
+heads on N (S^T = K Q^T, then O^T = V^T P^T).
+
+`decode.py` puts the group's heads on the M dimension, padded to 16 rows: with a group of 4 query heads, 12
+of every 16 rows are computed for nothing, in both products, in the softmax and in the accumulators. Here
+the heads fill N, padded to 8 columns, so half as many matrix instructions and softmax elements per key,
+and half the accumulator registers: capped at 128 registers, four programs (16 warps) fit a
+multiprocessor instead of two. The price is P^T, which the second product reads as its B operand: Triton
+moves it through shared memory. Measured on an H200 (`bench/kernels.py --warp-split`): TurboQuant 1.11-1.25x
+and q4 0.96-1.12x faster than `decode.py`; q8 and q6 slower (`tuning.warp_split_tiles` picks per format).
+
+Grid, splits, formats, conversions and partial states are `decode.py`'s; only the orientation differs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .codecs import KVQUANT, TURBOQUANT
+from .conversions import int8_pairs_to_f16, int8_to_f16, sign_magnitude_to_f16
+from .decode_io import load_quads, load_rows, token_sequence
+from .tiles import LOG2E, tanh
+
+
+@triton.jit
+def query_t(q_row_t, h_ok, cols, WARPS: tl.constexpr, CDTYPE: tl.constexpr):
+    """Channels `cols` [C] of the query heads q_row_t [1, HR], transposed and broadcast: [WARPS, C, HR]."""
+    q = tl.load(q_row_t + cols[:, None], mask=h_ok[None, :], other=0.0).to(CDTYPE)
+    return tl.broadcast_to(q[None, :, :], [WARPS, q.shape[0], q.shape[1]])
+
+
+@triton.jit
+def tq_key_group_t(qg, qsum, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, G: tl.constexpr,
+                   CDTYPE: tl.constexpr, FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores^T [WARPS, TILE_N, HR] of channel group G of TurboQuant int8 keys."""
+    codes = int8_to_f16(load_rows(k_ptr + 32 * G, k_row, offs32, ok), FAST_CVT).to(CDTYPE)
+    d = tl.dot(codes, qg, input_precision=DOT_PRECISION)
+    sc = tl.load(ks_ptr + s_row + G, mask=ok, other=0.0).to(tl.float32)
+    zs = tl.load(kz_ptr + s_row + G, mask=ok, other=0.0).to(tl.float32) * sc
+    return d * sc[:, :, None] + zs[:, :, None] * qsum[:, None, :]
+
+
+@triton.jit
+def merge_t(acc, f, inv):
+    """acc [WARPS, C, HR] with weights f [WARPS, HR] -> [C, HR] scaled by inv [HR]."""
+    return tl.sum(acc * f[:, None, :], axis=0) * inv[None, :]
+
+
+@triton.jit
+def store_t(o_row_t, cols, acc, f, inv, mask):
+    tl.store(o_row_t + cols[:, None], merge_t(acc, f, inv).to(o_row_t.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotate_t(out_t, rotation_ptr, J: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out_t [HEAD_DIM // 8, HR] (channels J * HEAD_DIM / 8 + u) -> its share of out @ rotation, [HR, HEAD_DIM]."""
+    offs_u = tl.arange(0, HEAD_DIM // 8)
+    offs_d = tl.arange(0, HEAD_DIM)
+    r = tl.load(rotation_ptr + (J * (HEAD_DIM // 8) + offs_u)[:, None] * HEAD_DIM + offs_d[None, :])
+    return tl.dot(tl.trans(out_t), r, input_precision=DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+def decode_kernel_transposed(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
+    k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, rotation_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    k_strides, v_strides, ks_strides, vs_strides,
+    num_seqs, num_splits, qk_scale, softcap, sliding_window,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
+    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = token_sequence(token, query_start_loc_ptr, num_seqs)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_pos = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+
+    offs_h = tl.arange(0, ROWS)                   # ROWS: the group's heads, padded (the N dimension)
+    h_ok = offs_h < GROUP
+    head = kv_head * GROUP + offs_h
+    q_row_t = q_ptr + token.to(tl.int64) * stride_qt + head[None, :] * stride_qh      # [1, ROWS]
+    QUANT: tl.constexpr = KIND == KVQUANT
+    TQ: tl.constexpr = KIND == TURBOQUANT
+    NV: tl.constexpr = (2 if K_BITS == 8 else 4) if QUANT else 1
+    KU: tl.constexpr = QUANT and K_BITS != 8
+    CDTYPE: tl.constexpr = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else (
+        tl.float16 if QUANT or TQ else q_ptr.dtype.element_ty)
+    offs_c = tl.arange(0, HEAD_DIM_PAD)
+    q_a = tl.load(q_row_t + offs_c[:, None], mask=h_ok[None, :] & (offs_c < HEAD_DIM)[:, None], other=0.0)
+    q_a = tl.broadcast_to(q_a.to(CDTYPE)[None, :, :], [WARPS, HEAD_DIM_PAD, ROWS])
+    VC: tl.constexpr = HEAD_DIM // 8 if TQ else (HEAD_DIM // NV if QUANT else 16)
+    offs_u = tl.arange(0, VC)
+    if KU:
+        q0 = query_t(q_row_t, h_ok, 4 * offs_u, WARPS, CDTYPE)
+        q1 = query_t(q_row_t, h_ok, 4 * offs_u + 1, WARPS, CDTYPE)
+        q2 = query_t(q_row_t, h_ok, 4 * offs_u + 2, WARPS, CDTYPE)
+        q3 = query_t(q_row_t, h_ok, 4 * offs_u + 3, WARPS, CDTYPE)
+    if TQ:
+        offs32 = tl.arange(0, 32)
+        qg0 = query_t(q_row_t, h_ok, offs32, WARPS, CDTYPE)
+        qg1 = query_t(q_row_t, h_ok, 32 + offs32, WARPS, CDTYPE)
+        qg2 = query_t(q_row_t, h_ok, 64 + offs32, WARPS, CDTYPE)
+        qg3 = query_t(q_row_t, h_ok, 96 + offs32, WARPS, CDTYPE)
+        qs0 = tl.sum(qg0.to(tl.float32), axis=1)
+        qs1 = tl.sum(qg1.to(tl.float32), axis=1)
+        qs2 = tl.sum(qg2.to(tl.float32), axis=1)
+        qs3 = tl.sum(qg3.to(tl.float32), axis=1)
+        V_ASM: tl.constexpr = FAST_CVT and CDTYPE == tl.float16
+
+    STEP: tl.constexpr = WARPS * TILE_N
+    chunk = tl.cdiv(tl.cdiv(q_pos + 1, num_splits), STEP) * STEP
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, q_pos + 1)
+    first = kv_lo
+    if USE_WINDOW:
+        first = tl.maximum(kv_lo, q_pos - sliding_window + 1)
+        kv_lo = tl.maximum(kv_lo, first // STEP * STEP)
+
+    head_off = kv_head.to(tl.int64)
+    k_ptr += head_off * k_strides[2]
+    v_ptr += head_off * v_strides[2]
+    ks_ptr += head_off * ks_strides[2]
+    kz_ptr += head_off * ks_strides[2]
+    vs_ptr += head_off * vs_strides[2]
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    pos0 = tl.arange(0, WARPS)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+
+    acc_a = tl.zeros([WARPS, HEAD_DIM_PAD, ROWS], dtype=tl.float32)
+    acc0 = tl.zeros([WARPS, VC, ROWS], dtype=tl.float32)
+    acc1 = tl.zeros([WARPS, VC, ROWS], dtype=tl.float32)
+    acc2 = tl.zeros([WARPS, VC, ROWS], dtype=tl.float32)
+    acc3 = tl.zeros([WARPS, VC, ROWS], dtype=tl.float32)
+    acc4 = tl.zeros([WARPS, VC, ROWS], dtype=tl.float32)
+    acc5 = tl.zeros([WARPS, VC, ROWS], dtype=tl.float32)
+    acc6 = tl.zeros([WARPS, VC, ROWS], dtype=tl.float32)
+    acc7 = tl.zeros([WARPS, VC, ROWS], dtype=tl.float32)
+    m_i = tl.full([WARPS, ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
+    for start in range(kv_lo, kv_hi, STEP):
+        offs_n = start + pos0
+        ok = (offs_n < kv_hi) & (offs_n >= first)
+        block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        k_row = block * k_strides[0] + slot * k_strides[1]
+        v_row = block * v_strides[0] + slot * v_strides[1]
+        if TQ:
+            s_row = block * ks_strides[0] + slot * ks_strides[1]
+            s = tq_key_group_t(qg0, qs0, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 0, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq_key_group_t(qg1, qs1, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 1, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq_key_group_t(qg2, qs2, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 2, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq_key_group_t(qg3, qs3, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 3, CDTYPE, FAST_CVT, DOT_PRECISION)
+        elif KU:
+            k0, k1, k2, k3 = load_quads(k_ptr, k_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
+            s = tl.dot(k0.to(CDTYPE), q0, input_precision=DOT_PRECISION)
+            s = tl.dot(k1.to(CDTYPE), q1, s, input_precision=DOT_PRECISION)
+            s = tl.dot(k2.to(CDTYPE), q2, s, input_precision=DOT_PRECISION)
+            s = tl.dot(k3.to(CDTYPE), q3, s, input_precision=DOT_PRECISION)
+        elif QUANT:
+            k = int8_to_f16(load_rows(k_ptr, k_row, offs_c, ok), FAST_CVT).to(CDTYPE)
+            s = tl.dot(k, q_a, input_precision=DOT_PRECISION)
+        else:
+            k = tl.load(k_ptr + k_row[:, :, None] + offs_c[None, None, :],
+                        mask=ok[:, :, None] & (offs_c < HEAD_DIM)[None, None, :], other=0.0)
+            s = tl.dot(k.to(CDTYPE), q_a, input_precision=DOT_PRECISION)   # [WARPS, TILE_N, ROWS]
+        if QUANT:
+            s = s * tl.load(ks_ptr + block * ks_strides[0] + slot * ks_strides[1], mask=ok, other=0.0)[:, :, None]
+        if USE_SOFTCAP:
+            s = softcap * tanh(s * (qk_scale / softcap)) * LOG2E
+        else:
+            s = s * (qk_scale * LOG2E)
+        s = tl.where(ok[:, :, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None, :])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if QUANT:
+            p = p * tl.load(vs_ptr + block * vs_strides[0] + slot * vs_strides[1], mask=ok, other=0.0)[:, :, None]
+        p_f = p
+        p = p.to(CDTYPE)
+        a3 = alpha[:, None, :]
+        if TQ:
+            units = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)
+            negs = load_rows(v_ptr + HEAD_DIM // 4, v_row, offs_u, ok)
+            v0, v1, v2, v3, v4, v5, v6, v7 = sign_magnitude_to_f16(units, negs, codebook_ptr, V_ASM)
+            v_s_row = block * vs_strides[0] + slot * vs_strides[1]
+            p0 = (p_f * tl.load(vs_ptr + v_s_row, mask=ok, other=0.0).to(tl.float32)[:, :, None]).to(CDTYPE)
+            p1 = (p_f * tl.load(vs_ptr + v_s_row + 1, mask=ok, other=0.0).to(tl.float32)[:, :, None]).to(CDTYPE)
+            p2 = (p_f * tl.load(vs_ptr + v_s_row + 2, mask=ok, other=0.0).to(tl.float32)[:, :, None]).to(CDTYPE)
+            p3 = (p_f * tl.load(vs_ptr + v_s_row + 3, mask=ok, other=0.0).to(tl.float32)[:, :, None]).to(CDTYPE)
+            acc0 = tl.dot(tl.trans(v0.to(CDTYPE), (0, 2, 1)), p0, acc0 * a3, input_precision=DOT_PRECISION)
+            acc1 = tl.dot(tl.trans(v1.to(CDTYPE), (0, 2, 1)), p0, acc1 * a3, input_precision=DOT_PRECISION)
+            acc2 = tl.dot(tl.trans(v2.to(CDTYPE), (0, 2, 1)), p1, acc2 * a3, input_precision=DOT_PRECISION)
+            acc3 = tl.dot(tl.trans(v3.to(CDTYPE), (0, 2, 1)), p1, acc3 * a3, input_precision=DOT_PRECISION)
+            acc4 = tl.dot(tl.trans(v4.to(CDTYPE), (0, 2, 1)), p2, acc4 * a3, input_precision=DOT_PRECISION)
+            acc5 = tl.dot(tl.trans(v5.to(CDTYPE), (0, 2, 1)), p2, acc5 * a3, input_precision=DOT_PRECISION)
+            acc6 = tl.dot(tl.trans(v6.to(CDTYPE), (0, 2, 1)), p3, acc6 * a3, input_precision=DOT_PRECISION)
+            acc7 = tl.dot(tl.trans(v7.to(CDTYPE), (0, 2, 1)), p3, acc7 * a3, input_precision=DOT_PRECISION)
+        elif QUANT:
+            if NV == 2:
+                v0, v1 = int8_pairs_to_f16(load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok), FAST_CVT)
+            else:
+                v0, v1, v2, v3 = load_quads(v_ptr, v_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
+                acc2 = tl.dot(tl.trans(v2.to(CDTYPE), (0, 2, 1)), p, acc2 * a3, input_precision=DOT_PRECISION)
+                acc3 = tl.dot(tl.trans(v3.to(CDTYPE), (0, 2, 1)), p, acc3 * a3, input_precision=DOT_PRECISION)
+            acc0 = tl.dot(tl.trans(v0.to(CDTYPE), (0, 2, 1)), p, acc0 * a3, input_precision=DOT_PRECISION)
+            acc1 = tl.dot(tl.trans(v1.to(CDTYPE), (0, 2, 1)), p, acc1 * a3, input_precision=DOT_PRECISION)
+        else:
+            v = tl.load(v_ptr + v_row[:, :, None] + offs_c[None, None, :],
+                        mask=ok[:, :, None] & (offs_c < HEAD_DIM)[None, None, :], other=0.0)
+            acc_a = tl.dot(tl.trans(v.to(CDTYPE), (0, 2, 1)), p, acc_a * a3, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    m = tl.max(m_i, axis=0)                                                   # [ROWS]
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    f = tl.math.exp2(m_i - m_safe[None, :])                                   # [WARPS, ROWS]
+    l = tl.sum(l_i * f, axis=0)
+    if SPLIT:
+        state = (token.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        tl.store(part_m_ptr + state, m, mask=h_ok)
+        tl.store(part_l_ptr + state, l, mask=h_ok)
+        o_row_t = part_out_ptr + state[None, :] * HEAD_DIM_PAD
+        inv = tl.full([ROWS], 1.0, dtype=tl.float32)
+    else:
+        o_row_t = out_ptr + token.to(tl.int64) * stride_ot + head[None, :] * stride_oh
+        inv = 1.0 / tl.where(l > 0, l, 1.0)
+    cols_ok = h_ok[None, :]
+    if TQ and not SPLIT:
+        out = rotate_t(merge_t(acc0, f, inv), rotation_ptr, 0, HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc1, f, inv), rotation_ptr, 1, HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc2, f, inv), rotation_ptr, 2, HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc3, f, inv), rotation_ptr, 3, HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc4, f, inv), rotation_ptr, 4, HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc5, f, inv), rotation_ptr, 5, HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc6, f, inv), rotation_ptr, 6, HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc7, f, inv), rotation_ptr, 7, HEAD_DIM, DOT_PRECISION)
+        offs_d = tl.arange(0, HEAD_DIM)
+        o_row = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh
+        tl.store(o_row + offs_d[None, :], out.to(o_row.dtype.element_ty), mask=h_ok[:, None])
+    elif TQ:
+        store_t(o_row_t, offs_u, acc0, f, inv, cols_ok)
+        store_t(o_row_t, VC + offs_u, acc1, f, inv, cols_ok)
+        store_t(o_row_t, 2 * VC + offs_u, acc2, f, inv, cols_ok)
+        store_t(o_row_t, 3 * VC + offs_u, acc3, f, inv, cols_ok)
+        store_t(o_row_t, 4 * VC + offs_u, acc4, f, inv, cols_ok)
+        store_t(o_row_t, 5 * VC + offs_u, acc5, f, inv, cols_ok)
+        store_t(o_row_t, 6 * VC + offs_u, acc6, f, inv, cols_ok)
+        store_t(o_row_t, 7 * VC + offs_u, acc7, f, inv, cols_ok)
+    elif QUANT:
+        store_t(o_row_t, NV * offs_u, acc0, f, inv, cols_ok)
+        store_t(o_row_t, NV * offs_u + 1, acc1, f, inv, cols_ok)
+        if NV == 4:
+            store_t(o_row_t, NV * offs_u + 2, acc2, f, inv, cols_ok)
+            store_t(o_row_t, NV * offs_u + 3, acc3, f, inv, cols_ok)
+    else:
+        store_t(o_row_t, offs_c, acc_a, f, inv, cols_ok & (offs_c < HEAD_DIM)[:, None])
