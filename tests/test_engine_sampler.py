@@ -70,6 +70,17 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature):
     assert tokens.tolist() == [1, 1]
 
 
+@pytest.mark.parametrize("seed", [-2**63, 2**64 - 1])
+def test_every_64_bit_seed_draws(seed):
+    assert Sampler().sample(LOGITS[None], [seq(SamplingParams(temperature=1.0, seed=seed))]).shape == (1,)
+
+
+@pytest.mark.parametrize("seed", [-2**63 - 1, 2**64, -183659161599 * 10**9])
+def test_a_seed_past_64_bits_is_refused(seed):
+    with pytest.raises(ConfigError, match="seed"):
+        SamplingParams(seed=seed)
+
+
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
 def test_a_temperature_that_is_not_a_finite_number_is_refused(temperature):
     with pytest.raises(ConfigError, match="temperature"):

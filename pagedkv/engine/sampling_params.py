@@ -47,8 +47,8 @@ class SamplingParams:
             raise ConfigError(f"top_k={self.top_k!r} must be a positive integer, or 0 / -1 to keep every token")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ConfigError(f"max_tokens={self.max_tokens!r} must be a positive integer")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ConfigError(f"seed={self.seed!r} must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            raise ConfigError(f"seed={self.seed!r} must be an integer in [-2**63, 2**64) (a 64-bit seed)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop={self.stop!r} must be non-empty strings")
 
