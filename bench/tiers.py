@@ -46,12 +46,12 @@ TURN_ROOM = 192  # tokens past the prefix: four turns and answers
 TURNS = ["What happens next?", "Who is speaking here?", "Summarise that in one line.", "Go on."]
 
 
-def build_model(name: str, device: str, max_len: int, tiny: bool = False):
-    if name == "llama8b":  # the 8-layer Llama-3-8B shape of bench/engine_gpu.py, random bf16 weights
+def build_model(name: str, device: str, max_len: int, tiny: bool = False, layers: int = 8):
+    if name == "llama8b":  # the Llama-3-8B shape of bench/engine_gpu.py (`layers` of its 32), random bf16 weights
         import engine_gpu
 
         engine_gpu.DEVICE = device
-        model = engine_gpu.build_model(8, tiny=tiny)
+        model = engine_gpu.build_model(layers, tiny=tiny)
         model.config.max_position_embeddings = max_len
         return model, None
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -245,12 +245,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-dir", default=None, help="where the disk tier writes (default: a temporary dir)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--layers", type=int, default=8, help="with --model llama8b: decoder layers (32 is the real model's)")
     ap.add_argument("--tiny", action="store_true", help="with --model llama8b: a tiny model of the same kind (a smoke test)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.max_model_len = max(args.prefix_tokens) + TURN_ROOM
-    model, tokenizer = build_model(args.model, args.device, args.max_model_len, args.tiny)
+    model, tokenizer = build_model(args.model, args.device, args.max_model_len, args.tiny, args.layers)
     window = getattr(model.config, "max_position_embeddings", None)
     if window and args.max_model_len > window:
         ap.error(f"--prefix-tokens {max(args.prefix_tokens)} and the turns do not fit the model's context window "

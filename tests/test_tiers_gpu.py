@@ -50,7 +50,8 @@ def test_a_load_right_after_an_offload_reads_what_the_offload_wrote():
     bs, num_blocks, heads, head_dim = 16, 1100, 8, 128
     identity = {"architecture": "TestForCausalLM", "num_layers": 4, "num_kv_heads": heads, "head_dim": head_dim,
                 "weights": "c" * 64}
-    cache = PagedKVCache(num_blocks=num_blocks, block_size=bs, kv_format="off", num_layers=4, model_identity=identity)
+    cache = PagedKVCache(num_blocks=num_blocks, block_size=bs, kv_format="off", num_layers=4, model_identity=identity,
+                         device="cuda")
     cache.init_layers(4, heads, head_dim, torch.bfloat16, "cuda")
     prefix = TieredPrefixCache(cache, TierSettings(cpu_cache_gb=1.0))
     tokens = list(range(1024 * bs + 3))  # 1024 full blocks: 128 MiB, a few ms of copies each way

@@ -1,6 +1,8 @@
 """Shape-only launch decisions: split-K fills the GPU for few long sequences, and evens out the waves
 of a batch that overflows one wave by a little."""
 
+import torch
+
 from pagedkv.ops.triton.tuning import CTAS_PER_SM, MAX_SPLITS, splits_for
 
 
@@ -119,3 +121,17 @@ def test_first_use_of_kernels_is_announced_once_per_format_and_dtype(capsys):
     assert len(lines) == 2, lines
     assert "decode kernels for q4 pages (bfloat16)" in lines[0] and "compiled on first use" in lines[0]
     assert "prefill kernels" in lines[1]
+
+
+def test_warp_split_decode_splits_fill_the_resident_slots(monkeypatch):
+    """Splits only when the programs fill at most half of the resident slots, then as many as fill them."""
+    from pagedkv.ops.triton import tuning
+
+    monkeypatch.setattr(tuning, "multiprocessor_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert tuning.warp_split_splits(512, 8192, cuda, programs_per_sm=4) == 1      # batch 64 x 8 KV heads
+    assert tuning.warp_split_splits(256, 4096, cuda, programs_per_sm=4) == 2      # batch 32
+    assert tuning.warp_split_splits(256, 4096, cuda, programs_per_sm=2) == 1      # two slots per SM: full enough
+    assert tuning.warp_split_splits(8, 32768, cuda, programs_per_sm=4) == 64      # one long sequence
+    assert tuning.warp_split_splits(8, 2048, cuda, programs_per_sm=4) == 4        # at least 512 keys per split
+    assert tuning.warp_split_splits(8, 32768, torch.device("cpu"), programs_per_sm=4) == 1

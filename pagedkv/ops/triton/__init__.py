@@ -81,14 +81,15 @@ def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
 
 def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap):
     from . import attention, split_k
-    from .tuning import plan_attention, warp_split_splits
+    from .tuning import plan_attention, warp_split_splits, warp_split_tiles
 
     num_tokens, num_q_heads, head_dim = query.shape
     capacity = meta.block_table.shape[1] * meta.block_size
     if uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):
         from . import decode
 
-        num_splits = warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device)
+        num_splits = warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device,
+                                       warp_split_tiles(fmt).programs_per_sm)
         return decode.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
                                       softcap=softcap, num_splits=num_splits)
     group = num_q_heads // fmt.num_kv_heads

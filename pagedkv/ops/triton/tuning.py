@@ -141,29 +141,37 @@ def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.dev
     return splits_for(num_programs, capacity_tokens, num_sms, CTAS_PER_SM["wide" if head_dim > 128 else "dense"])
 
 
-def warp_split_splits(num_programs: int, capacity_tokens: int, device: torch.device) -> int:
-    """Key ranges per program of the warp-split decode kernel (`decode.py`): none while the (query token,
-    KV head) programs fill the multiprocessors, else enough for two programs per multiprocessor (measured
-    on an H200 over 1, 2, 4 splits at batch 32-128 and 8-64 at batch 1: `bench/kernels.py --warp-split`)."""
+WARP_SPLIT_MIN_TOKENS = 512   # keys per split of the warp-split decode kernel, at least
+
+
+def warp_split_splits(num_programs: int, capacity_tokens: int, device: torch.device, programs_per_sm: int = 2) -> int:
+    """Key ranges per program of the warp-split decode kernel (`decode.py`): none while the (query token, KV
+    head) programs fill more than half of the resident slots (`programs_per_sm` per multiprocessor), else as
+    many as fill them (measured on an H200, `bench/kernels.py --warp-split`: 4 slots per SM, batch 32 at 4,096
+    tokens, 256 programs: 2 splits 1.2-1.3x faster than none; batch 64, 512 programs: none 0.98-1.04x of 2;
+    batch 1 at 32,768 tokens: 64 splits 1.06-1.26x faster than 32)."""
     if device.type != "cuda":
         return 1
     num_sms = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
-    if num_programs >= num_sms:
+    slots = programs_per_sm * num_sms
+    if 2 * num_programs > slots:
         return 1
-    limit = max(1, min(MAX_SPLITS, capacity_tokens // MIN_SPLIT_TOKENS))
-    return max(1, min(limit, -(-2 * num_sms // max(num_programs, 1))))
+    limit = max(1, min(MAX_SPLITS, capacity_tokens // WARP_SPLIT_MIN_TOKENS))
+    return max(1, min(limit, slots // max(num_programs, 1)))
 
 
 @dataclass(frozen=True)
 class DecodeTiles:
     """A warp-split decode kernel config (`decode.py`): keys per warp per step, warps, pipeline stages, the
     orientation (`transposed`: keys on the matrix units' M dimension, `decode_transposed.py`) and a register
-    cap per thread (None: the compiler's choice)."""
+    cap per thread (None: the compiler's choice), and how many programs then fit a multiprocessor (registers
+    bound them: `bench/kernel_report.py`)."""
     tile_n: int = 32
     num_warps: int = 4
     num_stages: int = 3
     transposed: bool = False
     max_registers: int | None = None
+    programs_per_sm: int = 2
 
 
 def warp_split_tiles(fmt) -> DecodeTiles:
@@ -173,9 +181,9 @@ def warp_split_tiles(fmt) -> DecodeTiles:
     mean 1.16x and 1.05x); q8 and q6: the original orientation, 32 keys, 3 stages (transposed they
     measured 0.99x and 0.86x)."""
     if fmt.spec.kind == "turboquant":
-        return DecodeTiles(16, 4, 2, transposed=True, max_registers=128)
+        return DecodeTiles(16, 4, 2, transposed=True, max_registers=128, programs_per_sm=4)
     if fmt.spec.kind == "kvquant" and fmt.bits == 4:
-        return DecodeTiles(32, 4, 2, transposed=True, max_registers=128)
+        return DecodeTiles(32, 4, 2, transposed=True, max_registers=128, programs_per_sm=4)
     return DecodeTiles(32, 4, 3)
 
 
