@@ -178,3 +178,28 @@ def test_metrics_are_prometheus_text(server):
         assert name in m
     assert "# TYPE pagedkv_generation_tokens_total counter" in r.text
     assert m["pagedkv_generation_tokens_total"] > 0
+
+
+@pytest.mark.parametrize("field, value", [("best_of_luck", 3), ("presence_penalty", 0.5), ("logit_bias", {"1": 5})])
+def test_a_field_the_server_does_not_implement_gets_400_naming_it(server, field, value):
+    bodies = {"/v1/completions": {"model": "default", "prompt": "hi", "max_tokens": 1},
+              "/v1/chat/completions": {"model": "default", "messages": [{"role": "user", "content": "hi"}],
+                                       "max_tokens": 1}}
+    for route, body in bodies.items():
+        r = httpx.post(f"{server}{route}", json={**body, field: value})
+        assert r.status_code == 400, (route, r.text)
+        error = r.json()["error"]
+        assert field in error["message"] and error["param"] == field and error["type"] == "invalid_request_error"
+    r = httpx.post(f"{server}/v1/chat/completions", json={**bodies["/v1/chat/completions"],
+                                                          "messages": [{"role": "user", "content": "hi", "x": 1}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.x"
+
+
+def test_fields_clients_send_by_default_are_accepted(client):
+    out = client.completions.create(model="default", prompt="Hi", max_tokens=1, user="u-1", presence_penalty=0,
+                                    frequency_penalty=0, logit_bias=None, stream=False)
+    assert out.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi", "name": "me"}],
+                                          max_tokens=1, user="u-1", stream=True,
+                                          stream_options={"include_usage": True}, tool_choice="none")
+    assert any(c.usage is not None for c in chat)

@@ -6,14 +6,21 @@ import time
 import uuid
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 
+# OpenAI fields this server does not implement, accepted only at the value that means "off" (clients send
+# them explicitly, often as null); any other value is refused by name, as is any field not declared here.
+_OFF_VALUES = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+               "repetition_penalty": (None, 1), "min_tokens": (None, 0), "suffix": (None, ""),
+               "tools": (None, []), "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"})}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
@@ -27,6 +34,25 @@ class _Request(BaseModel):
     stream_options: dict | None = None
     n: int = 1
     ignore_eos: bool = False
+    user: str | None = None  # accepted, no effect (OpenAI clients send it for abuse monitoring)
+    metadata: dict | None = None  # accepted, no effect
+    store: bool | None = None  # accepted, no effect
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict | None = None
+    tools: list | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None  # only meaningful with tools, which must be absent
+    response_format: dict | None = None
+
+    @field_validator(*(name for name in _OFF_VALUES if name != "suffix"))
+    @classmethod
+    def _only_off(cls, value, info):
+        if value not in _OFF_VALUES[info.field_name]:
+            raise ValueError(f"{info.field_name} is not implemented by this server; leave it out")
+        return value
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
@@ -42,6 +68,14 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16  # the OpenAI default for completions
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("suffix is not implemented by this server; leave it out")
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -53,10 +87,11 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict], None] = None
+    name: str | None = None  # accepted, no effect (the chat template has no place for it)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

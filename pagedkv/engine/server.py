@@ -63,6 +63,9 @@ def build_app(llm, served_model_names: list[str]):
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"]) or "body"
+            if err["type"] == "extra_forbidden":
+                raise BadRequest(f"the field {where!r} is not supported by this server; leave it out", param=where,
+                                 code="unsupported_field") from None
             raise BadRequest(f"invalid request: {where}: {err['msg']}", param=where) from None
         if req.model not in served_model_names:
             raise BadRequest(f"the model {req.model!r} does not exist; this server serves "
