@@ -42,6 +42,7 @@ def build_app(llm, served_model_names: list[str]):
 
     engine = AsyncLLM(llm.engine)
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None)
+    schemas: dict = {}  # the request bodies' nested models, for /openapi.json (bodies are parsed by `parse`)
     app.state.engine = engine
     started = int(time.time())
     http_errors = {"count": 0}
@@ -119,7 +120,8 @@ def build_app(llm, served_model_names: list[str]):
             if o.error:
                 raise BadRequest(f"generation failed: {o.error}", code="generation_error")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_openapi_body(protocol.CompletionRequest, served_model_names,
+                                                                       schemas))
     async def completions(request: Request):
         req = await parse(request, protocol.CompletionRequest)
         prompts = req.prompts()
@@ -156,7 +158,8 @@ def build_app(llm, served_model_names: list[str]):
         finally:
             stream.close()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(protocol.ChatCompletionRequest, served_model_names,
+                                                                            schemas))
     async def chat_completions(request: Request):
         req = await parse(request, protocol.ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -212,7 +215,23 @@ def build_app(llm, served_model_names: list[str]):
         extra = {"pagedkv_http_bad_requests_total": ("counter", "Requests refused with HTTP 400.", http_errors["count"])}
         return PlainTextResponse(metrics.render(engine.stats, extra), media_type="text/plain; version=0.0.4")
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            default_openapi().setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+
+
+def _openapi_body(model_cls, served_model_names: list[str], schemas: dict) -> dict:
+    """The OpenAPI request body of a route taking `model_cls` as JSON (its nested models go to `schemas`)."""
+    schema = model_cls.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schema["properties"]["model"]["enum"] = list(served_model_names)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def serve(llm, args: argparse.Namespace, device: str) -> int:
