@@ -8,7 +8,8 @@
   `--same-memory GIB` runs instead the same-memory comparison: every `--formats` page format gets the same
      GIB of pages (as many blocks as fit), and `--requests` requests of `--prompt-tokens` + `--new-tokens`
      tokens (EOS ignored) run through `LLM.generate`, as many at once as the pages allow (the engine's own
-     scheduling): output tokens/s and preemptions per format, in engine_memory.{json,png}. The issue's run:
+     scheduling): output tokens/s and preemptions per format (and per `--admission-lookahead-tokens` value
+     when several are given), in engine_memory.{json,png}. The issue's run:
      `--same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 --formats off q8 q4 turboquant`.
 
 The model is Llama-3-8B-shaped (hidden 4096, 32 query / 8 KV heads, head_dim 128, MLP 14336, vocab
@@ -215,7 +216,7 @@ def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> 
 
 
 def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int,
-                    max_num_batched_tokens: int) -> dict:
+                    max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024) -> dict:
     """`LLM.generate` over pages of `fmt` holding at most `budget_bytes` (all layers), every request admitted
     as the pages allow: output tokens/s, preemptions, and how many blocks the budget bought."""
     from pagedkv.config import KVFormat
@@ -228,11 +229,13 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     bytes_per_block = page.bytes_per_token() * text.num_hidden_layers * block_size
     num_blocks = budget_bytes // bytes_per_block
     llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=len(prompts),
-              max_num_batched_tokens=max_num_batched_tokens)
+              max_num_batched_tokens=max_num_batched_tokens, admission_lookahead_tokens=admission_lookahead_tokens)
     out = engine_generate_run(llm, prompts, new_tokens)
     stats = llm.stats()
     out.update(num_blocks=num_blocks, bytes_per_token=page.bytes_per_token() * text.num_hidden_layers,
-               tokens_that_fit=num_blocks * block_size, preemptions=stats.get("preemptions"))
+               tokens_that_fit=num_blocks * block_size, preemptions=stats.get("preemptions"),
+               admission_lookahead_tokens=admission_lookahead_tokens, steps=stats.get("steps"),
+               steps_queued_ahead=stats.get("steps_queued_ahead"))
     del llm
     free_memory()
     return out
@@ -316,6 +319,9 @@ def main(argv=None) -> int:
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw engine_gpu.png next to this JSON")
     p.add_argument("--same-memory", type=float, default=None, metavar="GIB",
                    help="only the same-memory run: every format's pages get GIB gibibytes")
+    p.add_argument("--admission-lookahead-tokens", type=int, nargs="+", default=[1024], metavar="N",
+                   help="the engine's admission lookahead in the same-memory run; several values run side by side "
+                        "(0: admit on free blocks alone)")
     args = p.parse_args(argv)
     if args.replot:
         results = json.loads(Path(args.replot).read_text())
@@ -408,17 +414,19 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
     prompts = random_prompts(args.requests, args.prompt_tokens, model.config.vocab_size, seed=1234)
     budget = int(args.same_memory * 2**30)
     results["same_memory"] = {}
+    lookaheads = args.admission_lookahead_tokens
     for fmt in args.formats:
-        r = same_memory_run(model, fmt, budget, prompts, args.new_tokens, args.max_num_batched_tokens)
-        results["same_memory"][fmt] = r
-        print(f"pagedkv {fmt}, {args.same_memory} GiB of pages: {r}", flush=True)
+        for lookahead in lookaheads:  # several: side by side, each run named "format, lookahead N"
+            r = same_memory_run(model, fmt, budget, prompts, args.new_tokens, args.max_num_batched_tokens, lookahead)
+            results["same_memory"][fmt if len(lookaheads) == 1 else f"{fmt}, lookahead {lookahead}"] = r
+            print(f"pagedkv {fmt}, {args.same_memory} GiB of pages, admission lookahead {lookahead}: {r}", flush=True)
     results["seconds"] = time.perf_counter() - t_start
     print(f"\n{results['gpu']}: the same {args.same_memory} GiB of pages, {args.requests} requests x "
           f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens (EOS ignored), {args.layers} layers")
     print("| format | tokens that fit | output tokens/s | vs first | preemptions |")
     print("| --- | --- | --- | --- | --- |")
     runs = results["same_memory"]
-    base = runs[args.formats[0]]["tokens_per_s"]
+    base = next(iter(runs.values()))["tokens_per_s"]
     for fmt, r in runs.items():
         print(f"| {fmt} | {r['tokens_that_fit']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x | {r['preemptions']} |")
     if args.out:

@@ -59,8 +59,9 @@ def test_pool_too_small_for_all_requests_finishes_by_preemption(model_and_tokeni
     params = SamplingParams(max_tokens=24)
     reference = make_llm(model_and_tokenizer, num_blocks=64, prefix_caching=False)
     alone = [reference.generate(p, params)[0].token_ids for p in PROMPTS[:4]]
-    # each request needs 2-3 blocks of 16 tokens; 6 blocks cannot hold the four of them at once
-    llm = make_llm(model_and_tokenizer, num_blocks=6, prefix_caching=False)
+    # each request needs 2-3 blocks of 16 tokens; 6 blocks cannot hold the four of them at once, and without
+    # admission headroom they are all admitted and grow into each other
+    llm = make_llm(model_and_tokenizer, num_blocks=6, prefix_caching=False, admission_lookahead_tokens=0)
     outputs = llm.generate(PROMPTS[:4], params)
     assert llm.stats()["preemptions"] > 0
     assert [o.token_ids for o in outputs] == alone

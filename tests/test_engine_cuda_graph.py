@@ -122,7 +122,8 @@ def test_full_pool_in_a_graph_step_preempts_and_recovers(tensor_driven_kernels):
     prompts, params = requests()
     reference_tokens = [o.token_ids for o in LLM(model, enforce_eager=True, num_blocks=64, block_size=4)
                         .generate(prompts, params)]
-    llm = graph_llm(model, num_blocks=14, block_size=4)  # not enough blocks for four requests at once
+    # not enough blocks for four requests at once; admitted without headroom, they grow into each other
+    llm = graph_llm(model, num_blocks=14, block_size=4, admission_lookahead_tokens=0)
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == reference_tokens
     assert llm.stats()["preemptions"] > 0 and llm.stats()["blocks_used"] == 0

@@ -34,10 +34,10 @@ def chat(tok, question):
 
 
 def run(model, tok, kv_format, speculative):
-    """Four requests at once on a pool too small for them (preemption), in chunks of 32 tokens, then the
-    first two again (their prompts' blocks come from the prefix cache)."""
+    """Four requests at once on a pool too small for them (admitted without headroom, so preempted), in chunks
+    of 32 tokens, then the first two again (their prompts' blocks come from the prefix cache)."""
     llm = LLM(model, tokenizer=tok, kv_format=kv_format, block_size=8, num_blocks=16, max_num_batched_tokens=32,
-              speculative=speculative)
+              speculative=speculative, admission_lookahead_tokens=0)
     prompts = [chat(tok, q) for q in QUESTIONS]
     params = SamplingParams(max_tokens=16)
     outputs = llm.generate(prompts, params) + llm.generate(prompts[:2], params)

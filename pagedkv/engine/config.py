@@ -17,7 +17,10 @@ class EngineConfig:
     (decodes first, then prefill chunks fill the rest); prefix_caching: share full blocks between
     requests with a common prefix; enforce_eager: never replay CUDA graphs; cuda_graph_batch_sizes:
     the decode batch sizes captured (a batch runs in the smallest bucket that holds it);
-    max_model_len: longest prompt + output (default: the model's max_position_embeddings).
+    max_model_len: longest prompt + output (default: the model's max_position_embeddings);
+    admission_lookahead_tokens: a request is admitted only if the pool keeps room for the running requests'
+    growth until they end (prompt + max_tokens), each looked ahead at most this many tokens (one block for
+    a request without max_tokens; 0: admit on free blocks alone); growth past it is met by preemption.
     Prefix-cache tiers (`pagedkv.tiers`): cpu_cache_gb: host memory for blocks evicted from the device pool
     (0: off); kv_cache_dir: a directory keeping them on disk across restarts, up to disk_cache_gb;
     swap_on_preemption: a preempted request's blocks go to the host tier and are loaded back, not recomputed.
@@ -29,6 +32,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
     max_model_len: int | None = None
+    admission_lookahead_tokens: int = 1024
     cpu_cache_gb: float = 0.0
     kv_cache_dir: str | None = None
     disk_cache_gb: float = 16.0
@@ -39,6 +43,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.admission_lookahead_tokens, int) or self.admission_lookahead_tokens < 0:
+            raise ConfigError(f"admission_lookahead_tokens={self.admission_lookahead_tokens!r} must be an integer >= 0")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ConfigError(f"max_model_len={self.max_model_len!r} must be an integer >= 2")
         for name in ("cpu_cache_gb", "disk_cache_gb"):

@@ -119,10 +119,12 @@ class LLMEngine:
         if capacity is not None and n + max_tokens - 1 > capacity:
             raise ConfigError(f"a request of {n} prompt tokens and max_tokens {max_tokens} needs more than the "
                               f"{capacity} tokens the KV cache pool holds; raise --num-blocks or lower max_tokens")
-        if params.max_tokens is None:
+        has_max_tokens = params.max_tokens is not None
+        if not has_max_tokens:
             params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         request_id = request_id or uuid.uuid4().hex
-        return Sequence(request_id, next(self._seq_ids), token_ids, params, prompt=text, stream=stream)
+        return Sequence(request_id, next(self._seq_ids), token_ids, params, prompt=text, stream=stream,
+                        has_max_tokens=has_max_tokens)
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -206,14 +208,14 @@ class LLMEngine:
         """Queue the decode step after `step` (still in flight), or None when it has to go through the scheduler.
 
         That is the scheduler's own plan whenever every running sequence decodes and no waiting request
-        could be admitted: none waits, or the batch is full (`max_num_seqs`), as under sustained load.
+        could be admitted: none waits, the batch is full (`max_num_seqs`), or the pool has no headroom
+        for one, as under sustained load.
         """
         running, config = self.scheduler.running, self.config
         if self.speculator is not None and self.speculator.is_active(len(running)):
             return None  # the scheduler's path drafts first
         if (not step.is_graph or self.runner.graphs is None or len(step.sampled) != len(running)
-                or (self.scheduler.waiting and len(running) < config.max_num_seqs)
-                or len(running) > config.max_num_batched_tokens):
+                or self.scheduler.can_admit() or len(running) > config.max_num_batched_tokens):
             return None
         bs = self.cache.block_size
         keep, seqs, new_blocks = [], [], 0

@@ -13,7 +13,7 @@ from .sampling_params import SamplingParams
 
 ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "prefix_caching", "enforce_eager",
                   "cuda_graph_batch_sizes", "max_model_len", "cpu_cache_gb", "kv_cache_dir", "disk_cache_gb",
-                  "swap_on_preemption")
+                  "swap_on_preemption", "admission_lookahead_tokens")
 
 
 class LLM:

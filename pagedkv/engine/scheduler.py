@@ -3,8 +3,14 @@
 Every step has a token budget (`max_num_batched_tokens`). Running sequences go first, decodes (one
 token each) before prefill chunks, in admission order; waiting sequences are then admitted while
 budget, `max_num_seqs` and free blocks allow, starting from the blocks the prefix cache already holds.
-When a running sequence needs a block and none is free, the most recently admitted running sequence
-is preempted: its blocks are freed and it goes back to the head of the queue, to be recomputed.
+Admission leaves headroom for the blocks the running sequences will take as they grow: a request is
+admitted only if, with it, the free blocks cover the peak of their future demand (`growth_blocks`), each
+growing by one token a step to its last token (prompt + max_tokens, looked ahead at most
+`admission_lookahead_tokens`; one block when the client gave no max_tokens) and freeing its blocks then.
+Once admission is refused it stays refused until a running sequence leaves (`can_admit`). When a running
+sequence needs a block and none is free all the same (outputs that outgrow the lookahead), the most
+recently admitted running sequence is preempted: its blocks are freed and it goes back to the head of
+the queue, to be recomputed.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..cache import PagedKVCache
 from ..prefix import PrefixCache
@@ -53,12 +61,17 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        self.is_admission_blocked = False  # the queue's head was refused; nothing left the running set since
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def can_admit(self) -> bool:
+        """Whether the next `schedule()` may admit a waiting request (False: a decode step of the running ones)."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs and not self.is_admission_blocked
 
     # ------------------------------------------------------------------------------------------
     # blocks
@@ -123,9 +136,14 @@ class Scheduler:
             planned[seq.seq_id] = (seq, n, need)
             budget -= n
             reserved += need
+        future = None  # (tokens after this step, tokens at the end) of each running sequence
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            admitted = self._admit(seq, budget, reserved)
+            if future is None:
+                future = [self._future(s, s.num_computed_tokens + (planned[s.seq_id][1] if s.seq_id in planned else 0),
+                                       s.metrics.num_cached_tokens) for s in self.running]
+            admitted = self._admit(seq, budget, reserved, future)
+            self.is_admission_blocked = admitted is None
             if admitted is None:
                 break
             n, need = admitted
@@ -138,10 +156,45 @@ class Scheduler:
         spec = [num_spec.get(s.seq_id, 0) for s in order] if num_spec else None
         return ScheduledBatch(order, [planned[s.seq_id][1] for s in order], spec)
 
-    def _admit(self, seq: Sequence, budget: int, reserved: int) -> tuple[int, int] | None:
-        """Start `seq` in the cache from its cached prefix blocks if its first chunk fits; (tokens, new blocks).
+    # ------------------------------------------------------------------------------------------
+    # admission headroom
+    def _future(self, seq: Sequence, num_tokens: int, num_shared: int) -> tuple[int, int]:
+        """(tokens now, tokens at the end) of `seq` holding `num_tokens` after this step, counted past the
+        `num_shared` tokens of its prefix-cache hits (blocks others may hold too, so not freed at its end).
 
-        The first chunk must fit whole, unless nothing else runs (then it shrinks to the free blocks).
+        The end is its last written token (prompt + max_tokens - 1), looked ahead at most
+        `admission_lookahead_tokens`; without a max_tokens from the client its length is unknown, and it is
+        looked ahead one block (reserving more for outputs that mostly end early costs more batch than
+        the preemptions it saves)."""
+        last = seq.num_prompt_tokens + seq.params.max_tokens - 1
+        lookahead = self.config.admission_lookahead_tokens if seq.has_max_tokens else self.cache.block_size
+        end = max(num_tokens, min(last, num_tokens + lookahead))
+        return num_tokens - num_shared, end - num_shared
+
+    def growth_blocks(self, future: list[tuple[int, int]]) -> int:
+        """The most blocks that sequences of (tokens now, tokens at the end) will take beyond the ones they hold
+        now, each growing one token a step and freeing its blocks at its end: the peak comes just before one
+        of them ends."""
+        bs = self.cache.block_size
+        now = np.array([f[0] for f in future], dtype=np.int64)
+        end = np.array([f[1] for f in future], dtype=np.int64)
+        held = int(((now + bs - 1) // bs).sum())
+        steps = end - now
+        order = np.argsort(steps, kind="stable")  # soonest end first
+        now, steps = now[order], steps[order]
+        # row k: the blocks of every sequence still running when sequence k ends (those after it in `order`)
+        blocks = (now[None, :] + steps[:, None] + bs - 1) // bs
+        blocks[np.tril_indices(len(now), -1)] = 0
+        return max(0, int(blocks.sum(axis=1).max()) - held) if len(now) else 0
+
+    def _admit(self, seq: Sequence, budget: int, reserved: int,
+               future: list[tuple[int, int]]) -> tuple[int, int] | None:
+        """Start `seq` in the cache from its cached prefix blocks if its first chunk fits, with room left for
+        the growth of the running sequences (`future`, which gets `seq`'s when it starts) and its own
+        (`growth_blocks`); (tokens, new blocks).
+
+        The first chunk must fit whole, unless nothing else runs (then it shrinks to the free blocks and
+        no headroom is kept).
         """
         bs = self.cache.block_size
         max_blocks = (len(seq) - 1) // bs  # leave at least one token to compute (its logits are needed)
@@ -154,9 +207,12 @@ class Scheduler:
         if need > free and not self.running:
             n = min(n, (len(cached) + free) * bs - num_cached)
             need = self.cache.blocks_for(num_cached + n) - len(cached)
-        if need > free or n < 1:
+        mine = self._future(seq, num_cached + n, num_cached)
+        if need > free or n < 1 or (self.running and self.config.admission_lookahead_tokens
+                                    and self.growth_blocks(future + [mine]) > free - need):
             self.prefix.unmatch(cached)
             return None
+        future.append(mine)
         self.prefix.record(min(max_blocks, len(hashes)), len(cached))
         self.cache.add_sequence(seq.seq_id, prefix_block_ids=cached)
         seq.num_computed_tokens = num_cached
@@ -172,6 +228,7 @@ class Scheduler:
         """Free `seq`'s blocks and put it back at the head of the queue (recomputed when readmitted)."""
         self.running.remove(seq)
         self.prefix.release(seq.seq_id, preempted=True)
+        self.is_admission_blocked = False
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.status = SequenceStatus.WAITING
@@ -188,6 +245,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.prefix.release(seq.seq_id)
+            self.is_admission_blocked = False
         elif seq in self.waiting:
             self.waiting.remove(seq)
 

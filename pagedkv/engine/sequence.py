@@ -24,7 +24,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, *,
-                 prompt: str | None = None, stream: bool = False):
+                 prompt: str | None = None, stream: bool = False, has_max_tokens: bool = True):
         self.request_id = request_id
         self.seq_id = seq_id  # the cache's id for this sequence
         self.prompt = prompt
@@ -32,6 +32,8 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)  # every output of the request shares this list
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        # the client set max_tokens (else it is the context window's remainder, no guide to the output's length)
+        self.has_max_tokens = has_max_tokens
         self.stream = stream  # stream text as it comes (incremental detokenization)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0

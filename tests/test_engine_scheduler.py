@@ -1,0 +1,147 @@
+"""Admission headroom in the scheduler: requests are admitted only with room for the running ones' growth,
+so a small pool under load preempts rarely, and outputs are the same with or without preemption."""
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.cache import PagedKVCache
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.sequence import Sequence
+from pagedkv.errors import CacheCapacityError, ConfigError
+from pagedkv.prefix import PrefixCache
+
+
+def make_scheduler(num_blocks: int, block_size: int = 4, **options) -> Scheduler:
+    cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size)
+    config = EngineConfig(prefix_caching=False, **options)
+    return Scheduler(config, cache, PrefixCache(cache, enabled=False))
+
+
+def simulate(scheduler: Scheduler, requests, arrivals=None) -> dict:
+    """Run `requests` [(prompt tokens, max_tokens or None, tokens it ends at)] through `scheduler` without a
+    model: every step reserves the scheduled slots as the model runner does and appends one token to each
+    sequence whose computed tokens caught up. Returns preemptions, steps, tokens fed and the largest batch."""
+    seqs = []
+    for i, (num_prompt, max_tokens, num_out) in enumerate(requests):
+        params = SamplingParams(max_tokens=max_tokens if max_tokens is not None else 1000, ignore_eos=True)
+        seqs.append((Sequence(str(i), i, [1 + i] * num_prompt, params, has_max_tokens=max_tokens is not None),
+                     num_out))
+    ends = {s.seq_id: n for s, n in seqs}
+    pending, cache, steps, largest, fed = list(seqs), scheduler.cache, 0, 0, 0
+    while pending or scheduler.has_unfinished():
+        while pending and (arrivals is None or arrivals[len(seqs) - len(pending)] <= steps):
+            scheduler.add(pending.pop(0)[0])
+        steps += 1
+        assert steps < 100_000, "the scheduler stopped making progress"
+        batch = scheduler.schedule()
+        if not batch:
+            continue
+        try:
+            cache.reserve([s.seq_id for s in batch.seqs], batch.num_new_tokens)
+        except CacheCapacityError:  # what the engine does when a step does not fit after all
+            scheduler.preempt_last()
+            continue
+        scheduler.after_step(batch)
+        largest = max(largest, len(batch.seqs))
+        fed += batch.num_tokens
+        for seq in batch.seqs:
+            if seq.num_computed_tokens == len(seq.token_ids):
+                seq.token_ids.append(7)
+                if seq.num_output_tokens >= ends[seq.seq_id]:
+                    seq.finish("length")
+                    scheduler.finish(seq)
+    assert cache.pool.num_used == 0 and not cache.seqs
+    cache.pool.check()
+    return {"preemptions": scheduler.num_preemptions, "steps": steps, "tokens_fed": fed, "largest_batch": largest}
+
+
+def test_growth_blocks_is_the_peak_before_a_sequence_ends():
+    scheduler = make_scheduler(64, block_size=4)
+    # two sequences of 4 tokens (1 block each) growing to 8 and 12 tokens: 2 + 2 blocks when the first ends
+    assert scheduler.growth_blocks([(4, 8), (4, 12)]) == 2
+    # the first ends after one token and frees its 2 blocks; the peak is the second's 4 blocks at its end,
+    # not the 2 + 4 blocks of both at their ends
+    assert scheduler.growth_blocks([(4, 5), (4, 16)]) == 2
+    assert scheduler.growth_blocks([(4, 16), (4, 5)]) == 2
+    assert scheduler.growth_blocks([(3, 3)]) == 0
+    assert scheduler.growth_blocks([]) == 0
+
+
+def test_known_lengths_under_load_finish_without_preemption():
+    # 24 requests of 12 prompt + 20 new tokens (8 blocks each at the end) over 48 blocks: at most 6 fit
+    requests = [(12, 20, 20)] * 24
+    thrash = simulate(make_scheduler(48, admission_lookahead_tokens=0), requests)
+    headroom = simulate(make_scheduler(48), requests)
+    assert thrash["preemptions"] >= 12
+    assert headroom["preemptions"] == 0
+    assert headroom["largest_batch"] == 6  # admission still fills the pool
+    assert headroom["tokens_fed"] == 24 * (12 + 19)  # nothing recomputed: every token fed once
+    assert thrash["tokens_fed"] > 24 * (12 + 19) * 1.2
+
+
+def test_headroom_follows_max_tokens_not_the_lookahead_cap():
+    # max_tokens 20 but every request stops after 4 tokens (as at an EOS): admission reserves by
+    # max_tokens, so fewer run at once, and none is ever preempted
+    requests = [(12, 20, 4)] * 24
+    result = simulate(make_scheduler(48), requests)
+    assert result["preemptions"] == 0 and result["largest_batch"] == 6
+
+
+def test_requests_without_max_tokens_keep_one_block_of_headroom_each():
+    rng = random.Random(0)
+    requests = [(rng.randint(4, 30), None, rng.randint(4, 40)) for _ in range(60)]
+    arrivals = sorted(rng.randrange(200) for _ in requests)
+    thrash = simulate(make_scheduler(64, admission_lookahead_tokens=0), requests, arrivals)
+    headroom = simulate(make_scheduler(64), requests, arrivals)
+    assert thrash["preemptions"] >= 10
+    assert headroom["preemptions"] <= thrash["preemptions"] // 3
+
+
+def test_refused_admission_waits_for_a_running_request_to_leave():
+    scheduler = make_scheduler(16)  # 64 tokens
+    a, b = (Sequence(str(i), i, [1] * 8, SamplingParams(max_tokens=40)) for i in range(2))
+    scheduler.add(a)
+    scheduler.add(b)
+    batch = scheduler.schedule()
+    assert batch.seqs == [a]  # b's 8 tokens fit, but not with a's growth to 47 tokens (12 blocks) and its own
+    assert scheduler.is_admission_blocked and not scheduler.can_admit()
+    scheduler.cache.reserve([a.seq_id], batch.num_new_tokens)
+    scheduler.after_step(batch)
+    a.finish("stop")
+    scheduler.finish(a)
+    assert scheduler.can_admit()
+    assert scheduler.schedule().seqs == [b]
+
+
+def test_admission_lookahead_must_be_a_count_of_tokens():
+    with pytest.raises(ConfigError, match="admission_lookahead_tokens"):
+        EngineConfig(admission_lookahead_tokens=-1)
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_outputs_are_the_same_with_and_without_preemption():
+    model = tiny_llama()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(5, 20))] for _ in range(6)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    roomy = LLM(model, num_blocks=64, block_size=4, max_num_seqs=1)
+    alone = [o.token_ids for o in roomy.generate(prompts, params)]
+    runs = {}
+    for lookahead in (0, 1024):
+        llm = LLM(model, num_blocks=16, block_size=4, prefix_caching=False, admission_lookahead_tokens=lookahead)
+        runs[lookahead] = ([o.token_ids for o in llm.generate(prompts, params)], llm.stats())
+        assert llm.stats()["blocks_used"] == 0
+    assert runs[0][1]["preemptions"] > 0
+    assert runs[1024][1]["preemptions"] == 0
+    assert runs[0][0] == runs[1024][0] == alone
