@@ -342,8 +342,10 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     split = num_splits > 1
     parts = partial_states(query, num_splits, head_dim_pad) if split else (out, out, out)
     precision = dot_precision(query.dtype)
+    extra = {}
     if tiles.transposed:   # the group's heads on the N dimension: 8 columns at least
         kernel, rows = decode_kernel_transposed, max(8, triton.next_power_of_2(group))
+        extra["FOLD_BIAS"] = tiles.fold_bias
     else:                  # the group's heads on the M dimension: 16 rows at least
         kernel, rows = decode_kernel, max(16, triton.next_power_of_2(group))
     registers = {"maxnreg": tiles.max_registers} if tiles.max_registers else {}
@@ -359,7 +361,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         WARPS=tiles.num_warps, TILE_N=tiles.tile_n, SPLIT=split,
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), KIND=view.kind, K_BITS=view.k_bits,
         FAST_CVT=fast_conversions(), DOT_PRECISION=precision,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **registers,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **registers, **extra,
     )
     if split:
         reduce_splits(out, parts, view, precision)
