@@ -174,10 +174,12 @@ async def run_load(base: str, args, texts: list[str], records: list, stop_at: fl
     watcher.cancel()
 
 
-async def warm_up(base: str, n: int) -> None:
-    async with httpx.AsyncClient(timeout=600) as http:
-        await asyncio.gather(*(http.post(f"{base}/v1/completions", json={
-            "model": "default", "prompt": f"Count to {i + 5}:", "max_tokens": 32, "temperature": 0}) for i in range(n)))
+async def warm_up(base: str, texts: list[str]) -> None:
+    """The load's longest requests, all at once: the batch shapes and context lengths the run reaches."""
+    async with httpx.AsyncClient(timeout=1200) as http:
+        await asyncio.gather(*(http.post(f"{base}/v1/chat/completions", json={
+            "model": "default", "messages": [{"role": "user", "content": f"Continue this passage:\n\n{text}"}],
+            "max_tokens": 64, "temperature": 0, "ignore_eos": True}) for text in texts))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,7 +197,8 @@ def count_statuses(records: list[dict]) -> dict[str, int]:
 
 
 def fifth_stats(records: list[dict], seconds: float, which: int) -> dict:
-    lo, hi = (0, seconds / 5) if which == 0 else (seconds * 4 / 5, float("inf"))
+    """TTFT and TPOT percentiles of the streams sent in the first (which=0) or last (4) fifth of `seconds`."""
+    lo, hi = (0, seconds / 5) if which == 0 else (seconds * 4 / 5, seconds)
     part = [r for r in records if lo <= r["t"] < hi]
     ttft = [r["ttft"] for r in part if "ttft" in r]
     tpot = [r["tpot"] for r in part if "tpot" in r]
@@ -257,7 +260,8 @@ def main(argv=None) -> int:
     try:
         # a burst of requests first, so one-time costs (first forwards, allocator growth to the batch sizes the
         # load reaches) are not counted as growth of the resident memory
-        asyncio.run(warm_up(base, args.concurrency))
+        texts = passages(200, args.seed)
+        asyncio.run(warm_up(base, sorted(texts, key=len)[-args.concurrency:]))
         rss_start = server_rss_mb(proc.pid)
         t0 = time.perf_counter()
         stop_at = t0 + args.minutes * 60
@@ -280,7 +284,7 @@ def main(argv=None) -> int:
                               f"RSS {s['rss_mb']:.0f} MiB, preemptions {s['preemptions']:.0f}", flush=True)
                     await asyncio.sleep(args.sample_seconds)
 
-        asyncio.run(run_load(base, args, passages(200, args.seed), records, stop_at, monitor))
+        asyncio.run(run_load(base, args, texts, records, stop_at, monitor))
         seconds = time.perf_counter() - t0
         print(f"load stopped after {seconds / 60:.1f} min; waiting for the pool to drain ...", flush=True)
         deadline = time.time() + 60  # hung-up requests are aborted at the next step boundary
@@ -300,7 +304,7 @@ def main(argv=None) -> int:
     generation_errors = sum("generation_error" in r.get("body", "") for r in records)
     malformed_ok = all(r["openai_error_body"] for r in records if "malformed" in r)
     server_side = five_xx + stream_errors + generation_errors + log.count("Traceback")
-    first, last = fifth_stats(records, seconds, 0), fifth_stats(records, seconds, 4)
+    first, last = fifth_stats(records, args.minutes * 60, 0), fifth_stats(records, args.minutes * 60, 4)
     growth = (rss_end - rss_start) / rss_start
     checks = {
         "no server-side error": server_side == 0 and by_status.get("client_error", 0) == 0,
