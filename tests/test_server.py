@@ -203,3 +203,88 @@ def test_fields_clients_send_by_default_are_accepted(client):
                                           max_tokens=1, user="u-1", stream=True,
                                           stream_options={"include_usage": True}, tool_choice="none")
     assert any(c.usage is not None for c in chat)
+
+
+def _reference_logprobs(smollm2, token_ids: list[int]):
+    """[len(token_ids) - 1, vocab]: transformers' own log-softmax (float32, CPU) predicting token_ids[1:]."""
+    import torch
+
+    with torch.no_grad():
+        return smollm2[0](torch.tensor([token_ids])).logits[0, :-1].float().log_softmax(-1)
+
+
+def test_echo_logprobs_of_the_prompt_equal_transformers_log_softmax(server, smollm2):
+    tokenizer = smollm2[1]
+    text = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = tokenizer(text).input_ids
+    ref = _reference_logprobs(smollm2, ids)
+    for prompt in (text, ids):  # a string, and token ids as lm-evaluation-harness sends them
+        r = httpx.post(f"{server}/v1/completions", json={"model": "default", "prompt": prompt, "max_tokens": 0,
+                                                         "echo": True, "logprobs": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"] == text and r.json()["usage"]["completion_tokens"] == 0
+        assert lp["tokens"] == [tokenizer.decode([t]) for t in ids] and "".join(lp["tokens"]) == text
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids))]
+        for i, t in enumerate(ids[1:]):
+            assert abs(lp["token_logprobs"][i + 1] - ref[i, t].item()) < 1e-4
+            top = ref[i].topk(2)
+            expected = {tokenizer.decode([j]): v for j, v in zip(top.indices.tolist(), top.values.tolist())}
+            expected.setdefault(tokenizer.decode([t]), ref[i, t].item())
+            got = lp["top_logprobs"][i + 1]
+            assert got.keys() == expected.keys() and all(abs(got[k] - expected[k]) < 1e-4 for k in got)
+
+
+def test_completion_logprobs_through_the_openai_client(client, smollm2):
+    out = client.completions.create(model="default", prompt="The capital of France is", max_tokens=3, temperature=0,
+                                    logprobs=1, echo=True)
+    choice = out.choices[0]
+    prompt_ids = smollm2[1]("The capital of France is").input_ids
+    assert choice.text.startswith("The capital of France is") and out.usage.completion_tokens == 3
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + 3 and lp.token_logprobs[0] is None
+    ids = prompt_ids + [smollm2[1].convert_tokens_to_ids(smollm2[1].tokenize(t))[0] for t in lp.tokens[-3:]]
+    ref = _reference_logprobs(smollm2, ids)
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-4
+    # greedy: each generated token is the most likely one, so it is its own top-1 alternative
+    assert all(max(top, key=top.get) == tok for top, tok in zip(lp.top_logprobs[-3:], lp.tokens[-3:]))
+    streamed = client.completions.create(model="default", prompt="The capital of France is", max_tokens=3,
+                                         temperature=0, logprobs=1, stream=True)
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [x for p in pieces for x in p.token_logprobs] == lp.token_logprobs[-3:]
+
+
+def test_chat_logprobs_and_top_logprobs(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = client.chat.completions.create(model="default", messages=messages, max_tokens=5, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 5
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token  # greedy
+        assert abs(c.top_logprobs[0].logprob - c.logprob) < 1e-6 and c.bytes == list(c.token.encode())
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob
+    plain = client.chat.completions.create(model="default", messages=messages, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == out.choices[0].message.content
+    streamed = client.chat.completions.create(model="default", messages=messages, max_tokens=5, temperature=0,
+                                              logprobs=True, stream=True)
+    tokens = [c.token for ch in streamed if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert tokens == [c.token for c in content]
+
+
+@pytest.mark.parametrize("route, extra, param", [
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"echo": True, "stream": True}, "echo"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+])
+def test_bad_logprobs_requests_get_400(server, route, extra, param):
+    body = {"model": "default", "prompt": "hi"} if route == "/v1/completions" else \
+        {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{server}{route}", json={**body, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -23,7 +23,7 @@ from .detokenizer import Detokenizer
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .prefix_tiers import make_prefix_cache
-from .sampler import Sampler
+from .sampler import Sampler, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .spec.speculator import make_speculator
@@ -41,6 +41,7 @@ class _Step:
     event: "torch.cuda.Event | None"  # recorded after the copy
     is_graph: bool  # replayed from a CUDA graph: the next decode step may be queued behind it
     accepted: list[list[int]] | None = None  # a verify step: the tokens each sampled sequence emits
+    logprobs: list | None = None  # TokenLogprob of each sampled token, None for sequences that do not ask
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:
@@ -96,6 +97,8 @@ class LLMEngine:
                       request_id: str | None = None, stream: bool = False) -> Sequence:
         """A validated request (not yet added). Raises ConfigError / ContextWindowError on bad input."""
         params = params or SamplingParams()
+        if params.logprobs is not None and self.speculator is not None:
+            raise ConfigError("logprobs=... is not available with speculative decoding; serve without --speculative")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("this engine has no tokenizer: pass prompts as lists of token ids")
@@ -171,7 +174,7 @@ class LLMEngine:
         if not batch:
             return []
         try:
-            logits, rows, is_graph = self.runner.run(batch)
+            logits, rows, is_graph, prompt_logits = self.runner.run(batch)
         except CacheCapacityError:  # the estimate missed (e.g. a growth cap): make room and plan again
             self.scheduler.preempt_last()
             return []
@@ -179,6 +182,8 @@ class LLMEngine:
             self._fail(batch.seqs, f"{type(exc).__name__}: {exc}")
             return [seq.output(seq.text) for seq in batch.seqs]
         self.num_steps += 1
+        for i, rows_logits in prompt_logits.items():
+            self._record_prompt_logprobs(batch.seqs[i], rows_logits)
         step = self._sample(batch, [batch.seqs[i] for i in rows], logits, is_graph)
         if step.is_graph:
             self._in_flight = step
@@ -202,7 +207,20 @@ class LLMEngine:
             host.copy_(tokens, non_blocking=True)
             event = self._token_events[turn]
             event.record()
-        return _Step(batch, sampled, tokens, host, event, is_graph)
+        logprobs = None
+        if any(s.params.logprobs is not None for s in sampled):  # reads the tokens now (rare: the API asks)
+            logprobs = [token_logprobs(logits[i:i + 1], tokens[i:i + 1], s.params.logprobs)[0]
+                        if s.params.logprobs is not None else None for i, s in enumerate(sampled)]
+        return _Step(batch, sampled, tokens, host, event, is_graph, logprobs=logprobs)
+
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """logits: [rows, vocab], the predictions of seq's prompt tokens from position num_computed_tokens + 1 on
+        (a recomputed chunk after a preemption records nothing twice)."""
+        first = seq.num_computed_tokens + 1
+        assert len(seq.prompt_logprobs) >= first, "prompt chunks run in order, from the first token"
+        targets = seq.token_ids[first:first + len(logits)]
+        entries = token_logprobs(logits, torch.tensor(targets), seq.params.prompt_logprobs)
+        seq.prompt_logprobs.extend(entries[len(seq.prompt_logprobs) - first:])
 
     def _run_ahead(self, step: "_Step") -> "_Step | None":
         """Queue the decode step after `step` (still in flight), or None when it has to go through the scheduler.
@@ -260,10 +278,12 @@ class LLMEngine:
         self.scheduler.after_step(step.batch)
         now = time.perf_counter()
         outputs = []
-        for seq, token in zip(step.sampled, tokens):
+        for i, (seq, token) in enumerate(zip(step.sampled, tokens)):
             if seq.is_finished:  # aborted, or finished by the step before (a token queued ahead)
                 continue
             seq.token_ids.append(token)
+            if step.logprobs is not None and step.logprobs[i] is not None:
+                seq.logprobs.append(step.logprobs[i])
             self.num_generated_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now

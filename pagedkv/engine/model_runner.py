@@ -66,20 +66,23 @@ class ModelRunner:
         return self.graphs.run(seqs, input_ids=input_ids)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], bool]:
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], bool, dict[int, torch.Tensor]]:
         """Forward `batch`; returns (logits, index in batch.seqs of each sampled sequence, whether a CUDA graph
-        was replayed).
+        was replayed, prompt logits).
 
         logits: [num_rows, vocab], one row per sampled sequence, in order; a sequence verifying m drafted
         tokens (batch.num_spec_tokens) gets its m + 1 rows (the predictions after its last token and after
-        each drafted one). Raises CacheCapacityError (cache untouched) when the new tokens' blocks do not fit.
+        each drafted one). prompt logits: index in batch.seqs -> [rows, vocab], for a sequence that wants its
+        prompt's log-probabilities, the predictions of its prompt tokens after the chunk's first (each row
+        predicts the token after its position). Raises CacheCapacityError (cache untouched) when the new
+        tokens' blocks do not fit.
         """
         seqs, counts = batch.seqs, batch.num_new_tokens
         spec = batch.num_spec_tokens or [0] * len(seqs)
         sample_idx = [i for i, (s, n, m) in enumerate(zip(seqs, counts, spec)) if s.num_computed_tokens + n - m == len(s)]
         if self.can_replay(batch):
             try:
-                return self.graphs.run(seqs), sample_idx, True
+                return self.graphs.run(seqs), sample_idx, True, {}
             except CacheCapacityError:
                 raise
             except Exception as exc:  # a model or kernel that cannot be captured: stay correct, run eagerly
@@ -87,19 +90,24 @@ class ModelRunner:
         if self.can_replay_verify(batch):
             try:
                 return self.verify_graphs.run(seqs, [[s.token_ids[-1], *s.spec_token_ids[:m]] for s, m in zip(seqs, spec)]), \
-                    sample_idx, False
+                    sample_idx, False, {}
             except CacheCapacityError:
                 raise
             except Exception as exc:
                 self.disable_graphs(exc)
-        input_ids, positions, rows = [], [], []
-        for s, n, m in zip(seqs, counts, spec):
+        input_ids, positions, rows, prompt_rows = [], [], [], {}
+        for i, (s, n, m) in enumerate(zip(seqs, counts, spec)):
             start = s.num_computed_tokens
+            if s.params.prompt_logprobs is not None and start + 1 < s.num_prompt_tokens:
+                # positions start .. before the last prompt token predict prompt tokens start + 1 ..
+                prompt_rows[i] = range(len(input_ids), len(input_ids) + min(n, s.num_prompt_tokens - 1 - start))
             input_ids.extend(s.token_ids[start:start + n - m])
             input_ids.extend(s.spec_token_ids[:m])
             positions.extend(range(start, start + n))
             rows.append(range(len(input_ids) - 1 - m, len(input_ids)))
         keep = [r for i in sample_idx for r in rows[i]] or [len(input_ids) - 1]
+        num_sample_rows = len(keep)
+        keep += [r for i in prompt_rows for r in prompt_rows[i]]
         meta = self.cache.begin_step([s.seq_id for s in seqs], counts, device=self.device)
         meta.phase_hint = "verify" if any(spec) else None
         try:
@@ -110,4 +118,9 @@ class ModelRunner:
         finally:
             self.cache.end_forward()
         logits = out.logits[0]  # [len(keep), vocab]
-        return (logits if sample_idx else logits[:0]), sample_idx, False
+        prompt_logits, row = {}, num_sample_rows
+        for i, r in prompt_rows.items():
+            prompt_logits[i] = logits[row:row + len(r)]
+            row += len(r)
+        logits = logits[:num_sample_rows]
+        return (logits if sample_idx else logits[:0]), sample_idx, False, prompt_logits

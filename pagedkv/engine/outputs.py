@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """One token's log-probability under the model (log-softmax of its logits, before sampling settings)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability) of the most likely tokens, most likely first
+
+
+@dataclass
 class CompletionOutput:
     """The generated part of a request so far.
 
@@ -20,6 +29,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -55,6 +65,8 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None  # set with finish_reason "error"
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:

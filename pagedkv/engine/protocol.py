@@ -8,8 +8,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .outputs import RequestOutput, TokenLogprob
+from .sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 # OpenAI fields this server does not implement, accepted only at the value that means "off" (clients send
@@ -54,11 +54,11 @@ class _Request(BaseModel):
             raise ValueError(f"{info.field_name} is not implemented by this server; leave it out")
         return value
 
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int | None, **logprobs) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               stop=self.stop or (), stop_token_ids=self.stop_token_ids or (), max_tokens=max_tokens,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, **logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -69,6 +69,19 @@ class CompletionRequest(_Request):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16  # the OpenAI default for completions
     suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (0: the token's own only)
+    echo: bool = False  # the prompt before the completion (and its tokens' logprobs)
+
+    @property
+    def is_echo_only(self) -> bool:
+        """echo with max_tokens=0: the prompt scored, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self, default_max_tokens: int | None, **_) -> SamplingParams:
+        if self.is_echo_only:  # the prefill samples one token anyway; the response leaves it out
+            return self.model_copy(update={"max_tokens": 1}).sampling_params(default_max_tokens)
+        return super().sampling_params(default_max_tokens, logprobs=self.logprobs,
+                                       prompt_logprobs=self.logprobs if self.echo else None)
 
     @field_validator("suffix")
     @classmethod
@@ -102,11 +115,20 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value, info):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return value
+
+    def sampling_params(self, default_max_tokens: int | None, **_) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens)
+        return super().sampling_params(default_max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,25 +148,76 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_response(request_id: str, model: str, outputs: list[RequestOutput]) -> dict:
-    choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None, "finish_reason": o.outputs[0].finish_reason}
-               for i, o in enumerate(outputs)]
+def completion_logprobs(entries: list[TokenLogprob | None], token_ids: list[int], num_top: int, tokenizer,
+                        text_offset: int = 0) -> dict:
+    """The completions API's `logprobs` object of `token_ids` (an entry None: the first prompt token)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries):
+        text = tokenizer.decode([token_id])
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        token_logprobs.append(None if entry is None else entry.logprob)
+        if entry is None:
+            top_logprobs.append(None)
+            continue
+        top = {tokenizer.decode([t]): lp for t, lp in entry.top[:num_top]}
+        top.setdefault(text, entry.logprob)  # the chosen token is always listed (as vLLM does)
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def completion_choice(index: int, output: RequestOutput, req, tokenizer) -> dict:
+    """One choice of a completions answer: the echoed prompt (req.echo) and the completion, with logprobs."""
+    out = output.outputs[0]
+    if req.is_echo_only:
+        text, token_ids, entries = "", [], []
+    else:
+        text, token_ids, entries = out.text, out.token_ids, out.logprobs or []
+    if req.echo:
+        prompt = output.prompt if output.prompt is not None else tokenizer.decode(output.prompt_token_ids)
+        text = prompt + text
+        token_ids = output.prompt_token_ids + token_ids
+        entries = (output.prompt_logprobs or []) + entries
+    logprobs = completion_logprobs(entries, token_ids, req.logprobs, tokenizer) if req.logprobs is not None else None
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+
+def chat_logprobs(entries: list[TokenLogprob], tokenizer) -> dict:
+    """The chat API's `logprobs` object: `content`, one item per generated token."""
+    def item(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_response(request_id: str, model: str, outputs: list[RequestOutput], req, tokenizer) -> dict:
+    choices = [completion_choice(i, o, req, tokenizer) for i, o in enumerate(outputs)]
+    if req.is_echo_only:
+        for o in outputs:
+            o.outputs[0].token_ids = []  # the token the prefill sampled is not part of the answer
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(outputs)}
 
 
-def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None) -> dict:
+def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chat_response(request_id: str, model: str, output: RequestOutput) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": output.outputs[0].text},
-              "logprobs": None, "finish_reason": output.outputs[0].finish_reason}
+def chat_response(request_id: str, model: str, output: RequestOutput, tokenizer) -> dict:
+    out = output.outputs[0]
+    choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+              "logprobs": chat_logprobs(out.logprobs, tokenizer) if out.logprobs is not None else None,
+              "finish_reason": out.finish_reason}
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [choice], "usage": usage([output])}
 
 
-def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
     return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import torch
 
+from .outputs import TokenLogprob
 from .sequence import Sequence
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[TokenLogprob]:
+    """logits: [rows, vocab] raw model logits; token_ids: [rows] int64 -> each row's log-probability of its token
+    and its `num_top` most likely tokens (log-softmax in float32, before temperature and truncation)."""
+    logprobs = logits.float().log_softmax(-1)  # [rows, vocab]
+    chosen = logprobs.gather(1, token_ids.view(-1, 1).to(logprobs.device))[:, 0].tolist()
+    top_lp, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    return [TokenLogprob(t, lp, list(zip(ids, lps)))
+            for t, lp, ids, lps in zip(token_ids.tolist(), chosen, top_ids.tolist(), top_lp.tolist())]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -9,6 +9,7 @@ from ..errors import ConfigError
 
 
 MIN_TEMPERATURE = 1e-5  # temperatures below it sample greedily (as vLLM does)
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class SamplingParams:
     stop: strings that end the output (not included in the text); stop_token_ids: token ids that do.
     max_tokens: new tokens at most (None: up to the context window).
     ignore_eos: keep going past the end-of-sequence token (benchmarks).
+    logprobs: record each new token's log-probability and the `logprobs` most likely alternatives (0: the token
+    only); prompt_logprobs: the same for every prompt token after the first (its prompt skips the prefix
+    cache). Both come from the model's log-softmax, before temperature and truncation (as vLLM does).
     """
 
     temperature: float = 0.0
@@ -33,6 +37,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     max_tokens: int | None = 16
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -49,6 +55,10 @@ class SamplingParams:
             raise ConfigError(f"max_tokens={self.max_tokens!r} must be a positive integer")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             raise ConfigError(f"seed={self.seed!r} must be an integer in [-2**63, 2**64) (a 64-bit seed)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ConfigError(f"{name}={value!r} must be an integer in [0, {MAX_LOGPROBS}] (or None: off)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop={self.stop!r} must be non-empty strings")
 

@@ -198,7 +198,9 @@ class Scheduler:
         """
         bs = self.cache.block_size
         max_blocks = (len(seq) - 1) // bs  # leave at least one token to compute (its logits are needed)
-        hashes = self.prefix.block_hashes(seq.block_hashes, seq.token_ids) if self.prefix.enabled else []
+        # a prompt whose log-probabilities are asked for is computed whole (cached blocks would skip them)
+        reuse = self.prefix.enabled and seq.params.prompt_logprobs is None
+        hashes = self.prefix.block_hashes(seq.block_hashes, seq.token_ids) if reuse else []
         cached = self.prefix.match(hashes, max_blocks, free_blocks=self.free_blocks() - reserved)
         num_cached = len(cached) * bs
         n = min(len(seq) - num_cached, budget)

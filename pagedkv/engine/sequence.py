@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from .sampling_params import SamplingParams
 
 
@@ -47,6 +47,8 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.spec_token_ids: list[int] = []  # drafted tokens to verify after token_ids (speculative decoding)
         self.spec_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]: the drafter's distributions
+        self.logprobs: list[TokenLogprob] = []  # of each output token (params.logprobs set)
+        self.prompt_logprobs: list[TokenLogprob | None] = [None]  # of each prompt token (params.prompt_logprobs set)
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
 
     def __len__(self) -> int:
@@ -75,6 +77,9 @@ class Sequence:
         self.metrics.finished_time = time.perf_counter()
 
     def output(self, text: str) -> RequestOutput:
-        completion = CompletionOutput(0, text, self.output_token_ids, self.finish_reason, self.stop_reason)
+        p = self.params
+        completion = CompletionOutput(0, text, self.output_token_ids, self.finish_reason, self.stop_reason,
+                                      list(self.logprobs) if p.logprobs is not None else None)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             self.is_finished, self.metrics, self.error)
+                             self.is_finished, self.metrics, self.error,
+                             list(self.prompt_logprobs) if p.prompt_logprobs is not None else None)

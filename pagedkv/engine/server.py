@@ -129,6 +129,8 @@ def build_app(llm, served_model_names: list[str]):
             raise BadRequest("prompt is empty", param="prompt")
         if req.stream and len(prompts) != 1:
             raise BadRequest("streaming takes one prompt per request", param="prompt")
+        if req.stream and req.echo:
+            raise BadRequest("echo is not implemented with stream=true; ask without streaming", param="echo")
         request_id = protocol.new_id("cmpl")
         streams = start(prompts, req)
         if not req.stream:
@@ -136,20 +138,25 @@ def build_app(llm, served_model_names: list[str]):
             if outputs is None:
                 return JSONResponse({}, status_code=499)
             check_errors(outputs)
-            return protocol.completion_response(request_id, req.model, outputs)
+            return protocol.completion_response(request_id, req.model, outputs, req, llm.tokenizer)
         return StreamingResponse(_stream_completion(streams[0], request_id, req), media_type="text/event-stream")
 
     async def _stream_completion(stream, request_id, req):
-        sent, last = 0, None
+        sent, sent_tokens, last = 0, 0, None
         try:
             async for out in stream:
                 last = out
                 if out.error:
                     yield _sse(protocol.error_body(out.error, kind="server_error"))
                     break
-                text = out.outputs[0].text
+                text, done = out.outputs[0].text, out.outputs[0]
                 if len(text) > sent or out.finished:
-                    yield _sse(protocol.completion_chunk(request_id, req.model, text[sent:], out.outputs[0].finish_reason))
+                    logprobs = None
+                    if done.logprobs is not None:  # the tokens that arrived since the last chunk
+                        logprobs = protocol.completion_logprobs(done.logprobs[sent_tokens:], done.token_ids[sent_tokens:],
+                                                                req.logprobs, llm.tokenizer, text_offset=sent)
+                        sent_tokens = len(done.token_ids)
+                    yield _sse(protocol.completion_chunk(request_id, req.model, text[sent:], done.finish_reason, logprobs))
                     sent = len(text)
             if req.include_usage and last is not None:
                 yield _sse({**protocol.completion_chunk(request_id, req.model, "", None), "choices": [],
@@ -176,11 +183,11 @@ def build_app(llm, served_model_names: list[str]):
             if outputs is None:
                 return JSONResponse({}, status_code=499)
             check_errors(outputs)
-            return protocol.chat_response(request_id, req.model, outputs[0])
+            return protocol.chat_response(request_id, req.model, outputs[0], llm.tokenizer)
         return StreamingResponse(_stream_chat(stream, request_id, req), media_type="text/event-stream")
 
     async def _stream_chat(stream, request_id, req):
-        sent, last = 0, None
+        sent, sent_tokens, last = 0, 0, None
         try:
             yield _sse(protocol.chat_chunk(request_id, req.model, {"role": "assistant", "content": ""}, None))
             async for out in stream:
@@ -188,9 +195,13 @@ def build_app(llm, served_model_names: list[str]):
                 if out.error:
                     yield _sse(protocol.error_body(out.error, kind="server_error"))
                     break
-                text = out.outputs[0].text
+                text, done = out.outputs[0].text, out.outputs[0]
                 if len(text) > sent:
-                    yield _sse(protocol.chat_chunk(request_id, req.model, {"content": text[sent:]}, None))
+                    logprobs = None
+                    if done.logprobs is not None:  # the tokens that arrived since the last chunk
+                        logprobs = protocol.chat_logprobs(done.logprobs[sent_tokens:], llm.tokenizer)
+                        sent_tokens = len(done.logprobs)
+                    yield _sse(protocol.chat_chunk(request_id, req.model, {"content": text[sent:]}, None, logprobs))
                     sent = len(text)
                 if out.finished:
                     yield _sse(protocol.chat_chunk(request_id, req.model, {}, out.outputs[0].finish_reason))
