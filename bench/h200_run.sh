@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
-# The GPU measurements and checks BENCHMARKS.md reports, in one call on one H200 (about 8 minutes of
-# device time): the kernel benchmark (every format), the engine benchmark, the tile and split sweep,
-# then the CUDA-graph and engine tests on the GPU (about 3 minutes). Measurements come first, so a call
-# cut short still brings numbers back. Results go to $OUT (default bench/results); each step runs even
-# if an earlier one failed, and the exit code says whether any did.
+# The GPU measurements and checks BENCHMARKS.md reports, on one H200, in two calls of under ten minutes each
+# (a call's limit), measurements first so that a call cut short still brings numbers back. Results go to $OUT
+# (default bench/results); each step has its own time limit and runs even if an earlier one failed; the exit
+# code says whether any did.
 #
-#   OUT=/some/dir bash bench/h200_run.sh
+#   OUT=/some/dir bash bench/h200_run.sh kernels   # kernel tables, the warp-split sweep, kernel and tier GPU tests
+#   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 status=0
-run() {
-    echo "== $*"
-    "$@" || { echo "== failed ($?): $*"; status=1; }
+run() {  # run LIMIT_SECONDS COMMAND...
+    local limit=$1; shift
+    local start=$(date +%s)
+    echo "== $* (limit ${limit}s)"
+    timeout "$limit" "$@" || { echo "== failed ($?): $*"; status=1; }
+    echo "== $(( $(date +%s) - start ))s"
 }
-run python bench/kernels.py --out "$OUT/kernels"
-run python bench/engine_gpu.py --out "$OUT"
-run python bench/kernels.py --formats "off;q8;q4;turboquant" --sweep --skip prefill,write --out "$OUT/sweep"
-run python -m pytest -q -x tests/triton/test_triton_cuda_graph.py tests/test_engine_gpu.py
+case "${1:-kernels}" in
+kernels)
+    run 150 python bench/kernels.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --skip write --out "$OUT/kernels"
+    run 200 python bench/kernels.py --formats "q4;q8;turboquant" --warp-split --skip prefill,write --out "$OUT/sweeps/kernels_warp_split"
+    run 120 python -m pytest -q -x tests/triton/test_triton_cuda_graph.py tests/test_tiers_gpu.py tests/test_devices.py
+    ;;
+engine)
+    run 200 python bench/engine_gpu.py --formats off q8 q4 turboquant --batches 16 64 --context 8192 --requests 32 \
+        --skip-generate-batch --out "$OUT"
+    run 280 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --admission-lookahead-tokens 0 1024 --out "$OUT"
+    run 90 python bench/tiers.py --model llama8b --device cuda --prefix-tokens 2048 8192 32768 --out "$OUT/h200"
+    ;;
+*)
+    echo "usage: bash bench/h200_run.sh kernels|engine" >&2
+    exit 2
+    ;;
+esac
 exit $status
