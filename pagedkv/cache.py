@@ -260,6 +260,7 @@ class PagedKVCache(Cache):
         self.pool.incref(src.block_ids)
         self.seqs[child].block_ids = list(src.block_ids)
         self.seqs[child].num_tokens = src.num_tokens
+        self.mirror.fork(seq_id, child)
         return child
 
     def free(self, seq_id: int) -> None:
@@ -512,17 +513,39 @@ class PagedKVCache(Cache):
         return (f"PagedKVCache(format={self.config.kv_format}, block_size={self.block_size}, "
                 f"blocks={self.pool.num_used}/{self.num_blocks}, sequences={len(self.seqs)})")
 
+    # Beam search: rows of the batch are reordered by moving block-table rows and reference counts, never pages;
+    # beams that continue one parent share its blocks, and the first write to a shared partial block copies it.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise ConfigError("beam search is not supported by PagedKVCache; use greedy or sampling "
-                          "(or fork() sequences explicitly)")
+        """Row i of the batch continues old row beam_idx[i] (beam_idx: [batch] int64)."""
+        self._select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats == 1:
-            return
-        raise ConfigError("expanding a PagedKVCache batch is not supported; use num_return_sequences=1")
+        """Each row becomes `repeats` rows in a row (sharing its blocks)."""
+        if self.batch_seq_ids is not None:
+            self._select_rows([i for i in range(len(self.batch_seq_ids)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise ConfigError("selecting batch rows of a PagedKVCache is not supported")
+        """Keep the rows `indices` ([k] int64), in that order."""
+        self._select_rows(torch.as_tensor(indices).tolist())
+
+    def _select_rows(self, rows: list[int]) -> None:
+        """The batch becomes old rows `rows` (repeats allowed): an old row's sequence serves its first new row and
+        is forked for each further one; sequences no new row takes are freed."""
+        old = self.batch_seq_ids
+        if old is None:  # nothing bound, nothing cached yet
+            return
+        if any(not 0 <= r < len(old) for r in rows):
+            raise ConfigError(f"batch rows {rows} out of range: the cache's batch has {len(old)} rows")
+        taken: set[int] = set()
+        new = []
+        for r in rows:
+            seq_id = old[r]
+            new.append(self.fork(seq_id) if seq_id in taken else seq_id)
+            taken.add(seq_id)
+        self.batch_seq_ids = new
+        for seq_id in old:
+            if seq_id not in taken:
+                self.free(seq_id)
 
     # ------------------------------------------------------------------------------------------
     # snapshots and files (`pagedkv.snapshot`)

@@ -86,6 +86,12 @@ class DequantMirror:
             if sid == seq_id:
                 buf.length = min(buf.length, num_tokens)
 
+    def fork(self, seq_id: int, new_seq_id: int) -> None:
+        """`new_seq_id` continues `seq_id` (a sample or a beam): it keeps its route; its copy is decoded afresh
+        from the shared pages when first read (the same values)."""
+        if seq_id in self.routes:
+            self.routes[new_seq_id] = self.routes[seq_id]
+
     def forget(self, seq_id: int) -> None:
         """The request is over: drop its route and its copies."""
         self.routes.pop(seq_id, None)
