@@ -288,3 +288,31 @@ def test_bad_logprobs_requests_get_400(server, route, extra, param):
         {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(f"{server}{route}", json={**body, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_n_samples_on_both_endpoints_and_in_streams(client):
+    prompts = ["The capital of France is", "Once upon a time"]
+    out = client.completions.create(model="default", prompt=prompts, n=2, max_tokens=4, temperature=1.0, seed=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3] and out.usage.completion_tokens == 16
+    by_index = {c.index: c.text for c in out.choices}
+    single = client.completions.create(model="default", prompt=prompts[1], max_tokens=4, temperature=1.0, seed=4)
+    assert by_index[3] == single.choices[0].text  # prompt 1, sample 1: seed 3 + 1
+    streamed = client.completions.create(model="default", prompt=prompts[0], n=2, max_tokens=4, temperature=1.0,
+                                         seed=3, stream=True)
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] = c.finish_reason or finishes.get(c.index)
+    assert texts == {0: by_index[0], 1: by_index[1]} and finishes == {0: "length", 1: "length"}
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model="default", messages=messages, n=3, max_tokens=5, temperature=1.0,
+                                          seed=9)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and 3 <= chat.usage.completion_tokens <= 15
+    streamed = client.chat.completions.create(model="default", messages=messages, n=3, max_tokens=5,
+                                              temperature=1.0, seed=9, stream=True)
+    replies = {0: "", 1: "", 2: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            replies[c.index] += c.delta.content or ""
+    assert replies == {c.index: c.message.content for c in chat.choices}

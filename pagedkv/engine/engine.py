@@ -99,6 +99,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if params.logprobs is not None and self.speculator is not None:
             raise ConfigError("logprobs=... is not available with speculative decoding; serve without --speculative")
+        if params.n > 1 and self.speculator is not None:
+            raise ConfigError(f"n={params.n}: several samples are not available with speculative decoding; use n=1")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("this engine has no tokenizer: pass prompts as lists of token ids")
@@ -145,11 +147,13 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks (no-op if it already finished)."""
         seq = self.requests.get(request_id)
-        if seq is None or seq.is_finished:
+        if seq is None or all(s.is_finished for s in seq.group or [seq]):
             return None
-        seq.finish("abort")
-        self._retire(seq)
-        return seq.output(self.detokenizer.visible_text(seq))
+        for s in seq.group or [seq]:
+            if not s.is_finished:
+                s.finish("abort")
+                self._retire(s)
+        return self._output(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -194,6 +198,7 @@ class LLMEngine:
         """Queue sampling and the copy of the tokens to the host; nothing waits for the GPU here."""
         if batch.is_verify:
             return self._verify(batch, sampled, logits)
+        sampled, logits = self._spawn_samples(sampled, logits)
         tokens = self.sampler.sample(logits, sampled) if sampled else None
         host = event = None
         if tokens is not None and tokens.is_cuda:
@@ -212,6 +217,34 @@ class LLMEngine:
             logprobs = [token_logprobs(logits[i:i + 1], tokens[i:i + 1], s.params.logprobs)[0]
                         if s.params.logprobs is not None else None for i, s in enumerate(sampled)]
         return _Step(batch, sampled, tokens, host, event, is_graph, logprobs=logprobs)
+
+    def _spawn_samples(self, sampled: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """A request of n > 1 samples drawing its first token: its other n - 1 samples draw theirs from the same
+        logits row (each with its own generator), and join the running ones when the step finishes."""
+        if not any(s.params.n > 1 and s.group is None for s in sampled):
+            return sampled, logits
+        seqs, rows = [], []
+        for i, seq in enumerate(sampled):
+            seqs.append(seq)
+            rows.append(i)
+            if seq.params.n > 1 and seq.group is None:
+                group = [seq] + [seq.spawn(k, next(self._seq_ids)) for k in range(1, seq.params.n)]
+                for s in group:
+                    s.group = group
+                seqs.extend(seq.group[1:])
+                rows.extend([i] * (seq.params.n - 1))
+        return seqs, logits[torch.tensor(rows, device=logits.device)]  # [len(seqs), vocab]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        """The output of `seq`'s request: with n samples, each one's (finished when the last one is)."""
+        if seq.group is None:
+            return seq.output(self.detokenizer.visible_text(seq))
+        outs = [s.output(self.detokenizer.visible_text(s)) for s in seq.group]
+        out = outs[0]
+        out.outputs = [o.outputs[0] for o in outs]
+        out.finished = all(o.finished for o in outs)
+        out.error = next((o.error for o in outs if o.error), None)
+        return out
 
     def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         """logits: [rows, vocab], the predictions of seq's prompt tokens from position num_computed_tokens + 1 on
@@ -276,6 +309,9 @@ class LLMEngine:
         else:
             tokens = step.tokens.tolist()
         self.scheduler.after_step(step.batch)
+        for seq in step.sampled:
+            if seq.sample_index and not seq.is_finished and seq.seq_id not in self.cache.seqs:  # spawned this step
+                self.scheduler.fork(seq.group[0], seq)
         now = time.perf_counter()
         outputs = []
         for i, (seq, token) in enumerate(zip(step.sampled, tokens)):
@@ -291,8 +327,10 @@ class LLMEngine:
             if finished:
                 self._retire(seq)
             if finished or seq.stream:
-                outputs.append(seq.output(self.detokenizer.visible_text(seq)))
-        return outputs
+                out = self._output(seq)
+                if out.finished or seq.stream:
+                    outputs.append(out)
+        return list({out.request_id: out for out in outputs}.values())  # n samples: the latest of each request
 
     def _verify(self, batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor) -> "_Step":
         """A verify step: each sequence's drafted tokens checked against its rows of `logits` (on the host)."""
@@ -377,10 +415,12 @@ class LLMEngine:
             self.speculator.forget(seq)
         self.scheduler.finish(seq)
         self.detokenizer.finalize(seq)
-        self.requests.pop(seq.request_id, None)
-        self.num_finished += 1
+        if seq.group is None or all(s.is_finished for s in seq.group):
+            self.requests.pop(seq.request_id, None)
+            self.num_finished += 1
 
     def _fail(self, seqs: list[Sequence], message: str) -> None:
+        seqs = list({id(s): s for seq in seqs for s in (seq.group or [seq]) if not s.is_finished}.values())
         for seq in seqs:
             seq.error = message
             seq.finish("error")

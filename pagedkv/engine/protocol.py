@@ -8,7 +8,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .outputs import RequestOutput, TokenLogprob
+from .outputs import CompletionOutput, RequestOutput, TokenLogprob
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -58,7 +58,7 @@ class _Request(BaseModel):
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               stop=self.stop or (), stop_token_ids=self.stop_token_ids or (), max_tokens=max_tokens,
-                              ignore_eos=self.ignore_eos, **logprobs)
+                              ignore_eos=self.ignore_eos, n=self.n, **logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -144,7 +144,7 @@ def new_id(prefix: str) -> str:
 
 def usage(outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -167,9 +167,8 @@ def completion_logprobs(entries: list[TokenLogprob | None], token_ids: list[int]
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
-def completion_choice(index: int, output: RequestOutput, req, tokenizer) -> dict:
-    """One choice of a completions answer: the echoed prompt (req.echo) and the completion, with logprobs."""
-    out = output.outputs[0]
+def completion_choice(index: int, output: RequestOutput, out: CompletionOutput, req, tokenizer) -> dict:
+    """One choice of a completions answer: the echoed prompt (req.echo) and the completion `out`, with logprobs."""
     if req.is_echo_only:
         text, token_ids, entries = "", [], []
     else:
@@ -194,30 +193,31 @@ def chat_logprobs(entries: list[TokenLogprob], tokenizer) -> dict:
 
 
 def completion_response(request_id: str, model: str, outputs: list[RequestOutput], req, tokenizer) -> dict:
-    choices = [completion_choice(i, o, req, tokenizer) for i, o in enumerate(outputs)]
+    # prompt i's sample k is choice i * n + k (as OpenAI numbers them)
+    choices = [completion_choice(i * req.n + c.index, o, c, req, tokenizer) for i, o in enumerate(outputs)
+               for c in o.outputs]
     if req.is_echo_only:
-        for o in outputs:
-            o.outputs[0].token_ids = []  # the token the prefill sampled is not part of the answer
+        for c in (c for o in outputs for c in o.outputs):
+            c.token_ids = []  # the token the prefill sampled is not part of the answer
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(outputs)}
 
 
 def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def chat_response(request_id: str, model: str, output: RequestOutput, tokenizer) -> dict:
-    out = output.outputs[0]
-    choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-              "logprobs": chat_logprobs(out.logprobs, tokenizer) if out.logprobs is not None else None,
-              "finish_reason": out.finish_reason}
+    choices = [{"index": out.index, "message": {"role": "assistant", "content": out.text},
+                "logprobs": chat_logprobs(out.logprobs, tokenizer) if out.logprobs is not None else None,
+                "finish_reason": out.finish_reason} for out in output.outputs]
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage([output])}
+            "choices": choices, "usage": usage([output])}
 
 
 def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}

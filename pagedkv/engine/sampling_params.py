@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
 
 
 MIN_TEMPERATURE = 1e-5  # temperatures below it sample greedily (as vLLM does)
+MAX_N = 128  # samples per request at most
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs limit)
 
 
@@ -21,6 +22,8 @@ class SamplingParams:
     top_p: keep the smallest set of tokens whose probability adds up to at least top_p (1 keeps all).
     top_k: keep the k most likely tokens (0 or -1 keeps all).
     seed: a private random generator for this request, so its samples do not depend on the batch.
+    n: samples of the prompt (sharing its blocks); sample i draws with seed + i, so it equals a request of n=1
+    seeded with seed + i.
     stop: strings that end the output (not included in the text); stop_token_ids: token ids that do.
     max_tokens: new tokens at most (None: up to the context window).
     ignore_eos: keep going past the end-of-sequence token (benchmarks).
@@ -37,6 +40,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     max_tokens: int | None = 16
     ignore_eos: bool = False
+    n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
@@ -55,12 +59,21 @@ class SamplingParams:
             raise ConfigError(f"max_tokens={self.max_tokens!r} must be a positive integer")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             raise ConfigError(f"seed={self.seed!r} must be an integer in [-2**63, 2**64) (a 64-bit seed)")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ConfigError(f"n={self.n!r} must be an integer in [1, {MAX_N}]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 raise ConfigError(f"{name}={value!r} must be an integer in [0, {MAX_LOGPROBS}] (or None: off)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError(f"stop={self.stop!r} must be non-empty strings")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The settings of sample `index` of a request of n samples: one sample, seeded with seed + index."""
+        seed = self.seed
+        if seed is not None:
+            seed = (seed + index) if seed + index < 2**64 else seed + index - 2**64
+        return replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:

@@ -251,6 +251,16 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start `child` (another sample of `parent`'s request, which has just computed its prompt) on `parent`'s
+        blocks, shared by reference count; the first write to a shared partial block copies it."""
+        self.cache.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.block_hashes = list(parent.block_hashes)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance the sequences of a finished forward pass and register their newly full blocks."""
         bs, prefix_caching = self.cache.block_size, self.prefix.enabled

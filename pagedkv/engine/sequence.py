@@ -7,6 +7,7 @@ waiting with `num_computed_tokens = 0` and recomputes its prompt and outputs on 
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
 
@@ -49,7 +50,19 @@ class Sequence:
         self.spec_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]: the drafter's distributions
         self.logprobs: list[TokenLogprob] = []  # of each output token (params.logprobs set)
         self.prompt_logprobs: list[TokenLogprob | None] = [None]  # of each prompt token (params.prompt_logprobs set)
+        self.sample_index = 0  # which of the request's n samples this is
+        self.group: list[Sequence] | None = None  # a request of n > 1: its samples, by index, once it forked
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+
+    def spawn(self, index: int, seq_id: int) -> "Sequence":
+        """Sample `index` of this request of n samples, before its first token: a copy with its own seed,
+        state and cache sequence `seq_id` (which the scheduler forks from this one's blocks)."""
+        child = copy.copy(self)
+        child.seq_id, child.sample_index, child.params = seq_id, index, self.params.for_sample(index)
+        child.token_ids, child.block_hashes = list(self.token_ids), list(self.block_hashes)
+        child.logprobs, child.generator, child.spec_token_ids, child.spec_probs = list(self.logprobs), None, [], None
+        child.metrics = copy.copy(self.metrics)
+        return child
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -78,7 +91,7 @@ class Sequence:
 
     def output(self, text: str) -> RequestOutput:
         p = self.params
-        completion = CompletionOutput(0, text, self.output_token_ids, self.finish_reason, self.stop_reason,
+        completion = CompletionOutput(self.sample_index, text, self.output_token_ids, self.finish_reason, self.stop_reason,
                                       list(self.logprobs) if p.logprobs is not None else None)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              self.is_finished, self.metrics, self.error,

@@ -71,8 +71,6 @@ def build_app(llm, served_model_names: list[str]):
         if req.model not in served_model_names:
             raise BadRequest(f"the model {req.model!r} does not exist; this server serves "
                              f"{', '.join(repr(n) for n in served_model_names)}", param="model", code="model_not_found")
-        if req.n != 1:
-            raise BadRequest(f"n={req.n}: only n=1 is supported", param="n")
         return req
 
     def start(prompts: list, req) -> list:
@@ -142,22 +140,25 @@ def build_app(llm, served_model_names: list[str]):
         return StreamingResponse(_stream_completion(streams[0], request_id, req), media_type="text/event-stream")
 
     async def _stream_completion(stream, request_id, req):
-        sent, sent_tokens, last = 0, 0, None
+        sent, sent_tokens, ended, last = [0] * req.n, [0] * req.n, [False] * req.n, None  # per sample
         try:
             async for out in stream:
                 last = out
                 if out.error:
                     yield _sse(protocol.error_body(out.error, kind="server_error"))
                     break
-                text, done = out.outputs[0].text, out.outputs[0]
-                if len(text) > sent or out.finished:
-                    logprobs = None
-                    if done.logprobs is not None:  # the tokens that arrived since the last chunk
-                        logprobs = protocol.completion_logprobs(done.logprobs[sent_tokens:], done.token_ids[sent_tokens:],
-                                                                req.logprobs, llm.tokenizer, text_offset=sent)
-                        sent_tokens = len(done.token_ids)
-                    yield _sse(protocol.completion_chunk(request_id, req.model, text[sent:], done.finish_reason, logprobs))
-                    sent = len(text)
+                for done in out.outputs:
+                    i, text = done.index, done.text
+                    if len(text) > sent[i] or (done.finish_reason and not ended[i]):
+                        logprobs = None
+                        if done.logprobs is not None:  # the tokens that arrived since the last chunk
+                            logprobs = protocol.completion_logprobs(done.logprobs[sent_tokens[i]:],
+                                                                    done.token_ids[sent_tokens[i]:], req.logprobs,
+                                                                    llm.tokenizer, text_offset=sent[i])
+                            sent_tokens[i] = len(done.token_ids)
+                        yield _sse(protocol.completion_chunk(request_id, req.model, text[sent[i]:], done.finish_reason,
+                                                             logprobs, index=i))
+                        sent[i], ended[i] = len(text), done.finish_reason is not None
             if req.include_usage and last is not None:
                 yield _sse({**protocol.completion_chunk(request_id, req.model, "", None), "choices": [],
                             "usage": protocol.usage([last])})
@@ -187,24 +188,29 @@ def build_app(llm, served_model_names: list[str]):
         return StreamingResponse(_stream_chat(stream, request_id, req), media_type="text/event-stream")
 
     async def _stream_chat(stream, request_id, req):
-        sent, sent_tokens, last = 0, 0, None
+        sent, sent_tokens, ended, last = [0] * req.n, [0] * req.n, [False] * req.n, None  # per sample
         try:
-            yield _sse(protocol.chat_chunk(request_id, req.model, {"role": "assistant", "content": ""}, None))
+            for i in range(req.n):
+                yield _sse(protocol.chat_chunk(request_id, req.model, {"role": "assistant", "content": ""}, None,
+                                               index=i))
             async for out in stream:
                 last = out
                 if out.error:
                     yield _sse(protocol.error_body(out.error, kind="server_error"))
                     break
-                text, done = out.outputs[0].text, out.outputs[0]
-                if len(text) > sent:
-                    logprobs = None
-                    if done.logprobs is not None:  # the tokens that arrived since the last chunk
-                        logprobs = protocol.chat_logprobs(done.logprobs[sent_tokens:], llm.tokenizer)
-                        sent_tokens = len(done.logprobs)
-                    yield _sse(protocol.chat_chunk(request_id, req.model, {"content": text[sent:]}, None, logprobs))
-                    sent = len(text)
-                if out.finished:
-                    yield _sse(protocol.chat_chunk(request_id, req.model, {}, out.outputs[0].finish_reason))
+                for done in out.outputs:
+                    i, text = done.index, done.text
+                    if len(text) > sent[i]:
+                        logprobs = None
+                        if done.logprobs is not None:  # the tokens that arrived since the last chunk
+                            logprobs = protocol.chat_logprobs(done.logprobs[sent_tokens[i]:], llm.tokenizer)
+                            sent_tokens[i] = len(done.logprobs)
+                        yield _sse(protocol.chat_chunk(request_id, req.model, {"content": text[sent[i]:]}, None,
+                                                       logprobs, index=i))
+                        sent[i] = len(text)
+                    if done.finish_reason and not ended[i]:
+                        yield _sse(protocol.chat_chunk(request_id, req.model, {}, done.finish_reason, index=i))
+                        ended[i] = True
             if req.include_usage and last is not None:
                 yield _sse({**protocol.chat_chunk(request_id, req.model, {}, None), "choices": [],
                             "usage": protocol.usage([last])})
