@@ -75,13 +75,16 @@ def test_preempted_requests_swap_to_the_host_tier(model_and_tokenizer, prompts):
              for p in short]
     # 6 blocks hold both prompts, not both requests at 64 tokens (4 blocks each): one is preempted and its
     # blocks go to the host tier, from where readmission loads those the other request reused meanwhile
-    llm = make_llm(model_and_tokenizer, num_blocks=6, cpu_cache_gb=0.05, swap_on_preemption=True)
+    # (admitted without headroom, so that they grow into each other)
+    llm = make_llm(model_and_tokenizer, num_blocks=6, cpu_cache_gb=0.05, swap_on_preemption=True,
+                   admission_lookahead_tokens=0)
     outputs = [o.token_ids for o in llm.generate(short, params)]
     stats = llm.stats()
     assert stats["preemptions"] > 0 and stats["tier_host_hits"] > 0
     assert outputs == alone
     assert stats["blocks_used"] == 0
-    recomputing = make_llm(model_and_tokenizer, num_blocks=6, cpu_cache_gb=0.05)  # the option off
+    recomputing = make_llm(model_and_tokenizer, num_blocks=6, cpu_cache_gb=0.05,  # the option off
+                           admission_lookahead_tokens=0)
     assert [o.token_ids for o in recomputing.generate(short, params)] == alone
     assert recomputing.stats()["preemptions"] > 0 and recomputing.stats()["tier_host_hits"] == 0
 

@@ -117,7 +117,7 @@ def _llm(model, cache):
     """Greedy outputs of the engine over ENGINE_PROMPTS, and its stats."""
     from pagedkv import LLM, SamplingParams
 
-    llm = LLM(model, cache=cache, max_num_batched_tokens=8)
+    llm = LLM(model, cache=cache, max_num_batched_tokens=8, admission_lookahead_tokens=0)  # preempts
     outputs = llm.generate(ENGINE_PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
     return [o.token_ids for o in outputs], llm.stats()
 
