@@ -180,7 +180,8 @@ def test_metrics_are_prometheus_text(server):
     assert m["pagedkv_generation_tokens_total"] > 0
 
 
-@pytest.mark.parametrize("field, value", [("best_of_luck", 3), ("presence_penalty", 0.5), ("logit_bias", {"1": 5})])
+@pytest.mark.parametrize("field, value", [("best_of_luck", 3), ("response_format", {"type": "json_object"}),
+                                          ("tools", [{"type": "function", "function": {"name": "f"}}])])
 def test_a_field_the_server_does_not_implement_gets_400_naming_it(server, field, value):
     bodies = {"/v1/completions": {"model": "default", "prompt": "hi", "max_tokens": 1},
               "/v1/chat/completions": {"model": "default", "messages": [{"role": "user", "content": "hi"}],
@@ -316,3 +317,18 @@ def test_n_samples_on_both_endpoints_and_in_streams(client):
         for c in chunk.choices:
             replies[c.index] += c.delta.content or ""
     assert replies == {c.index: c.message.content for c in chat.choices}
+
+
+def test_penalties_and_logit_bias_reach_the_sampler(server):
+    body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    plain = httpx.post(f"{server}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    biased = httpx.post(f"{server}/v1/completions", json={**body, "logit_bias": {"42": 100}, "echo": False,
+                                                          "presence_penalty": 0.5, "frequency_penalty": 0.5}, timeout=120)
+    assert biased.status_code == 200 and biased.json()["choices"][0]["text"] != plain
+    chat = httpx.post(f"{server}/v1/chat/completions", json={
+        "model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "min_tokens": 3,
+        "repetition_penalty": 1.1}, timeout=120)
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 3
+    for field, value in (("presence_penalty", 3), ("logit_bias", {"x": 1}), ("logit_bias", {"999999": 1})):
+        r = httpx.post(f"{server}/v1/completions", json={**body, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -68,7 +68,7 @@ class LLMEngine:
         self.prefix = make_prefix_cache(self.cache, config, model, own_cache=cache is None)
         self.scheduler = Scheduler(config, self.cache, self.prefix)
         self.runner = ModelRunner(model, self.cache, config, self.max_model_len)
-        self.sampler = Sampler()
+        self.sampler = Sampler(_eos_token_ids(model, tokenizer))
         self.speculator = make_speculator(speculative, model, self.vocab_size, self.max_model_len, self.runner)
         self.detokenizer = Detokenizer(tokenizer)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
@@ -99,6 +99,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if params.logprobs is not None and self.speculator is not None:
             raise ConfigError("logprobs=... is not available with speculative decoding; serve without --speculative")
+        if params.has_penalties and self.speculator is not None:
+            raise ConfigError("penalties, min_tokens and logit_bias are not available with speculative decoding")
+        bad_bias = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad_bias:
+            raise ConfigError(f"logit_bias={{{bad_bias[0]}: ...}}: token id {bad_bias[0]} is out of range, the "
+                              f"vocabulary has {self.vocab_size} tokens")
         if params.n > 1 and self.speculator is not None:
             raise ConfigError(f"n={params.n}: several samples are not available with speculative decoding; use n=1")
         if isinstance(prompt, str):

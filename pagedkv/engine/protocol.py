@@ -14,9 +14,8 @@ from .sampling_params import MAX_LOGPROBS, SamplingParams
 
 # OpenAI fields this server does not implement, accepted only at the value that means "off" (clients send
 # them explicitly, often as null); any other value is refused by name, as is any field not declared here.
-_OFF_VALUES = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-               "repetition_penalty": (None, 1), "min_tokens": (None, 0), "suffix": (None, ""),
-               "tools": (None, []), "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"})}
+_OFF_VALUES = {"suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+               "response_format": (None, {"type": "text"})}
 
 
 class _Request(BaseModel):
@@ -37,11 +36,11 @@ class _Request(BaseModel):
     user: str | None = None  # accepted, no effect (OpenAI clients send it for abuse monitoring)
     metadata: dict | None = None  # accepted, no effect
     store: bool | None = None  # accepted, no effect
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    logit_bias: dict | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: bool | None = None  # only meaningful with tools, which must be absent
@@ -58,7 +57,9 @@ class _Request(BaseModel):
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                               stop=self.stop or (), stop_token_ids=self.stop_token_ids or (), max_tokens=max_tokens,
-                              ignore_eos=self.ignore_eos, n=self.n, **logprobs)
+                              ignore_eos=self.ignore_eos, n=self.n, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_tokens=self.min_tokens, logit_bias=self.logit_bias or (), **logprobs)
 
     @property
     def include_usage(self) -> bool:

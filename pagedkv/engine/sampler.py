@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .outputs import TokenLogprob
+from .penalties import apply_penalties, record_tokens
 from .sequence import Sequence
 
 
@@ -34,11 +35,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 
 class Sampler:
+    def __init__(self, eos_token_ids: set[int] | None = None):
+        self.eos_token_ids = set(eos_token_ids or ())  # what min_tokens holds back
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: [num_seqs, vocab] (row i for seqs[i]) -> next token ids [num_seqs] int64, on logits' device.
 
-        Launches work only (no host synchronisation), so the caller decides when to read the tokens.
+        Penalties (SamplingParams) apply first. Launches work only (no host synchronisation), so the caller
+        decides when to read the tokens.
         """
+        logits = apply_penalties(logits, seqs, self.eos_token_ids)
         tokens = logits.argmax(dim=-1)  # [num_seqs]
         for i, seq in enumerate(seqs):
             p = seq.params
@@ -49,4 +55,5 @@ class Sampler:
             if p.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(device=logits.device).manual_seed(p.seed)
             tokens[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
+        record_tokens(tokens, seqs)
         return tokens

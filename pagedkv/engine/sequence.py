@@ -50,6 +50,7 @@ class Sequence:
         self.spec_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab]: the drafter's distributions
         self.logprobs: list[TokenLogprob] = []  # of each output token (params.logprobs set)
         self.prompt_logprobs: list[TokenLogprob | None] = [None]  # of each prompt token (params.prompt_logprobs set)
+        self.penalties = None  # penalties.PenaltyState, on the device, for a request with penalties
         self.sample_index = 0  # which of the request's n samples this is
         self.group: list[Sequence] | None = None  # a request of n > 1: its samples, by index, once it forked
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
@@ -62,6 +63,7 @@ class Sequence:
         child.token_ids, child.block_hashes = list(self.token_ids), list(self.block_hashes)
         child.logprobs, child.generator, child.spec_token_ids, child.spec_probs = list(self.logprobs), None, [], None
         child.metrics = copy.copy(self.metrics)
+        child.penalties = self.penalties.clone() if self.penalties is not None else None
         return child
 
     def __len__(self) -> int:
