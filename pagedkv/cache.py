@@ -12,7 +12,6 @@ keys/values to those slots and the attention function reads the pages through th
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from dataclasses import dataclass, field
 
