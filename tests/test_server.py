@@ -26,12 +26,11 @@ def metrics(base: str) -> dict[str, float]:
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
-@pytest.fixture(scope="module")
-def server():
+def start_server(args: list[str], threads: int = 2) -> tuple[subprocess.Popen, str]:
+    """`pagedkv serve --port <free> *args` in a subprocess, once /health answers: (process, base URL)."""
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    proc = subprocess.Popen([sys.executable, "-m", "pagedkv", "serve", "--port", str(port), "--num-blocks", "256",
-                             "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"],
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.Popen([sys.executable, "-m", "pagedkv", "serve", "--port", str(port), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -40,12 +39,16 @@ def server():
             raise RuntimeError(f"pagedkv serve exited: {proc.stdout.read().decode()}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
+                return proc, base
         except httpx.HTTPError:
             time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("pagedkv serve did not come up in time")
+    proc.kill()
+    raise RuntimeError("pagedkv serve did not come up in time")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = start_server(["--num-blocks", "256", "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"])
     yield base
     proc.terminate()
     proc.wait(timeout=30)

@@ -5,9 +5,6 @@ A tiny random-weight Llama with the default model's tokenizer (and chat template
 """
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
@@ -19,7 +16,7 @@ from schemathesis import GenerationMode
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from pagedkv.models import resolve_model_dir
-from test_server import _free_port, metrics
+from test_server import metrics, start_server
 
 MAX_EXAMPLES = 150  # per generation mode; the whole file runs in about a minute on two cores
 
@@ -39,24 +36,8 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir):
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "pagedkv", "serve", "--model", str(tiny_model_dir), "--port",
-                             str(port), "--num-blocks", "64", "--max-model-len", "96", "--device", "cpu",
-                             "--served-model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagedkv serve exited: {proc.stdout.read().decode()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("pagedkv serve did not come up in time")
+    proc, base = start_server(["--model", str(tiny_model_dir), "--num-blocks", "64", "--max-model-len", "96",
+                               "--device", "cpu", "--served-model-name", "tiny"], threads=1)
     yield base
     proc.terminate()
     out, _ = proc.communicate(timeout=30)

@@ -1,15 +1,13 @@
 """`pagedkv serve --kv-cache-dir`: a server restarted on the same directory answers a repeated long prompt
 from disk (counted by the tier hit counter in /metrics) with the same completion."""
 
-import os
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from test_server import _free_port, metrics
+from test_server import metrics, start_server
 
 PROMPT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
           "want of a wife. However little known the feelings or views of such a man may be on his first entering "
@@ -17,24 +15,9 @@ PROMPT = ("It is a truth universally acknowledged, that a single man in possessi
           "considered the rightful property of some one or other of their daughters. ") * 5
 
 
-def start_server(kv_cache_dir) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    proc = subprocess.Popen([sys.executable, "-m", "pagedkv", "serve", "--port", str(port), "--num-blocks", "128",
-                             "--max-model-len", "1024", "--device", "cpu", "--kv-cache-dir", str(kv_cache_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagedkv serve exited: {proc.stdout.read().decode()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("pagedkv serve did not come up in time")
+def start_kv_server(kv_cache_dir) -> tuple[subprocess.Popen, str]:
+    return start_server(["--num-blocks", "128", "--max-model-len", "1024", "--device", "cpu", "--kv-cache-dir",
+                         str(kv_cache_dir)])
 
 
 def complete(base: str) -> dict:
@@ -44,7 +27,7 @@ def complete(base: str) -> dict:
 
 @pytest.mark.slow
 def test_restarted_server_answers_a_repeated_prompt_from_disk(tmp_path):
-    proc, base = start_server(tmp_path)
+    proc, base = start_kv_server(tmp_path)
     try:
         first = complete(base)
         num_blocks = first["usage"]["prompt_tokens"] // 16
@@ -58,7 +41,7 @@ def test_restarted_server_answers_a_repeated_prompt_from_disk(tmp_path):
         proc.wait(timeout=60)
     assert len(list((tmp_path / "blocks").rglob("*.safetensors"))) >= num_blocks
 
-    proc, base = start_server(tmp_path)
+    proc, base = start_kv_server(tmp_path)
     try:
         second = complete(base)
         m = metrics(base)
@@ -79,7 +62,7 @@ def test_two_servers_on_one_directory_do_not_corrupt_it(tmp_path):
 
     from pagedkv.tiers import DiskTier
 
-    servers = [start_server(tmp_path) for _ in range(2)]
+    servers = [start_kv_server(tmp_path) for _ in range(2)]
     try:
         with ThreadPoolExecutor(2) as pool:  # the same blocks written by both at once
             answers = list(pool.map(complete, [base for _, base in servers]))
