@@ -54,7 +54,8 @@ def build_model(num_layers: int, tiny: bool = False):
                  vocab_size=128256)
     if tiny:  # a smoke test of this script on the CPU
         shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-    config = LlamaConfig(**shape, num_hidden_layers=num_layers, max_position_embeddings=8192,
+    # Llama-3-8B's window is 8,192 positions; twice that lets decode run past a full 8,192-token prompt.
+    config = LlamaConfig(**shape, num_hidden_layers=num_layers, max_position_embeddings=16384,
                          rope_theta=500000.0, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)

@@ -177,7 +177,6 @@ class TieredPrefixCache(PrefixCache):
     def _load(self, found: list[tuple[bytes, str]]) -> list[int]:
         """Device blocks holding `found`'s blocks (referenced once, registered), as many as fit and read."""
         cache, pool = self.cache, self.cache.pool
-        started = self.clock.start(self.load_stream)
         try:
             cache._ensure_free(len(found), len(cache.seqs) + 1)  # sizes (or grows) the pool like a write would
         except CacheCapacityError:
@@ -203,13 +202,14 @@ class TieredPrefixCache(PrefixCache):
         with self._on(self.load_stream):  # after the stream that freed (or grew) the pool's blocks
             for event in self._writes_to(slots):
                 self.load_stream.wait_event(event)
+            started = self.clock.start(self.load_stream)  # after the waits: the clock times the copies only
             rows = torch.empty(len(found), self.layout.block_bytes, dtype=torch.uint8, device=self.layout.device)
             if slots:
                 copy_runs(rows, host_at, self.host.storage(), slots)
             if disk_blocks:
                 copy_runs(rows, disk_at, disk_rows, list(range(len(disk_at))))
             self.layout.scatter(cache, block_ids, rows)
-        self.clock.stop("load", started, self.load_stream, rows.numel())
+            self.clock.stop("load", started, self.load_stream, rows.numel())
         if self.is_cuda:
             torch.cuda.current_stream().wait_stream(self.load_stream)  # the forward pass reads these blocks
         if disk_at and self.host.enabled:  # promoted: the next miss on the device finds them in memory
@@ -232,7 +232,6 @@ class TieredPrefixCache(PrefixCache):
         todo = sorted(set(to_host) | set(to_disk))
         if not todo:
             return
-        started = self.clock.start(self.offload_stream)
         # on the current stream: the blocks are free for the next writes as soon as the sequence releases them
         rows = self.layout.gather(cache, [block_ids[i] for i in todo])  # [len(todo), block_bytes] on the device
         row = {i: j for j, i in enumerate(todo)}
@@ -240,7 +239,6 @@ class TieredPrefixCache(PrefixCache):
         to_host = [i for i in to_host if i < len(slots)]
         self._copy_out(rows, [row[i] for i in to_host], [slots[i] for i in to_host],
                        [(hashes[i], hashes[i - 1].hex() if i else "", row[i]) for i in to_disk])
-        self.clock.stop("offload", started, self.offload_stream, rows.numel())
         self.host.touch(reversed(hashes[:todo[-1] + 1]))
         if self.disk is not None:
             self.disk.touch(h.hex() for h in reversed(hashes[:todo[-1] + 1]))
@@ -251,11 +249,13 @@ class TieredPrefixCache(PrefixCache):
         """Copy device rows `host_at` into host slots `slots`, and rows for the disk writer into pinned memory
         (`disk_jobs`: block hash, parent hash hex, row); on CUDA on the offload stream, after the current stream."""
         with self._on(self.offload_stream):
+            started = self.clock.start(self.offload_stream)  # after the wait for the current stream
             if slots:
                 copy_runs(self.host.storage(), slots, rows, host_at)
             if disk_jobs:  # [len(disk_jobs), block_bytes], kept by the writer's queue
                 disk_rows = torch.empty(len(disk_jobs), rows.shape[1], dtype=torch.uint8, pin_memory=self.is_cuda)
                 copy_runs(disk_rows, list(range(len(disk_jobs))), rows, [j for _, _, j in disk_jobs])
+            self.clock.stop("offload", started, self.offload_stream, (len(slots) + len(disk_jobs)) * rows.shape[1])
             event = None
             if self.is_cuda:
                 rows.record_stream(self.offload_stream)  # allocated on another stream
