@@ -89,7 +89,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def engine_decode(llm, batch: int, context: int, steps: int, warm: int, tag: str) -> dict:
+def engine_decode(llm, batch: int, context: int, steps: int, warm: int, tag: str, profile_steps: int = 0) -> dict:
     """Decode tokens/s of the engine, `batch` requests at `context` tokens of context."""
     from pagedkv import SamplingParams
 
@@ -114,10 +114,37 @@ def engine_decode(llm, batch: int, context: int, steps: int, warm: int, tag: str
     dt = time.perf_counter() - t0
     out = {"tokens_per_s": (engine.num_generated_tokens - gen0) / dt, "ms_per_step": dt / steps * 1e3,
            "graph_replays": engine.stats()["cuda_graph_replays"] - replays0, "prefill_s": prefill_s}
+    if profile_steps:
+        out["profile"] = profile_decode(engine, profile_steps, device)
     for r in rids:
         engine.abort(r)
     say(f"{tag} decode batch {batch}: {out['tokens_per_s']:.0f} tok/s, {out['ms_per_step']:.2f} ms/step, "
         f"{out['graph_replays']} graph replays (prefill {prefill_s:.1f}s)")
+    return out
+
+
+def profile_decode(engine, steps: int, device: torch.device) -> dict:
+    """Where the leader's decode step goes: torch.profiler over `steps` engine steps, the top CPU and device
+    ops (printed, and returned for the JSON)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(device)
+    events = prof.key_averages()
+    def top(key, n):
+        rows = sorted(events, key=lambda e: -(getattr(e, key, 0) or 0))[:n]
+        return [{"name": e.key[:80], "calls": e.count, "ms_per_step": round((getattr(e, key, 0) or 0) / steps / 1e3, 4)}
+                for e in rows]
+    out = {"cpu_total": top("cpu_time_total", 25), "self_cpu": top("self_cpu_time_total", 25),
+           "device": top("self_device_time_total", 20)}
+    for name, rows in out.items():
+        print(f"profile, {name} (ms per step):", flush=True)
+        for r in rows:
+            print(f"  {r['ms_per_step']:9.4f}  {r['calls']:6d}  {r['name']}", flush=True)
     return out
 
 
@@ -159,7 +186,9 @@ def bench_rank(group, folder: str, dtype: torch.dtype, args: argparse.Namespace)
         llm = LLM(model, cache=cache, max_num_seqs=num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=longest + 1, enforce_eager=args.enforce_eager)
         for b in args.batches:
-            out["decode"][b] = engine_decode(llm, b, args.context, args.decode_steps, args.warm_steps, tag)
+            profile_steps = args.profile_steps if b == max(args.batches) else 0
+            out["decode"][b] = engine_decode(llm, b, args.context, args.decode_steps, args.warm_steps, tag,
+                                             profile_steps)
         if args.requests:
             prompts = random_prompts(args.requests, args.prompt_tokens, vocab, seed=1234)
             out["generate"] = engine_generate(llm, prompts, args.new_tokens, tag)
@@ -260,6 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-format", default="off")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed steps at the largest batch, profile this many on the leader (torch.profiler)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to compare)")
     p.add_argument("--dtype", default=None, help="bf16 (default on CUDA) or fp32 (default on the CPU)")
     p.add_argument("--threads-per-rank", type=int, default=None, help="CPU threads of each rank")

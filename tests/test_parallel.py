@@ -38,12 +38,13 @@ def _byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>")
 
 
-def _save_tiny_llama(folder, num_kv_heads=NUM_KV_HEADS, num_heads=8):
+def _save_tiny_llama(folder, num_kv_heads=NUM_KV_HEADS, num_heads=8, vocab_multiple=1):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _byte_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    vocab = -(-len(tokenizer) // vocab_multiple) * vocab_multiple  # padded, as released models pad theirs
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=64,
                          max_position_embeddings=256, initializer_range=0.1, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
@@ -311,6 +312,19 @@ def test_check_model_reads_the_heads_from_the_config(tmp_path):
     with pytest.raises(ConfigError, match="3 KV heads"):
         check_model(tmp_path, 2, "cpu")
     check_model(tmp_path, 1, "cpu")
+
+
+def test_an_uneven_vocabulary_is_refused_where_transformers_cannot_split_it(tmp_path, monkeypatch):
+    from transformers import LlamaConfig
+
+    import pagedkv.parallel.model as sharding
+
+    LlamaConfig(num_attention_heads=8, num_key_value_heads=4, hidden_size=256, vocab_size=259).save_pretrained(tmp_path)
+    monkeypatch.setattr(sharding, "_splits_lm_head_unevenly", lambda: False)
+    with pytest.raises(ConfigError, match=r"vocabulary \(259 tokens\).*--tensor-parallel 1"):
+        check_model(tmp_path, 2, "cpu")
+    monkeypatch.setattr(sharding, "_splits_lm_head_unevenly", lambda: True)
+    check_model(tmp_path, 2, "cpu")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,10 +38,28 @@ def check_model(folder: str | Path, world_size: int, device_type: str, ranks_her
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     check_tensor_parallel(world_size, num_kv_heads, num_heads, device_type, ranks_here)
+    vocab = getattr(config, "vocab_size", None)
+    if world_size > 1 and vocab and vocab % world_size and not _splits_lm_head_unevenly():
+        import transformers
+
+        ranks = [n for n in range(1, world_size) if vocab % n == 0 and num_kv_heads % n == 0 and num_heads % n == 0]
+        raise ConfigError(f"--tensor-parallel {world_size}: this model's vocabulary ({vocab} tokens) does not split "
+                          f"evenly over {world_size} ranks, and transformers {transformers.__version__} shards the LM "
+                          f"head only evenly; upgrade transformers (5.24 splits it unevenly) or use "
+                          f"--tensor-parallel {max(ranks)}")
     plan = getattr(config, "base_model_tp_plan", None) or {}
     if world_size > 1 and not any(k.rsplit(".", 1)[-1] in _KEY_PROJECTIONS and "colwise" in v for k, v in plan.items()):
         raise ConfigError(f"--tensor-parallel {world_size}: transformers has no tensor-parallel plan that shards the "
                           f"attention heads of {config.model_type} models; run it with --tensor-parallel 1")
+
+
+def _splits_lm_head_unevenly() -> bool:
+    """Whether this transformers shards a column-parallel LM head whose vocabulary the ranks do not divide."""
+    try:
+        from transformers.distributed.tensor_parallel import TensorParallelLayer
+    except ImportError:
+        return False
+    return hasattr(TensorParallelLayer, "_from_local_last_dim_shard")
 
 
 def _distributed_kwargs(world_size: int) -> dict:
