@@ -144,12 +144,19 @@ def profile_replay(graphs, batch: int, replays: int = 20) -> dict:
     return out
 
 
+def prefill_step_count(batch: int, context: int, max_num_batched_tokens: int) -> int:
+    """Engine steps until `batch` prompts of `context` tokens are all prefilled (chunked), one to spare."""
+    return -(-batch * context // max_num_batched_tokens) + 1
+
+
 def engine_decode(llm: LLM, batch: int, context: int, steps: int, eager_steps: int = 0, warm: int = 3,
                   profile: bool = False) -> dict:
     """Decode tokens/s of the pagedkv engine, `batch` requests at `context` tokens of context."""
     engine = llm.engine
     prompts = random_prompts(batch, context, engine.vocab_size, seed=batch)
-    params = SamplingParams(max_tokens=warm + steps + eager_steps + 2, ignore_eos=True)
+    # the first prompts decode while the last ones prefill: none may finish before the timed steps end
+    prefill_steps = prefill_step_count(batch, context, engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=warm + steps + eager_steps + prefill_steps + 2, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in prompts]
     seqs = [engine.requests[r] for r in rids]
     start = time.perf_counter()
@@ -167,10 +174,12 @@ def engine_decode(llm: LLM, batch: int, context: int, steps: int, eager_steps: i
             engine.step()
         sync()
         dt = time.perf_counter() - t0
-        return (engine.num_generated_tokens - gen0) / dt, dt / n * 1e3, engine.stats()["cuda_graph_replays"] - replays0
+        tokens = engine.num_generated_tokens - gen0
+        return tokens / dt, dt / n * 1e3, engine.stats()["cuda_graph_replays"] - replays0, tokens / n
 
-    tok_s, ms_per_step, replays = timed(steps)
-    out = {"tokens_per_s": tok_s, "ms_per_step": ms_per_step, "graph_replays": replays, "prefill_s": prefill_s}
+    tok_s, ms_per_step, replays, mean_batch = timed(steps)
+    out = {"tokens_per_s": tok_s, "ms_per_step": ms_per_step, "graph_replays": replays, "prefill_s": prefill_s,
+           "mean_batch": mean_batch}  # tokens per step: `batch` when every request decoded in every timed step
     if profile:
         try:
             out.update(profile_replay(engine.runner.graphs, batch))
@@ -180,7 +189,7 @@ def engine_decode(llm: LLM, batch: int, context: int, steps: int, eager_steps: i
         graphs, engine.runner.graphs = engine.runner.graphs, None
         for _ in range(warm):  # kernels for the eager shapes compile here, not in the timed steps
             engine.step()
-        out["eager_tokens_per_s"], out["eager_ms_per_step"], _ = timed(eager_steps)
+        out["eager_tokens_per_s"], out["eager_ms_per_step"], _, _ = timed(eager_steps)
         engine.runner.graphs = graphs
     for r in rids:
         engine.abort(r)
@@ -356,7 +365,8 @@ def main(argv=None) -> int:
         print(f"generate_batch: {results['generate_batch']}", flush=True)
 
     max_batch = max(args.batches)
-    blocks_per_seq = -(-(args.context + args.decode_steps + args.eager_steps + 32) // 16)
+    prefill_steps = prefill_step_count(max_batch, args.context, args.max_num_batched_tokens)
+    blocks_per_seq = -(-(args.context + args.decode_steps + args.eager_steps + prefill_steps + 32) // 16)
     num_blocks = max(max_batch, args.requests) * blocks_per_seq + 64
     for fmt in args.formats:
         llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=max(max_batch, args.requests),

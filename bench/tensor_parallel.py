@@ -89,6 +89,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def prefill_step_count(batch: int, context: int, max_num_batched_tokens: int) -> int:
+    """Engine steps until `batch` prompts of `context` tokens are all prefilled (chunked), one to spare."""
+    return -(-batch * context // max_num_batched_tokens) + 1
+
+
 def engine_decode(llm, batch: int, context: int, steps: int, warm: int, tag: str, profile_steps: int = 0) -> dict:
     """Decode tokens/s of the engine, `batch` requests at `context` tokens of context."""
     from pagedkv import SamplingParams
@@ -96,7 +101,9 @@ def engine_decode(llm, batch: int, context: int, steps: int, warm: int, tag: str
     engine = llm.engine
     device = engine.runner.device
     prompts = random_prompts(batch, context, engine.vocab_size, seed=batch)
-    params = SamplingParams(max_tokens=warm + steps + 2, ignore_eos=True)
+    # the first prompts decode while the last ones prefill: none may finish before the timed steps end
+    prefill_steps = prefill_step_count(batch, context, engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=warm + steps + prefill_steps + 2, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in prompts]
     seqs = [engine.requests[r] for r in rids]
     start = time.perf_counter()
@@ -113,13 +120,39 @@ def engine_decode(llm, batch: int, context: int, steps: int, warm: int, tag: str
     sync(device)
     dt = time.perf_counter() - t0
     out = {"tokens_per_s": (engine.num_generated_tokens - gen0) / dt, "ms_per_step": dt / steps * 1e3,
-           "graph_replays": engine.stats()["cuda_graph_replays"] - replays0, "prefill_s": prefill_s}
+           "graph_replays": engine.stats()["cuda_graph_replays"] - replays0, "prefill_s": prefill_s,
+           "mean_batch": (engine.num_generated_tokens - gen0) / steps}  # `batch` when every request decoded
     if profile_steps:
+        out["replay_alone"] = replay_alone(engine, batch, device)
         out["profile"] = profile_decode(engine, profile_steps, device)
     for r in rids:
         engine.abort(r)
     say(f"{tag} decode batch {batch}: {out['tokens_per_s']:.0f} tok/s, {out['ms_per_step']:.2f} ms/step, "
-        f"{out['graph_replays']} graph replays (prefill {prefill_s:.1f}s)")
+        f"{out['graph_replays']} graph replays, {out['mean_batch']:.1f} requests a step (prefill {prefill_s:.1f}s)")
+    return out
+
+
+def replay_alone(engine, batch: int, device: torch.device, replays: int = 20) -> dict:
+    """The decode step's graph replayed back to back (every rank, through the cache's peers), without the
+    engine's scheduling and sampling: wall ms per replay on the leader's host and GPU ms between events."""
+    import bisect
+
+    graphs = engine.runner.graphs
+    if graphs is None or device.type != "cuda":
+        return {}
+    bs = graphs.batch_sizes[bisect.bisect_left(graphs.batch_sizes, batch)]
+    graphs.replay(bs)  # replays rewrite the last step's slots with the same keys and values
+    sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(replays):
+        graphs.replay(bs)
+    end.record()
+    sync(device)
+    out = {"bucket": bs, "wall_ms": (time.perf_counter() - t0) / replays * 1e3,
+           "gpu_ms": start.elapsed_time(end) / replays}
+    say(f"replay alone, bucket {bs}: {out['wall_ms']:.2f} ms wall, {out['gpu_ms']:.2f} ms between GPU events")
     return out
 
 
@@ -177,7 +210,9 @@ def bench_rank(group, folder: str, dtype: torch.dtype, args: argparse.Namespace)
         return None
     say(f"{tag} shard loaded on {next(model.parameters()).device} in {time.perf_counter() - t:.1f}s")
     vocab = model.config.vocab_size
-    longest = max(args.context + args.warm_steps + args.decode_steps + 4, args.prompt_tokens + args.new_tokens + 1)
+    prefill_steps = prefill_step_count(max(args.batches, default=1), args.context, args.max_num_batched_tokens)
+    longest = max(args.context + args.warm_steps + args.decode_steps + prefill_steps + 4,
+                  args.prompt_tokens + args.new_tokens + 1)
     num_seqs = max(max(args.batches, default=1), args.requests)
     blocks = num_seqs * -(-longest // args.block_size) + 16
     cache = install_sharded_cache(model, kv_format=args.kv_format, block_size=args.block_size, num_blocks=blocks)
