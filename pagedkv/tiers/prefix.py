@@ -48,8 +48,9 @@ class TierSettings:
 
 
 class CopyClock:
-    """Seconds and bytes of the tiers' loads and offloads, each from its start until its copies are done: wall time
-    on the CPU; on CUDA, where copies are asynchronous, the time between two events on the copy's stream."""
+    """Seconds and bytes of the tiers' copies, each load's or offload's from when its copies may start (after its
+    stream's waits) until they are done: wall time on the CPU; on CUDA, where copies are asynchronous, the time
+    between two events on the copy's stream."""
 
     def __init__(self):
         self.seconds = {"load": 0.0, "offload": 0.0}
