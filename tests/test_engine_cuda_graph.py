@@ -188,3 +188,33 @@ def test_a_failing_replay_turns_graphs_off_and_requests_still_finish_right(tenso
         outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == expected
     assert llm.engine.runner.graphs is None and llm.stats()["blocks_used"] == 0
+
+
+def penalized_requests():
+    """Requests whose sampling reads the tokens so far: penalties, a logit bias and min_tokens before a stop token
+    that the bias makes certain (so each of those requests ends exactly after min_tokens)."""
+    prompts, _ = requests()
+    stop = 7
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, presence_penalty=0.8, frequency_penalty=0.5),
+              SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.6),
+              SamplingParams(max_tokens=40, ignore_eos=True, min_tokens=12, stop_token_ids=[stop],
+                             logit_bias={stop: 100.0}),
+              SamplingParams(max_tokens=28, ignore_eos=True, frequency_penalty=1.5, logit_bias={3: 2.0, 11: -2.0}),
+              SamplingParams(max_tokens=20, ignore_eos=True),
+              SamplingParams(max_tokens=40, ignore_eos=True, presence_penalty=-0.5, repetition_penalty=0.8,
+                             min_tokens=9, stop_token_ids=[stop], logit_bias={stop: 100.0})]
+    return prompts, params, stop
+
+
+def test_penalties_in_graph_steps_queued_ahead_match_eager(tensor_driven_kernels):
+    """A step queued ahead samples before the host has read the previous step's tokens: its penalty counts
+    and min_tokens must come from the device-side tokens, as the eager engine's do from the host."""
+    model = tiny_llama()
+    prompts, params, stop = penalized_requests()
+    eager = LLM(model, enforce_eager=True, max_num_seqs=4, num_blocks=64, block_size=4).generate(prompts, params)
+    llm = graph_llm(model, num_blocks=64, block_size=4)
+    outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in eager]
+    for i, n in ((2, 12), (5, 9)):  # the stop token comes right after min_tokens
+        assert outputs[i].outputs[0].token_ids[n:] == [stop] and stop not in outputs[i].outputs[0].token_ids[:n]
+    assert llm.engine.runner.graphs.num_replays > 20 and llm.stats()["steps_queued_ahead"] > 10
