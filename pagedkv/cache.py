@@ -56,6 +56,9 @@ class PagedKVCache(Cache):
         if config is not None and options:
             raise ConfigError("pass either a CacheConfig or keyword options to PagedKVCache, not both")
         self.config = config or CacheConfig.build(**options)
+        if self.config.recent_tokens:
+            raise ConfigError(f"recent_tokens={self.config.recent_tokens}: the dense recent window is not built yet "
+                              "(issue 14); use recent_tokens=0")
         # the model the pages belong to (`pagedkv.identity.model_identity`), written into saved files' headers
         self.model_identity: dict = dict(model_identity or {})
         self.layers = []  # transformers' per-layer objects are not used: the pages live here

@@ -22,7 +22,8 @@ KERNEL_CHOICES = ("auto", "triton", "reference")
 FORMAT_HELP = (
     "accepted forms: 'off' (dense), 'q8', 'q6', 'q4' (KV-Quant), 'turboquant' (keys q8_0, values q3_0), "
     "'turboquant:k=<key quant>,v=<value quant>[,rotate_keys]' with key quant one of "
-    f"{', '.join(TURBOQUANT_KEY_QUANTS)} and value quant one of {', '.join(TURBOQUANT_VALUE_QUANTS)}"
+    f"{', '.join(TURBOQUANT_KEY_QUANTS)} and value quant one of {', '.join(TURBOQUANT_VALUE_QUANTS)}; "
+    "a quantized format may end in ':recent_tokens=N' (or ',recent_tokens=N' after TurboQuant options)"
 )
 
 _DTYPES = {
@@ -46,7 +47,8 @@ class KVFormat:
     """How pages store keys and values.
 
     kind: "dense" (the model's dtype, or `dtype`), "kvquant" (`mode` q8/q6/q4, dense mirror in `dtype`),
-    or "turboquant" (`k_quant`, `v_quant`, `rotate_keys`).
+    or "turboquant" (`k_quant`, `v_quant`, `rotate_keys`). `recent_tokens`: the last N tokens of a
+    sequence are also kept dense and read from there (0: off; only for quantized kinds).
     """
 
     kind: str = "dense"
@@ -55,8 +57,13 @@ class KVFormat:
     k_quant: str | None = None
     v_quant: str | None = None
     rotate_keys: bool = False
+    recent_tokens: int = 0
 
     def __post_init__(self):
+        if isinstance(self.recent_tokens, bool) or not isinstance(self.recent_tokens, int) or self.recent_tokens < 0:
+            raise ConfigError(f"recent_tokens={self.recent_tokens!r} must be an integer >= 0 (0 turns the dense window off)")
+        if self.kind == "dense" and self.recent_tokens:
+            raise ConfigError(f"recent_tokens={self.recent_tokens} needs a quantized format; 'off' pages are dense already")
         if self.kind not in ("dense", "kvquant", "turboquant"):
             raise ConfigError(f"unknown page format kind {self.kind!r}; {FORMAT_HELP}")
         if self.kind == "kvquant" and self.mode not in KV_QUANT_MODES:
@@ -81,14 +88,23 @@ class KVFormat:
         if not isinstance(spec, str):
             raise ConfigError(f"page format must be a string, got {type(spec).__name__}; {FORMAT_HELP}")
         text = spec.strip().lower()
-        if text in ("off", "dense", "none", ""):
-            return cls()
-        if text in KV_QUANT_MODES:
-            return cls(kind="kvquant", mode=text, dtype=torch.bfloat16)
         head, _, tail = text.partition(":")
+        items, recent = [], 0
+        for item in filter(None, (p.strip() for p in tail.split(","))):
+            name, eq, value = item.partition("=")
+            if name != "recent_tokens":
+                items.append(item)
+            elif not eq or not value.strip().isdigit():
+                raise ConfigError(f"bad option {item!r} in {spec!r}: recent_tokens takes an integer >= 0")
+            else:
+                recent = int(value)
+        if head in ("off", "dense", "none", "") and not items:
+            return cls(recent_tokens=recent)
+        if head in KV_QUANT_MODES and not items:
+            return cls(kind="kvquant", mode=head, dtype=torch.bfloat16, recent_tokens=recent)
         if head == "turboquant":
             k, v, rotate = "q8_0", "q3_0", False
-            for item in filter(None, (p.strip() for p in tail.split(","))):
+            for item in items:
                 name, eq, value = item.partition("=")
                 if name == "rotate_keys" and not eq:
                     rotate = True
@@ -98,7 +114,7 @@ class KVFormat:
                     v = value
                 else:
                     raise ConfigError(f"bad TurboQuant option {item!r} in {spec!r}; {FORMAT_HELP}")
-            return cls(kind="turboquant", k_quant=k, v_quant=v, rotate_keys=rotate)
+            return cls(kind="turboquant", k_quant=k, v_quant=v, rotate_keys=rotate, recent_tokens=recent)
         raise ConfigError(f"unknown page format {spec!r}; {FORMAT_HELP}")
 
     @classmethod
@@ -125,12 +141,13 @@ class KVFormat:
         return None
 
     def __str__(self) -> str:
+        window = f"recent_tokens={self.recent_tokens}" if self.recent_tokens else ""
         if self.kind == "dense":
             return "off"
         if self.kind == "kvquant":
-            return self.mode
+            return self.mode + (":" + window if window else "")
         s = f"turboquant:k={self.k_quant},v={self.v_quant}"
-        return s + (",rotate_keys" if self.rotate_keys else "")
+        return s + (",rotate_keys" if self.rotate_keys else "") + ("," + window if window else "")
 
 
 def _env_bool(*names: str) -> bool | None:
@@ -200,6 +217,13 @@ class CacheConfig:
             raise ConfigError(f"boundary_layers={self.boundary_layers!r} must be >= 0")
         if self.kernels not in KERNEL_CHOICES:
             raise ConfigError(f"kernels={self.kernels!r}; use one of {', '.join(KERNEL_CHOICES)}")
+        if self.recent_tokens % self.block_size:
+            raise ConfigError(f"recent_tokens={self.recent_tokens} must be a multiple of block_size={self.block_size}")
+
+    @property
+    def recent_tokens(self) -> int:
+        """Tokens per sequence kept dense as well as quantized (0: no window)."""
+        return self.kv_format.recent_tokens
 
     @classmethod
     def build(
@@ -217,15 +241,23 @@ class CacheConfig:
         device: "str | torch.device | None" = None,
         kernels: str | None = None,
         num_layers: int | None = None,
+        recent_tokens: int | None = None,
     ) -> "CacheConfig":
-        """Validate options; unset ones come from the environment, then from the defaults."""
+        """Validate options; unset ones come from the environment, then from the defaults.
+
+        `recent_tokens` may also come in the format string; given both ways, they must agree.
+        """
         env = env_defaults()
         fmt = KVFormat.parse(kv_format)
         seed_fmt = KVFormat.from_seed_configs(turboquant_config, kv_quant_config)
         if seed_fmt is not None:
-            if not fmt.is_dense and fmt != seed_fmt:
+            if not fmt.is_dense and replace(fmt, recent_tokens=0) != seed_fmt:
                 raise ConfigError("give either kv_format or turboquant_config/kv_quant_config, not both")
-            fmt = seed_fmt
+            fmt = replace(seed_fmt, recent_tokens=fmt.recent_tokens)
+        if recent_tokens is not None:
+            if fmt.recent_tokens and fmt.recent_tokens != recent_tokens:
+                raise ConfigError(f"recent_tokens={recent_tokens} disagrees with the format {str(fmt)!r}; give it once")
+            fmt = replace(fmt, recent_tokens=recent_tokens)
         return cls(
             block_size=block_size,
             num_blocks=num_blocks,
