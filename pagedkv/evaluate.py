@@ -119,13 +119,14 @@ class Runner:
         return cache
 
     @torch.inference_mode()
-    def forward(self, cache, ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        """Feed ids [1, n] through `cache` in chunks; log-probs [keep, vocab] (float32) of the last positions."""
+    def forward(self, cache, ids: torch.Tensor, logits_to_keep: int = 0, step: int = PREFILL_CHUNK) -> torch.Tensor:
+        """Feed ids [1, n] through `cache` in chunks of `step` tokens; log-probs [keep, vocab] (float32) of the
+        last positions."""
         n = ids.shape[1]
         keep = n if logits_to_keep == 0 else logits_to_keep
         outs = []
-        for start in range(0, n, PREFILL_CHUNK):
-            chunk = ids[:, start:start + PREFILL_CHUNK]
+        for start in range(0, n, step):
+            chunk = ids[:, start:start + step]
             want = max(0, keep - (n - start - chunk.shape[1]))  # positions of this chunk that are kept
             out = self.model(input_ids=chunk, logits_to_keep=max(want, 1), **{self.cache_kwarg: cache})
             if want:
@@ -136,7 +137,8 @@ class Runner:
 def window_logprobs(runner: Runner, fmt: EvalFormat, window: torch.Tensor) -> torch.Tensor:
     """window [W] token ids -> log-probs [W - W//2, vocab] predicting tokens W//2 .. W-1.
 
-    The first half is prefilled through the cache; the second half is scored through the same cache.
+    The first half is prefilled through the cache; the second half is scored through the same cache in one
+    forward (block steps, as the profile uses, cost 12x the time on 2 CPU cores: 182 s against 16 s a window).
     """
     half = window.shape[0] // 2
     cache = runner.cache(fmt)
@@ -153,17 +155,38 @@ def position_buckets(length: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def profile_nll(runner: Runner, fmt: EvalFormat, ids: torch.Tensor) -> torch.Tensor:
-    """ids [L] -> NLL [L - 1] of tokens 1..L-1, the whole stretch fed through one cache in chunks."""
-    cache = runner.cache(fmt)
-    nll = []
-    with torch.inference_mode():
-        for start in range(0, ids.shape[0] - 1, PREFILL_CHUNK):
-            chunk = ids[start:start + PREFILL_CHUNK]
-            targets = ids[start + 1:start + 1 + chunk.shape[0]]
-            lp = runner.forward(cache, chunk[None])[: targets.shape[0]]
-            nll.append(-lp.gather(-1, targets[:, None]).squeeze(-1))
-    return torch.cat(nll)
+def score_step(cache) -> int:
+    """Tokens per scoring forward: one block, so each step writes its tokens and then attends to them and to
+    the pages before, as decoding does (a recent dense window is measured as it behaves in generation)."""
+    return cache.block_size
+
+
+def profile_scores(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor) -> dict:
+    """ids [L] -> {fmt: (nll [L - 1], kl [L - 1])} for tokens 1..L-1, float64, KL(fmts[0] || fmt) per token.
+
+    Every format reads the stretch through its own cache from the first token in steps of `score_step`
+    tokens, in lockstep, so only one step of fmts[0]'s log-probs is held for the KL.
+    """
+    caches = {f: runner.cache(f) for f in fmts}
+    steps = {score_step(c) for c in caches.values()}
+    if len(steps) != 1:
+        raise ConfigError(f"the context profile steps all formats in lockstep; give them one block_size, not {steps}")
+    targets = ids[1:]
+    out = {f: ([], []) for f in fmts}
+    start = 0
+    while start < targets.shape[0]:
+        reference = None
+        for f in fmts:
+            step = score_step(caches[f])
+            chunk = ids[None, start:min(start + step, targets.shape[0])]
+            lp = runner.forward(caches[f], chunk, step=step)  # [n, vocab]
+            if reference is None:
+                reference = lp
+            n = lp.shape[0]
+            out[f][0].append(-lp.gather(-1, targets[start:start + n, None]).squeeze(-1).double())
+            out[f][1].append((reference.exp() * (reference - lp)).sum(-1).double())
+        start += n
+    return {f: (torch.cat(nll), torch.cat(kl)) for f, (nll, kl) in out.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,21 +282,37 @@ def measure_windows(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor, w
     out = {}
     for f, a in acc.items():
         nll = torch.cat(a["nll"])
-        diff = nll - base
-        ratio = math.exp(float(diff.mean()))
-        se = float(diff.std()) / math.sqrt(len(diff)) if len(diff) > 1 else 0.0
         out[f] = {"ppl": math.exp(float(nll.mean())), "kl": a["kl"] / scored, "top1": a["top1"] / scored,
-                  "ppl_increase_se_pct": 100.0 * ratio * se}
+                  "ppl_increase_se_pct": paired_increase(nll, base)[1]}
     return out
 
 
-def measure_profile(runner: Runner, fmt: EvalFormat, ids: torch.Tensor) -> dict:
-    """Perplexity per position bucket over `ids` [L] fed through one cache."""
+def paired_increase(nll: torch.Tensor, base: torch.Tensor) -> tuple[float, float]:
+    """Per-token NLL [n] of a format and of "off" on the same tokens -> (perplexity increase %, its standard
+    error %): ppl ratio = exp(mean difference), the error that of the mean, carried through the exp."""
+    diff = nll - base
+    ratio = math.exp(float(diff.mean()))
+    se = float(diff.std()) / math.sqrt(len(diff)) if len(diff) > 1 else 0.0
+    return 100.0 * (ratio - 1.0), 100.0 * ratio * se
+
+
+def measure_profile(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor) -> dict:
+    """Per position bucket of `ids` [L] and format: perplexity, its increase against fmts[0] ("off") with the
+    paired standard error, and the mean KL(off || format) per token."""
     buckets = position_buckets(ids.shape[0])
-    nll = profile_nll(runner, fmt, ids)  # nll[j] scores token j + 1
-    ppl = [math.exp(float(nll[max(a - 1, 0):b - 1].mean())) if b - 1 > max(a - 1, 0) else float("nan")
-           for a, b in buckets]
-    return {"buckets": [[a, b] for a, b in buckets], "ppl": ppl}
+    scores = profile_scores(runner, fmts, ids)  # nll[j] scores token j + 1
+    base = scores[fmts[0]][0]
+    out = {}
+    for f, (nll, kl) in scores.items():
+        spans = [slice(max(a - 1, 0), b - 1) for a, b in buckets]
+        spans = [s if s.stop > s.start else None for s in spans]
+        nan = float("nan")
+        inc = [paired_increase(nll[s], base[s]) if s else (nan, nan) for s in spans]
+        out[f] = {"buckets": [[a, b] for a, b in buckets],
+                  "ppl": [math.exp(float(nll[s].mean())) if s else nan for s in spans],
+                  "ppl_increase_pct": [i for i, _ in inc], "ppl_increase_se_pct": [e for _, e in inc],
+                  "kl": [float(kl[s].mean()) if s else nan for s in spans]}
+    return out
 
 
 def measure_passkey(runner: Runner, fmt: EvalFormat, trials: list[PasskeyTrial], bar) -> dict:
@@ -351,11 +390,12 @@ def run_eval(settings: EvalSettings, checkpoint: Callable[[dict], None] | None =
         }
     save(report)
     if profile_len >= 2:
+        bar.set_description("context profile")
+        profiles = measure_profile(runner, fmts, ids[:profile_len])
         for f in fmts:
-            bar.set_description(f"context profile {f.label}")
-            results[f.label]["profile"] = measure_profile(runner, f, ids[:profile_len])
-            bar.update(profile_len)
-            save(report)
+            results[f.label]["profile"] = profiles[f]
+        bar.update(len(fmts) * profile_len)
+        save(report)
     if trials:
         for f in fmts:
             results[f.label]["passkey"] = measure_passkey(runner, f, trials, bar)
@@ -430,7 +470,7 @@ def register_cli(subparsers) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .quality_report import format_table, write_plot
+    from .quality_report import format_profile_table, format_table, write_plot
 
     settings = EvalSettings(model=args.model, text=args.text,
                             formats=parse_formats(args.formats, args.boundary_layers), window=args.window,
@@ -454,6 +494,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     report = run_eval(settings, checkpoint=write_json)
     write_json(report)
     print(format_table(report))
+    profile = format_profile_table(report)
+    if profile:
+        print(f"\ncontext profile: perplexity increase vs off (± s.e.) and KL per position bucket\n{profile}")
     if args.json:
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:

@@ -33,6 +33,22 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def format_profile_table(report: dict) -> str:
+    """A Markdown table: per position bucket, each format's perplexity increase vs off (± s.e.) and KL."""
+    results = report["formats"]
+    profiled = {label: r["profile"] for label, r in results.items() if "profile" in r}
+    if not profiled:
+        return ""
+    buckets = next(iter(profiled.values()))["buckets"]
+    head = ["format"] + [f"{a}-{b}" for a, b in buckets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    for label, prof in profiled.items():
+        cells = [f"{i:+.2f}% ± {e:.2f}, KL {k:.4f}" for i, e, k in
+                 zip(prof["ppl_increase_pct"], prof["ppl_increase_se_pct"], prof["kl"])]
+        lines.append("| " + " | ".join([f"`{label}`"] + cells) + " |")
+    return "\n".join(lines)
+
+
 def write_plot(report: dict, path: str) -> None:
     """Three panels: perplexity increase and bytes per format, the increase by position, passkey accuracy."""
     import matplotlib
@@ -67,12 +83,12 @@ def write_plot(report: dict, path: str) -> None:
         prof = results[label].get("profile")
         if prof and off:
             mids = [(a + b) / 2 for a, b in prof["buckets"]]
-            ax.plot(mids, [100 * (p / q - 1) for p, q in zip(prof["ppl"], off["ppl"])], marker="o",
-                    color=color[label])
+            ax.errorbar(mids, prof["ppl_increase_pct"], yerr=prof["ppl_increase_se_pct"], marker="o", capsize=3,
+                        color=color[label])
     ax.axhline(0, color="#888888", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("token position (bucket centre)")
-    ax.set_ylabel("perplexity increase vs off in bucket (%)")
+    ax.set_ylabel("perplexity increase vs off in bucket (%), bars: ± one s.e.")
     ax.set_title(f"context profile ({report['profile_tokens']} tokens, one stretch of the text)", fontsize=9)
 
     ax = axes[2]

@@ -98,3 +98,62 @@ def test_passkey_lengths_accept_k_suffixes():
     from pagedkv.evaluate import _ints
 
     assert _ints("1k,2K, 3000,") == (1024, 2048, 3000)
+
+
+@pytest.fixture(scope="module")
+def tiny_runner():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedkv.evaluate import Runner
+    from pagedkv.hf import cache_kwarg, switch_model
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         max_position_embeddings=512)).eval()
+    switch_model(model)
+    return Runner(model, cache_kwarg(model))
+
+
+@pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
+def test_scoring_in_block_steps_matches_one_prefill_for_off(tiny_runner):
+    from pagedkv.evaluate import profile_scores
+
+    ids = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(1))
+    off = parse_formats("off")[0]
+    whole = tiny_runner.forward(tiny_runner.cache(off), ids[None, :-1], step=1024)
+    expected = -whole.gather(-1, ids[1:, None]).squeeze(-1).double()
+    nll, kl = profile_scores(tiny_runner, [off], ids)[off]
+    torch.testing.assert_close(nll, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kl, torch.zeros(69, dtype=torch.float64))
+
+
+@pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
+def test_the_profile_feeds_at_most_one_block_per_forward(tiny_runner, monkeypatch):
+    from pagedkv.evaluate import measure_profile
+
+    seen = []
+    forward = type(tiny_runner.model).forward
+
+    def counting(self, input_ids=None, **kw):
+        seen.append(input_ids.shape[1])
+        return forward(self, input_ids=input_ids, **kw)
+
+    monkeypatch.setattr(type(tiny_runner.model), "forward", counting)
+    fmts = parse_formats("off,q4")
+    measure_profile(tiny_runner, fmts, torch.arange(40) % 97)
+    assert seen == [16, 16, 16, 16, 7, 7]  # lockstep, off then q4, one block (or the rest) per forward
+
+
+@pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
+def test_the_profile_reports_increase_se_and_kl_against_off(tiny_runner):
+    from pagedkv.evaluate import measure_profile
+
+    ids = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(2))
+    fmts = parse_formats("off,q4")
+    prof = measure_profile(tiny_runner, fmts, ids)
+    off, q4 = prof[fmts[0]], prof[fmts[1]]
+    assert off["buckets"] == [[0, 256], [256, 300]]
+    assert off["ppl_increase_pct"] == [0, 0] and off["ppl_increase_se_pct"] == [0, 0] and off["kl"] == [0, 0]
+    assert all(k > 0 for k in q4["kl"]) and all(e > 0 for e in q4["ppl_increase_se_pct"])
+    assert len(q4["ppl"]) == len(q4["ppl_increase_pct"]) == 2
