@@ -22,7 +22,6 @@ import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -81,17 +80,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int) -> subprocess.Popen:
+def start_server(serve_args: list[str], port: int, threads: int, log_path: Path | None = None) -> subprocess.Popen:
+    """`pagedkv serve --port PORT --device cpu SERVE_ARGS` with OMP_NUM_THREADS=threads, once /health answers; its
+    output goes to `log_path` (default: stderr kept for the error if it exits)."""
     import httpx
 
-    cmd = [sys.executable, "-m", "pagedkv", "serve", "--model", args.model, "--port", str(port), "--device", "cpu",
-           "--num-blocks", str(args.num_blocks), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    cmd = [sys.executable, "-m", "pagedkv", "serve", "--port", str(port), "--device", "cpu", *serve_args]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out = open(log_path, "w") if log_path else subprocess.DEVNULL
+    err = subprocess.STDOUT if log_path else subprocess.PIPE
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, env=env)
     deadline = time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"pagedkv serve exited: {proc.stderr.read().decode()}")
+            said = log_path.read_text()[-3000:] if log_path else proc.stderr.read().decode()
+            raise RuntimeError(f"pagedkv serve exited: {said}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
@@ -142,7 +145,8 @@ async def run_load(base: str, model: str, prompts: list[list[int]], args) -> lis
 
 def bench_server(args, prompts) -> dict:
     port = free_port()
-    proc = start_server(args, port)
+    proc = start_server(["--model", args.model, "--num-blocks", str(args.num_blocks),
+                         "--max-num-batched-tokens", str(args.max_num_batched_tokens)], port, args.threads)
     try:
         base = f"http://127.0.0.1:{port}"
         # one short request first, so one-time costs stay out of the numbers

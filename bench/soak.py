@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
 import random
 import sys
 import time
@@ -32,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plotting  # noqa: E402  (bench/plotting.py)
-from serve import free_port, passages, pct  # noqa: E402  (bench/serve.py)
+from serve import free_port, passages, pct, start_server  # noqa: E402  (bench/serve.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"stream": 0.4, "whole": 0.3, "hang_up_stream": 0.1, "hang_up_whole": 0.05, "malformed": 0.15}
@@ -63,27 +62,6 @@ def server_rss_mb(pid: int) -> float:
 def read_metrics(base: str) -> dict[str, float]:
     text = httpx.get(f"{base}/metrics", timeout=10).text
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
-
-
-def start_server(args, port: int, log_path: Path):
-    import subprocess
-
-    cmd = [sys.executable, "-m", "pagedkv", "serve", "--model", args.model, "--port", str(port), "--device", "cpu",
-           "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pagedkv serve exited: {log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("pagedkv serve did not start")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,7 +232,8 @@ def main(argv=None) -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     print(f"starting pagedkv serve on {base} ...", flush=True)
-    proc = start_server(args, port, out / "soak_server.log")
+    proc = start_server(["--model", args.model, "--num-blocks", str(args.num_blocks), "--max-num-seqs",
+                         str(args.max_num_seqs)], port, args.threads, out / "soak_server.log")
     records: list[dict] = []
     samples: list[dict] = []
     try:
