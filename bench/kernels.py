@@ -280,8 +280,7 @@ def decode_sweep(spec, layers, metas, queries, copies):
 
 # warp-split decode kernel configs: (keys per warp, warps, stages)
 # (keys per warp, warps, stages, transposed, register cap, q4 codes as biased float16)
-WARP_SPLIT_CONFIGS = [(32, 4, 3, False, None, False), (16, 4, 2, True, 128, False), (32, 4, 2, True, 128, False),
-                      (32, 4, 2, True, 128, True), (16, 4, 2, True, 128, True), (16, 4, 3, True, 128, True)]
+WARP_SPLIT_CONFIGS = [(32, 4, 3, False, None), (16, 4, 2, True, 128), (32, 4, 2, True, 128)]
 
 
 def warp_split_sweep(spec, layers, metas, queries, copies):
@@ -302,13 +301,10 @@ def warp_split_sweep(spec, layers, metas, queries, copies):
         if splits > 1 else (lambda q, p, f, m: attention.paged_attention(q, p, f, m, scale=SCALE, tiles=tiles))
     out["previous_default"] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: previous(q, p, f, m)
                                              for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
-    for tile_n, warps, stages, swap, maxnreg, fold in WARP_SPLIT_CONFIGS:
-        if fold and not (fmt.spec.kind == "kvquant" and fmt.bits == 4):
-            continue
+    for tile_n, warps, stages, swap, maxnreg in WARP_SPLIT_CONFIGS:
         for splits in split_counts:
-            key = (f"warp_split_n{tile_n}_w{warps}_s{stages}{'_t' if swap else ''}{'_fold' if fold else ''}"
-                   f"{f'_r{maxnreg}' if maxnreg else ''}_split{splits}")
-            tiles = DecodeTiles(tile_n, warps, stages, transposed=swap, max_registers=maxnreg, fold_bias=fold)
+            key = f"warp_split_n{tile_n}_w{warps}_s{stages}{'_t' if swap else ''}{f'_r{maxnreg}' if maxnreg else ''}_split{splits}"
+            tiles = DecodeTiles(tile_n, warps, stages, transposed=swap, max_registers=maxnreg)
             fn = lambda q, p, f, m, sp=splits, t=tiles: decode.paged_attention(  # noqa: E731
                 q, p, f, m, scale=SCALE, num_splits=sp, tiles=t)
             try:

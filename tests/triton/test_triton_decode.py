@@ -99,15 +99,3 @@ def test_decode_kernel_reads_only_the_formats_it_supports():
     assert not decode.is_supported(fmt("turboquant:k=q4_0,v=q4_0", 128))
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_transposed_q4_with_biased_codes_matches_reference(dtype, num_splits):
-    """`DecodeTiles.fold_bias`: q4 codes read as float16 1024 + n and 1024 + 16 n, the bias and the factor 16
-    taken out of the scores (a correction per query head) and of the outputs (a running sum of P)."""
-    case = build_case(5, "q4", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16, ctx_lens=CTX_LENS,
-                      new_lens=NEW_LENS, dtype=dtype)
-    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=128 ** -0.5)
-    tiles = dataclasses.replace(warp_split_tiles(case.fmt), transposed=True, fold_bias=True)
-    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=128 ** -0.5,
-                                 num_splits=num_splits, tiles=tiles)
-    assert rel_err(out, ref) < TOL[dtype]

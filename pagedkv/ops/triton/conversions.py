@@ -85,24 +85,6 @@ def nibble_quads_to_f16(x, FAST_CVT: tl.constexpr):
 
 
 @triton.jit
-def nibble_quads_to_biased_f16(x, FAST_CVT: tl.constexpr):
-    """int16 holding four nibbles (channel 4j + i at bits 4i) -> four float16 (1024 + n0, 1024 + 16 n1, 1024 + n2,
-    1024 + 16 n3), exact: each nibble masked into the mantissa under the exponent of 1024, one LOP3 per two
-    values (plus one shift per four); the caller removes the bias and the factor 16 (`decode_transposed`)."""
-    if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 hi;
-            lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, $4, 0x00F000F0, 0x64006400, 0xEA;
-            shr.b32 hi, $4, 8;
-            lop3.b32 $2, hi, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $3, hi, 0x00F000F0, 0x64006400, 0xEA; }""",
-            constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
-    x = x.to(tl.int32)
-    return ((1024 + (x & 15)).to(tl.float16), (1024 + (x & 0xF0)).to(tl.float16),
-            (1024 + ((x >> 8) & 15)).to(tl.float16), (1024 + ((x >> 8) & 0xF0)).to(tl.float16))
-
-
-@triton.jit
 def six_bit_quads_to_f16(x, h, FAST_CVT: tl.constexpr):
     """q6 codes of four channels from their two planes (`packing.pack_planes`): x int16 holding the low
     nibbles of channels 4u..4u+3, h uint8 holding their high 2-bit fields -> four float16 codes, exact."""

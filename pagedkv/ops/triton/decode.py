@@ -345,7 +345,6 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     extra = {}
     if tiles.transposed:   # the group's heads on the N dimension: 8 columns at least
         kernel, rows = decode_kernel_transposed, max(8, triton.next_power_of_2(group))
-        extra["FOLD_BIAS"] = tiles.fold_bias
     else:                  # the group's heads on the M dimension: 16 rows at least
         kernel, rows = decode_kernel, max(16, triton.next_power_of_2(group))
     registers = {"maxnreg": tiles.max_registers} if tiles.max_registers else {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .conversions import nibble_quads_to_biased_f16, nibble_quads_to_f16, six_bit_quads_to_f16
+from .conversions import nibble_quads_to_f16, six_bit_quads_to_f16
 
 
 @triton.jit
@@ -24,13 +24,6 @@ def load_quads(ptr, row, offs_u, ok, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     if BITS == 6:
         return six_bit_quads_to_f16(units, load_rows(ptr + HEAD_DIM // 2, row, offs_u, ok), FAST_CVT)
     return nibble_quads_to_f16(units, FAST_CVT)
-
-
-@triton.jit
-def load_biased_nibbles(ptr, row, offs_u, ok, FAST_CVT: tl.constexpr):
-    """q4 codes like `load_quads`, as float16 1024 + n (channels 4u, 4u + 2) and 1024 + 16 n (4u + 1, 4u + 3),
-    n the stored nibble (code + 7): `conversions.nibble_quads_to_biased_f16`."""
-    return nibble_quads_to_biased_f16(load_rows(ptr.to(tl.pointer_type(tl.int16)), row // 2, offs_u, ok), FAST_CVT)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .codecs import KVQUANT, TURBOQUANT
 from .conversions import int8_pairs_to_f16, int8_to_f16, sign_magnitude_to_f16
-from .decode_io import load_biased_nibbles, load_quads, load_rows, token_sequence
+from .decode_io import load_quads, load_rows, token_sequence
 from .tiles import LOG2E, tanh
 
 
@@ -73,7 +73,7 @@ def decode_kernel_transposed(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
-    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD_BIAS: tl.constexpr,
+    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,19 +98,11 @@ def decode_kernel_transposed(
     q_a = tl.broadcast_to(q_a.to(CDTYPE)[None, :, :], [WARPS, HEAD_DIM_PAD, ROWS])
     VC: tl.constexpr = HEAD_DIM // 8 if TQ else (HEAD_DIM // NV if QUANT else 16)
     offs_u = tl.arange(0, VC)
-    # q4 with 16-bit queries: codes read as 1024 + n and 1024 + 16 n (one LOP3 per two values); the query's
-    # channels 4u + 1 and 4u + 3 are divided by 16 and each score loses corr, the bias times the query's sums
-    FOLD: tl.constexpr = FOLD_BIAS and KU and K_BITS == 4 and CDTYPE == tl.float16
     if KU:
         q0 = query_t(q_row_t, h_ok, 4 * offs_u, WARPS, CDTYPE)
         q1 = query_t(q_row_t, h_ok, 4 * offs_u + 1, WARPS, CDTYPE)
         q2 = query_t(q_row_t, h_ok, 4 * offs_u + 2, WARPS, CDTYPE)
         q3 = query_t(q_row_t, h_ok, 4 * offs_u + 3, WARPS, CDTYPE)
-        if FOLD:
-            q1 = (q1.to(tl.float32) * 0.0625).to(CDTYPE)
-            q3 = (q3.to(tl.float32) * 0.0625).to(CDTYPE)
-            corr = (1031.0 * (tl.sum(q0.to(tl.float32), axis=1) + tl.sum(q2.to(tl.float32), axis=1))
-                    + 1136.0 * (tl.sum(q1.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)))
     if TQ:
         offs32 = tl.arange(0, 32)
         qg0 = query_t(q_row_t, h_ok, offs32, WARPS, CDTYPE)
@@ -152,7 +144,6 @@ def decode_kernel_transposed(
     acc7 = tl.zeros([WARPS, VC, ROWS], dtype=tl.float32)
     m_i = tl.full([WARPS, ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
-    p_sum = tl.zeros([WARPS, ROWS], dtype=tl.float32)    # FOLD: the sum of P as the value products read it
     for start in range(kv_lo, kv_hi, STEP):
         offs_n = start + pos0
         ok = (offs_n < kv_hi) & (offs_n >= first)
@@ -167,16 +158,11 @@ def decode_kernel_transposed(
             s += tq_key_group_t(qg2, qs2, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 2, CDTYPE, FAST_CVT, DOT_PRECISION)
             s += tq_key_group_t(qg3, qs3, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 3, CDTYPE, FAST_CVT, DOT_PRECISION)
         elif KU:
-            if FOLD:
-                k0, k1, k2, k3 = load_biased_nibbles(k_ptr, k_row, offs_u, ok, FAST_CVT)
-            else:
-                k0, k1, k2, k3 = load_quads(k_ptr, k_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
+            k0, k1, k2, k3 = load_quads(k_ptr, k_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
             s = tl.dot(k0.to(CDTYPE), q0, input_precision=DOT_PRECISION)
             s = tl.dot(k1.to(CDTYPE), q1, s, input_precision=DOT_PRECISION)
             s = tl.dot(k2.to(CDTYPE), q2, s, input_precision=DOT_PRECISION)
             s = tl.dot(k3.to(CDTYPE), q3, s, input_precision=DOT_PRECISION)
-            if FOLD:
-                s = s - corr[:, None, :]
         elif QUANT:
             k = int8_to_f16(load_rows(k_ptr, k_row, offs_c, ok), FAST_CVT).to(CDTYPE)
             s = tl.dot(k, q_a, input_precision=DOT_PRECISION)
@@ -222,11 +208,7 @@ def decode_kernel_transposed(
             if NV == 2:
                 v0, v1 = int8_pairs_to_f16(load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok), FAST_CVT)
             else:
-                if FOLD:
-                    v0, v1, v2, v3 = load_biased_nibbles(v_ptr, v_row, offs_u, ok, FAST_CVT)
-                    p_sum = p_sum * alpha + tl.sum(p.to(tl.float32), axis=1)
-                else:
-                    v0, v1, v2, v3 = load_quads(v_ptr, v_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
+                v0, v1, v2, v3 = load_quads(v_ptr, v_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
                 acc2 = tl.dot(tl.trans(v2.to(CDTYPE), (0, 2, 1)), p, acc2 * a3, input_precision=DOT_PRECISION)
                 acc3 = tl.dot(tl.trans(v3.to(CDTYPE), (0, 2, 1)), p, acc3 * a3, input_precision=DOT_PRECISION)
             acc0 = tl.dot(tl.trans(v0.to(CDTYPE), (0, 2, 1)), p, acc0 * a3, input_precision=DOT_PRECISION)
@@ -237,12 +219,6 @@ def decode_kernel_transposed(
             acc_a = tl.dot(tl.trans(v.to(CDTYPE), (0, 2, 1)), p, acc_a * a3, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if FOLD:   # the values' bias (1024 + 7) and factor 16 out, per warp
-        ps = p_sum[:, None, :]
-        acc0 = acc0 - 1031.0 * ps
-        acc2 = acc2 - 1031.0 * ps
-        acc1 = acc1 * 0.0625 - 71.0 * ps
-        acc3 = acc3 * 0.0625 - 71.0 * ps
     m = tl.max(m_i, axis=0)                                                   # [ROWS]
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     f = tl.math.exp2(m_i - m_safe[None, :])                                   # [WARPS, ROWS]

@@ -172,7 +172,6 @@ class DecodeTiles:
     transposed: bool = False
     max_registers: int | None = None
     programs_per_sm: int = 2
-    fold_bias: bool = False   # transposed q4 with 16-bit queries: codes as biased float16, one LOP3 per two
 
 
 def warp_split_tiles(fmt) -> DecodeTiles:
