@@ -26,6 +26,7 @@ from .formats import PageFormat, make_format
 from .mirror import DequantMirror
 from .ops.metadata import AttentionMetadata
 from .pool import BlockPool
+from .window import RecentWindow
 
 GROWTH_FACTOR = 1.5
 
@@ -56,9 +57,6 @@ class PagedKVCache(Cache):
         if config is not None and options:
             raise ConfigError("pass either a CacheConfig or keyword options to PagedKVCache, not both")
         self.config = config or CacheConfig.build(**options)
-        if self.config.recent_tokens:
-            raise ConfigError(f"recent_tokens={self.config.recent_tokens}: the dense recent window is not built yet "
-                              "(issue 14); use recent_tokens=0")
         # the model the pages belong to (`pagedkv.identity.model_identity`), written into saved files' headers
         self.model_identity: dict = dict(model_identity or {})
         self.layers = []  # transformers' per-layer objects are not used: the pages live here
@@ -70,6 +68,8 @@ class PagedKVCache(Cache):
         self.formats: list[PageFormat | None] = []
         self.counters = ops.OpCounters()
         self.mirror = DequantMirror()  # KV-Quant: dense copies of decoded tokens, routes latched per request
+        # recent_tokens=N: exact keys/values of each sequence's last blocks, beside the quantized pages
+        self.window = RecentWindow(self.config.recent_tokens, self.block_size) if self.config.recent_tokens else None
         self.grow_events = 0
         self.batch_seq_ids: list[int] | None = None  # sequence of each batch row in transformers calls
         self.plan: AttentionMetadata | None = None  # the metadata of the forward in flight
@@ -232,6 +232,8 @@ class PagedKVCache(Cache):
             n = min(num_tokens, seq.num_tokens)
             seq.num_tokens -= n
             self.mirror.trim(sid, seq.num_tokens)
+            if self.window is not None:
+                self.window.trim(sid, seq.num_tokens)
             keep = self.blocks_for(seq.num_tokens)
             self.pool.decref(reversed(seq.block_ids[keep:]))
             del seq.block_ids[keep:]
@@ -263,6 +265,8 @@ class PagedKVCache(Cache):
         self.seqs[child].block_ids = list(src.block_ids)
         self.seqs[child].num_tokens = src.num_tokens
         self.mirror.fork(seq_id, child)
+        if self.window is not None:
+            self.window.fork(seq_id, child)
         return child
 
     def free(self, seq_id: int) -> None:
@@ -271,6 +275,8 @@ class PagedKVCache(Cache):
             raise ConfigError(f"no sequence {seq_id} in this cache")
         self.pool.decref(seq.block_ids)
         self.mirror.forget(seq_id)
+        if self.window is not None:
+            self.window.forget(seq_id)
         if self.batch_seq_ids and seq_id in self.batch_seq_ids:
             self.batch_seq_ids = None
             self._columns = 0
@@ -280,6 +286,8 @@ class PagedKVCache(Cache):
         self.seqs.clear()
         self.pool.reset()
         self.mirror.clear()
+        if self.window is not None:
+            self.window.clear()
         self.batch_seq_ids = None
         self.plan = None
         self._columns = 0
@@ -303,6 +311,7 @@ class PagedKVCache(Cache):
         positions) or a padded [num_seqs, T] grid where `token_mask` (bool, [num_seqs, T]) marks real tokens.
         """
         device = device or self.config.device or torch.device("cpu")
+        starts = [self._seq(s).num_tokens for s in seq_ids]
         slots = self.reserve(seq_ids, num_new_tokens)
         if token_mask is None:
             slot_list = [s for per in slots for s in per]
@@ -334,6 +343,7 @@ class PagedKVCache(Cache):
             query_start_loc_cpu=qsl,
             block_size=self.block_size,
             seq_ids=list(seq_ids),
+            window=None if self.window is None else self.window.plan(seq_ids, starts, num_new_tokens, device),
         )
         self._plan_is_implicit = False
         self._last_layer_written = -1
@@ -404,8 +414,13 @@ class PagedKVCache(Cache):
         if key.dtype != fmt.dtype and fmt.spec.is_dense and self.config.dtype is None:
             raise CacheMismatchError(f"layer {layer_idx} pages hold {fmt.dtype} but got {key.dtype}; "
                                      "use a new cache for a model in another dtype, or set dtype= explicitly")
-        ops.write_kv(pages, fmt, key.to(fmt.dtype), value.to(fmt.dtype), meta,
-                     kernels=self.config.kernels, counters=self.counters)
+        key, value = key.to(fmt.dtype), value.to(fmt.dtype)
+        ops.write_kv(pages, fmt, key, value, meta, kernels=self.config.kernels, counters=self.counters)
+        if fmt.spec.recent_tokens:
+            assert meta.window is not None, "a step planned without the dense recent window reached a cache that has one"
+            if meta.token_index is not None:
+                key, value = key[meta.token_index], value[meta.token_index]
+            self.window.write(layer_idx, key, value, meta.window)
         self._last_layer_written = layer_idx
 
     def attention(self, layer_idx: int, query: torch.Tensor, *, scale: float, sliding_window: int | None = None,
@@ -415,16 +430,26 @@ class PagedKVCache(Cache):
         assert meta is not None, "attention() outside a planned step: call begin_step() first"
         fmt = self.formats[layer_idx]
         mirror = self.mirror.layer(layer_idx) if fmt.spec.kind == "kvquant" else None
+        window = self.window.layer(layer_idx) if fmt.spec.recent_tokens else None
         return ops.paged_attention(query, self.pages[layer_idx], fmt, meta, scale=scale,
                                    sliding_window=sliding_window, softcap=softcap,
-                                   kernels=self.config.kernels, counters=self.counters, mirror=mirror)
+                                   kernels=self.config.kernels, counters=self.counters, mirror=mirror, window=window)
 
     def read(self, seq_id: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded keys/values of one sequence and layer: [seq_len, num_kv_heads, head_dim]."""
+        """Keys/values of one sequence and layer as attention sees them: [seq_len, num_kv_heads, head_dim]
+        (the pages decoded; with a dense recent window, its blocks exact from the ring)."""
         seq = self._seq(seq_id)
         fmt = self.formats[layer_idx]
         ids = torch.tensor(seq.block_ids, dtype=torch.long, device=fmt.device)
-        return fmt.decode(ops.reference.gather_sequence(self.pages[layer_idx], ids, seq.num_tokens))
+        k, v = fmt.decode(ops.reference.gather_sequence(self.pages[layer_idx], ids, seq.num_tokens))
+        if fmt.spec.recent_tokens:
+            first = self.window.first_dense_block(seq_id, seq.num_tokens)
+            if first * self.block_size < seq.num_tokens:
+                row = self.window.rings[seq_id].row
+                k[first * self.block_size:], v[first * self.block_size:] = (
+                    ops.reference.gather_ring(ring, row, first, seq.num_tokens, self.block_size)
+                    for ring in self.window.layer(layer_idx))
+        return k, v
 
     # ------------------------------------------------------------------------------------------
     # the transformers Cache interface
@@ -593,7 +618,9 @@ class PagedKVCache(Cache):
         return [None if p is None else next(t for n, t in p.items() if n.startswith("v")) for p in self.pages]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for p in self.pages if p for t in p.values())
+        """Bytes of the page tensors and the dense recent window's rings."""
+        pages = sum(t.numel() * t.element_size() for p in self.pages if p for t in p.values())
+        return pages + (self.window.nbytes() if self.window is not None else 0)
 
     def paged_stats(self) -> dict:
         tokens = sum(s.num_tokens for s in self.seqs.values())
@@ -609,7 +636,7 @@ class PagedKVCache(Cache):
             "tokens": tokens,
             "sequences": len(self.seqs),
             "bytes": self.nbytes(),
-            "bytes_per_token": sum(f.bytes_per_token() for f in fmts),
+            "bytes_per_token": self._bytes_per_token(tokens, fmts),
             "bytes_per_token_per_head": _uniform([f.bytes_per_token_per_head() for f in fmts]),
             "grow_events": self.grow_events,
             "dynamic": self.config.dynamic,
@@ -618,4 +645,14 @@ class PagedKVCache(Cache):
         }
         stats.update(self.counters.as_dict())
         stats.update(self.mirror.stats())
+        if self.window is not None:
+            stats.update(self.window.stats())
         return stats
+
+    def _bytes_per_token(self, tokens: int, fmts: list[PageFormat]) -> int | float:
+        """The pages' bytes per token, plus, with a dense recent window, the rings of the live sequences spread
+        over the tokens they hold."""
+        per_token = sum(f.bytes_per_token() for f in fmts)
+        if self.window is None or not tokens:
+            return per_token
+        return per_token + self.window.stats()["window_bytes_in_use"] / tokens

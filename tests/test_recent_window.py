@@ -53,9 +53,3 @@ def test_bad_recent_tokens_name_the_setting(options, message):
 
 def test_off_accepts_only_zero():
     assert CacheConfig.build(kv_format="off", recent_tokens=0).recent_tokens == 0
-
-
-def test_cache_refuses_a_window_until_it_is_built():
-    with pytest.raises(ConfigError, match="not built yet"):
-        PagedKVCache(kv_format="turboquant", recent_tokens=16)
-    assert PagedKVCache(kv_format="turboquant", recent_tokens=0).config.recent_tokens == 0

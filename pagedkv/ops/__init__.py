@@ -75,16 +75,23 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
                     kernels: str = "auto", counters: OpCounters | None = None,
-                    mirror: "LayerMirror | None" = None) -> torch.Tensor:
+                    mirror: "LayerMirror | None" = None,
+                    window: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of packed queries [num_tokens, num_q_heads, head_dim] over one layer's pages.
 
     See `reference.paged_attention` for the semantics; returns [num_tokens, num_q_heads, head_dim].
     `mirror` (KV-Quant layers): the cache's dense mirror; each request's route is latched on its first
     call ("mirror" when the reference path runs, else "direct") and requests on the mirror route are
     attended by the reference path over their dense copies.
+    `window` (a dense recent window, `meta.window` set): this layer's rings, keys and values
+    [num_rows, num_ring_blocks, block_size, H, D]; each sequence's blocks from `meta.window.first_block_cpu`
+    on are read from there. The Triton kernels do not read rings yet: such a layer runs the reference path.
     """
     start = time.perf_counter()
     backend, reason = choose_backend(query.device, kernels, fmt)
+    has_window = window is not None and meta.window is not None
+    if has_window and backend != "reference":
+        backend, reason = "reference", "recent_tokens: the Triton kernels do not read the dense recent window yet"
     sequence_kv = None
     if mirror is not None and meta.seq_ids is not None:
         routes = mirror.latch(meta.seq_ids, "mirror" if backend == "reference" else "direct")
@@ -92,6 +99,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
             if backend != "reference":
                 backend, reason = "reference", "kv_quant_mirror: a request in the batch is latched to the dense mirror"
             sequence_kv = _mirror_reader(mirror, routes, pages, fmt, meta)
+    if has_window:
+        sequence_kv = _window_reader(window, sequence_kv, pages, fmt, meta)
     if backend == "triton":
         from .triton import paged_attention as impl
     else:
@@ -127,5 +136,18 @@ def _mirror_reader(mirror: "LayerMirror", routes: list[str], pages, fmt: PageFor
         n_blocks = -(-length // meta.block_size)
         return mirror.sequence_kv(meta.seq_ids[i], pages, fmt, meta.block_table[i, :n_blocks].long(), length,
                                   meta.block_size)
+
+    return read
+
+
+def _window_reader(window: tuple[torch.Tensor, torch.Tensor], base, pages, fmt: PageFormat, meta: AttentionMetadata):
+    """sequence i -> its keys/values with the dense ring's blocks in place of the pages' (`base`: the mirror's
+    reader or None), or what `base` gives when the sequence reads no block from its ring."""
+
+    def read(i: int):
+        body = base(i) if base is not None else None
+        if meta.window.first_block_cpu[i] * meta.block_size >= meta.seq_lens_cpu[i]:
+            return body
+        return reference.window_kv(pages, fmt, meta, i, window, body)
 
     return read

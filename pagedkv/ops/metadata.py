@@ -8,6 +8,27 @@ import torch
 
 
 @dataclass
+class WindowPlan:
+    """A step's dense recent window (`recent_tokens`, `pagedkv.window`): where new tokens' exact keys/values
+    go and which blocks each sequence reads from its ring.
+
+    token_index:     [num_kept] int64, the packed new tokens kept in the rings (a step's last R blocks)
+    slot_mapping:    [num_kept] int64, their slots in a layer's ring tensor viewed as
+                     [num_rows * num_ring_blocks * block_size, H, D]
+    rows_cpu:        ring row of each sequence
+    first_block_cpu: first block of each sequence read from its ring (logical block b in ring slot
+                     b % num_ring_blocks); blocks before it, and all when it is past the last block, come
+                     from the pages
+    """
+
+    token_index: torch.Tensor
+    slot_mapping: torch.Tensor
+    rows_cpu: list[int]
+    first_block_cpu: list[int]
+    num_ring_blocks: int
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's tokens go and what each sequence attends over.
 
@@ -19,6 +40,7 @@ class AttentionMetadata:
                      when there is no padding (input positions and packed tokens coincide)
     seq_ids:         the cache's sequence id of each row, or None (metadata built outside the cache)
     phase_hint:      the phase its planner knows the step to be (an engine's "verify" step), else None
+    window:          the dense recent window's plan, or None (no window)
     The `*_cpu` lists are host copies, so no kernel launch needs a device sync to size itself.
     """
 
@@ -32,6 +54,7 @@ class AttentionMetadata:
     block_size: int
     seq_ids: list[int] | None = None
     phase_hint: str | None = None
+    window: WindowPlan | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -42,6 +42,35 @@ def gather_sequence(pages: dict[str, torch.Tensor], block_ids: torch.Tensor, len
     return out
 
 
+def gather_ring(ring: torch.Tensor, row: int, first_block: int, length: int, block_size: int) -> torch.Tensor:
+    """Positions first_block * block_size .. length - 1 of one sequence's dense ring: [n, H, D].
+
+    ring: [num_rows, num_ring_blocks, block_size, H, D]; logical block b sits in slot b % num_ring_blocks.
+    """
+    slots = torch.arange(first_block, -(-length // block_size), device=ring.device) % ring.shape[1]
+    return ring[row].index_select(0, slots).reshape(-1, *ring.shape[3:])[:length - first_block * block_size]
+
+
+def window_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata, i: int,
+              ring: tuple[torch.Tensor, torch.Tensor],
+              body: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values [seq_len, H, D] of sequence i: from block `meta.window.first_block_cpu[i]` on its exact
+    ones from the dense ring, before it the pages decoded (`fmt.decode`: the model's domain), or `body`
+    (keys/values [>= that position, H, D] decoded elsewhere, a KV-Quant mirror)."""
+    length, bs = meta.seq_lens_cpu[i], meta.block_size
+    first = meta.window.first_block_cpu[i]
+    start = first * bs
+    if body is not None:
+        k, v = body[0][:start], body[1][:start]
+    else:
+        parts = gather_sequence(pages, meta.block_table[i, :first].long(), start)
+        k, v = fmt.decode(parts)  # [start, H, D]
+    row = meta.window.rows_cpu[i]
+    tk, tv = (gather_ring(r, row, first, length, bs) for r in ring)
+    dtype = torch.promote_types(k.dtype, tk.dtype)
+    return torch.cat([k.to(dtype), tk.to(dtype)]), torch.cat([v.to(dtype), tv.to(dtype)])
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, sliding_window: int | None,
            softcap: float | None) -> torch.Tensor:
     """Causal attention of the last `nq` positions of a sequence over all `L` of its keys.
