@@ -53,3 +53,234 @@ def test_bad_recent_tokens_name_the_setting(options, message):
 
 def test_off_accepts_only_zero():
     assert CacheConfig.build(kv_format="off", recent_tokens=0).recent_tokens == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the window in the cache: rings, block transitions, trim, fork, prefix sharing
+
+H, D, BS = 2, 64, 8
+FORMATS = ["turboquant", "q4"]
+
+
+def window_cache(kv_format="turboquant", recent=16, **options):
+    spec = kv_format if recent == 0 else f"{kv_format}:recent_tokens={recent}"
+    return PagedKVCache(kv_format=spec, block_size=BS, num_blocks=64, **options)
+
+
+def append(cache, seq_id, keys, values, queries=None, layers=2):
+    """Write keys/values [n, H, D] of one sequence into every layer (layer l gets keys + l); with queries
+    [n, 2H, D], return each layer's attention output."""
+    meta = cache.begin_step([seq_id], [keys.shape[0]])
+    outs = []
+    for layer in range(layers):
+        cache.write(layer, keys + layer, values - layer, meta)
+        if queries is not None:
+            outs.append(cache.attention(layer, queries, scale=D ** -0.5, meta=meta))
+    cache.end_forward()
+    return outs
+
+
+def quantized(cache, keys, values, layer=0):
+    """keys/values [n, H, D] through the layer's format: encoded, then decoded (what the pages give back)."""
+    fmt = cache.formats[layer]
+    return fmt.decode(fmt.encode(keys, values))
+
+
+def expected_kv(cache, keys, values, first_dense, layer=0):
+    """What attention should see: positions before `first_dense` quantized, the rest exact."""
+    qk, qv = quantized(cache, keys + layer, values - layer, layer)
+    k, v = (keys + layer).clone(), (values - layer).clone()
+    k[:first_dense], v[:first_dense] = qk[:first_dense], qv[:first_dense]
+    return k, v
+
+
+def test_no_window_has_no_rings_and_attention_is_the_pages_reference_bit_for_bit():
+    from pagedkv.ops import reference
+
+    torch.manual_seed(0)
+    cache = window_cache(recent=0)
+    assert cache.window is None
+    s = cache.add_sequence()
+    keys, values, queries = torch.randn(37, H, D), torch.randn(37, H, D), torch.randn(37, 2 * H, D)
+    append(cache, s, keys[:30], values[:30])
+    meta = cache.begin_step([s], [7])
+    assert meta.window is None
+    cache.write(0, keys[30:], values[30:], meta)
+    out = cache.attention(0, queries[30:], scale=0.125, meta=meta)
+    expected = reference.paged_attention(queries[30:], cache.pages[0], cache.formats[0], meta, scale=0.125)
+    assert torch.equal(out, expected)
+    stats = cache.paged_stats()
+    assert "window_bytes" not in stats and stats["bytes_per_token"] == 2 * cache.formats[0].bytes_per_token()
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("steps", [[37], [20, 1, 16], [1] * 29, [8, 8, 8, 5]])
+def test_attention_reads_the_window_exact_and_the_rest_from_the_pages(kv_format, steps):
+    from pagedkv.ops import reference
+
+    torch.manual_seed(1)
+    n = sum(steps)
+    keys, values, queries = torch.randn(n, H, D), torch.randn(n, H, D), torch.randn(n, 2 * H, D)
+    cache = window_cache(kv_format, recent=16)
+    s = cache.add_sequence()
+    pos = 0
+    for step in steps:
+        outs = append(cache, s, keys[pos:pos + step], values[pos:pos + step], queries[pos:pos + step])
+        pos += step
+        first_dense = max(0, (pos - 16) // BS) * BS  # the last 16 .. 23 tokens stay exact
+        for layer, out in enumerate(outs):
+            k, v = expected_kv(cache, keys[:pos], values[:pos], first_dense, layer)
+            if kv_format == "q4":  # the KV-Quant mirror holds decoded tokens in its own dtype
+                mirror = cache.formats[layer].mirror_dtype
+                k[:first_dense], v[:first_dense] = k[:first_dense].to(mirror), v[:first_dense].to(mirror)
+            want = reference.attend(queries[pos - step:pos], k, v, scale=D ** -0.5, sliding_window=None, softcap=None)
+            torch.testing.assert_close(out, want)
+            read_k, read_v = cache.read(s, layer)
+            torch.testing.assert_close(read_k, expected_kv(cache, keys[:pos], values[:pos], first_dense, layer)[0],
+                                       rtol=0, atol=0)
+    # the window changed something: the exact tail differs from its quantized copy
+    k_all_quantized, _ = quantized(cache, keys, values)
+    assert not torch.equal(cache.read(s, 0)[0][-8:], k_all_quantized[-8:])
+
+
+def test_triton_requested_falls_back_to_the_reference_path_with_a_reason(monkeypatch):
+    from pagedkv import ops
+
+    monkeypatch.setattr(ops, "choose_backend", lambda device, kernels, fmt: ("triton", None))
+    cache = window_cache(recent=16)
+    s = cache.add_sequence()
+    append(cache, s, torch.randn(20, H, D), torch.randn(20, H, D), torch.randn(20, 2 * H, D), layers=1)
+    stats = cache.paged_stats()
+    assert stats["triton_attention_calls"] == 0 and stats["reference_attention_calls"] == 1
+    assert stats["paged_attention_bailouts_by_phase_reason"] == {"prefill:recent_tokens": 1}
+
+
+def test_every_token_is_encoded_once_and_pages_equal_encoding_each_block_directly(monkeypatch):
+    torch.manual_seed(2)
+    cache = window_cache(recent=16)
+    s = cache.add_sequence()
+    keys, values = torch.randn(45, H, D), torch.randn(45, H, D)
+    append(cache, s, keys[:1], values[:1], layers=1)  # creates the format
+    fmt = cache.formats[0]
+    encoded = []
+    real_encode = fmt.encode
+    monkeypatch.setattr(fmt, "encode", lambda k, v: encoded.append(k.shape[0]) or real_encode(k, v))
+    for p in range(1, 45):  # decode steps: blocks 0..3 leave the window one after the other
+        append(cache, s, keys[p:p + 1], values[p:p + 1], layers=1)
+    assert sum(encoded) == 44  # no block is encoded again when it leaves the window
+    direct = real_encode(keys, values)
+    table = cache.block_table(s)
+    for name, page in cache.pages[0].items():
+        got = page[table].reshape(-1, *page.shape[2:])[:45]
+        assert torch.equal(got.view(torch.uint8), direct[name].view(torch.uint8)), name
+    k, _ = cache.read(s, 0)
+    first_dense = (45 - 16) // BS * BS
+    assert torch.equal(k[first_dense:], keys[first_dense:])
+    assert torch.equal(k[:first_dense], fmt.decode(direct)[0][:first_dense])
+
+
+def test_trim_across_the_window_edge_reads_only_blocks_the_ring_holds_whole():
+    torch.manual_seed(3)
+    cache = window_cache(recent=16)  # ring of 3 blocks of 8
+    s = cache.add_sequence()
+    keys, values = torch.randn(40, H, D), torch.randn(40, H, D)
+    append(cache, s, keys, values, layers=1)  # ring: blocks 2, 3, 4
+    assert cache.trim(20, s) == 20
+    k, _ = cache.read(s, 0)  # length 20: the window starts at block 0, the ring holds block 2 (16..19)
+    assert torch.equal(k, expected_kv(cache, keys[:20], values[:20], 16)[0])
+    cache.trim(8, s)  # length 12: block 1 (8..11) is no longer held whole by the ring
+    assert torch.equal(cache.read(s, 0)[0], expected_kv(cache, keys[:12], values[:12], 12)[0])
+    new_k, new_v = torch.randn(18, H, D), torch.randn(18, H, D)
+    append(cache, s, new_k, new_v, layers=1)  # length 30: the window starts at block 1
+    want_k, want_v = torch.cat([keys[:12], new_k]), torch.cat([values[:12], new_v])
+    # block 1 mixes kept and rewritten positions: its ring slot held block 4 before, so it is read quantized;
+    # blocks 2 and 3 were written whole after the trim
+    got_k, got_v = cache.read(s, 0)
+    assert torch.equal(got_k, expected_kv(cache, want_k, want_v, 16)[0])
+    assert torch.equal(got_v, expected_kv(cache, want_k, want_v, 16)[1])
+    append(cache, s, torch.randn(8, H, D), torch.randn(8, H, D), layers=1)  # length 38: block 1 left the window
+    assert cache.window.first_dense_block(s, 38) == 2
+
+
+def test_speculative_rollback_inside_the_last_block_keeps_the_window_exact():
+    torch.manual_seed(4)
+    cache = window_cache(recent=16)
+    s = cache.add_sequence()
+    keys, values = torch.randn(40, H, D), torch.randn(40, H, D)
+    append(cache, s, keys[:30], values[:30], layers=1)
+    append(cache, s, torch.randn(4, H, D), torch.randn(4, H, D), layers=1)  # drafted tokens, rejected
+    cache.trim(4, s)
+    append(cache, s, keys[30:], values[30:], layers=1)
+    assert torch.equal(cache.read(s, 0)[0], expected_kv(cache, keys, values, 24)[0])
+
+
+def test_fork_gives_the_child_its_own_copy_of_the_ring():
+    torch.manual_seed(5)
+    cache = window_cache(recent=16)
+    parent = cache.add_sequence()
+    keys, values = torch.randn(30, H, D), torch.randn(30, H, D)
+    append(cache, parent, keys, values)
+    child = cache.fork(parent)
+    assert cache.window.rings[child].row != cache.window.rings[parent].row
+    tails = {sid: (torch.randn(12, H, D), torch.randn(12, H, D)) for sid in (parent, child)}
+    for sid, (k, v) in tails.items():
+        append(cache, sid, k, v)
+    for sid, (k, v) in tails.items():
+        want_k, want_v = torch.cat([keys, k]), torch.cat([values, v])
+        for layer in range(2):
+            got_k, got_v = cache.read(sid, layer)
+            ek, ev = expected_kv(cache, want_k, want_v, (42 - 16) // BS * BS, layer)
+            assert torch.equal(got_k, ek) and torch.equal(got_v, ev)
+    cache.free(parent)
+    assert parent not in cache.window.rings and cache.window.free_rows
+
+
+def test_a_sequence_on_shared_prefix_blocks_reads_them_quantized_and_its_own_tokens_exact():
+    torch.manual_seed(6)
+    cache = window_cache(recent=16)
+    a = cache.add_sequence()
+    keys, values = torch.randn(40, H, D), torch.randn(40, H, D)
+    append(cache, a, keys[:24], values[:24])
+    prefix = cache.block_table(a)[:2]
+    cache.pool.incref(prefix)
+    b = cache.add_sequence(prefix_block_ids=prefix)  # blocks 0, 1 shared: quantized once, by `a`
+    append(cache, b, keys[16:40], values[16:40])  # b: tokens 0..15 from the pages, 16..39 its own
+    assert cache.block_table(b)[:2] == prefix and cache.pool.ref_cnt[prefix[0]] == 2
+    got_k, _ = cache.read(b, 1)
+    assert torch.equal(got_k, expected_kv(cache, keys, values, 24, layer=1)[0])
+    shared = cache.block_table(a)[:3]
+    cache.pool.incref(shared)
+    c = cache.add_sequence(prefix_block_ids=shared)
+    append(cache, c, keys[24:28], values[24:28])  # length 28: the window would start at block 1, but
+    assert cache.window.first_dense_block(c, 28) == 3  # blocks 1 and 2 came from the prefix (quantized)
+    assert torch.equal(cache.read(c, 0)[0], expected_kv(cache, keys[:28], values[:28], 24)[0])
+
+
+def test_stats_count_the_window_bytes():
+    cache = window_cache(recent=16, dtype="fp32")
+    s, t = cache.add_sequence(), cache.add_sequence()
+    append(cache, s, torch.randn(20, H, D), torch.randn(20, H, D))
+    append(cache, t, torch.randn(12, H, D), torch.randn(12, H, D))
+    stats = cache.paged_stats()
+    ring = 2 * 3 * BS * H * D * 4  # keys and values, 3 blocks, float32, per layer
+    assert stats["recent_tokens"] == 16 and stats["window_sequences"] == 2
+    assert stats["window_bytes_in_use"] == 2 * 2 * ring
+    assert stats["window_bytes"] >= stats["window_bytes_in_use"]
+    pages = sum(p.numel() * p.element_size() for layer in cache.pages for p in layer.values())
+    assert stats["bytes"] == pages + stats["window_bytes"]
+    per_token = sum(f.bytes_per_token() for f in cache.formats)
+    assert stats["bytes_per_token"] == pytest.approx(per_token + 2 * 2 * ring / 32)
+    cache.free(s)
+    assert cache.paged_stats()["window_bytes_in_use"] == 2 * ring
+
+
+def test_reset_forgets_every_ring():
+    cache = window_cache(recent=16)
+    s = cache.add_sequence()
+    append(cache, s, torch.randn(20, H, D), torch.randn(20, H, D))
+    cache.reset()
+    assert cache.window.rings == {} and cache.paged_stats()["window_bytes_in_use"] == 0
+    s = cache.add_sequence()
+    keys, values = torch.randn(20, H, D), torch.randn(20, H, D)
+    append(cache, s, keys, values)
+    assert torch.equal(cache.read(s, 0)[0], expected_kv(cache, keys, values, 0)[0])
