@@ -143,9 +143,11 @@ class RecentWindow:
             return
         child = self.rings[new_seq_id] = _Ring(self._take_row(), ring.dense_from, list(ring.blocks))
         for layer_idx in list(self.keys):
-            keys, values = self._tensors(layer_idx, self.keys[layer_idx][0, 0])
-            keys[child.row].copy_(keys[ring.row])
-            values[child.row].copy_(values[ring.row])
+            # rings written under inference mode (the engine) are inference tensors: copy in that mode too
+            with torch.inference_mode(torch.is_inference(self.keys[layer_idx])):
+                keys, values = self._tensors(layer_idx, self.keys[layer_idx][0, 0])
+                keys[child.row].copy_(keys[ring.row])
+                values[child.row].copy_(values[ring.row])
 
     def forget(self, seq_id: int) -> None:
         ring = self.rings.pop(seq_id, None)

@@ -146,10 +146,12 @@ def test_attention_reads_the_window_exact_and_the_rest_from_the_pages(kv_format,
 def test_triton_requested_falls_back_to_the_reference_path_with_a_reason(monkeypatch):
     from pagedkv import ops
 
-    monkeypatch.setattr(ops, "choose_backend", lambda device, kernels, fmt: ("triton", None))
     cache = window_cache(recent=16)
     s = cache.add_sequence()
-    append(cache, s, torch.randn(20, H, D), torch.randn(20, H, D), torch.randn(20, 2 * H, D), layers=1)
+    meta = cache.begin_step([s], [20])
+    cache.write(0, torch.randn(20, H, D), torch.randn(20, H, D), meta)
+    monkeypatch.setattr(ops, "choose_backend", lambda device, kernels, fmt: ("triton", None))
+    cache.attention(0, torch.randn(20, 2 * H, D), scale=0.125, meta=meta)
     stats = cache.paged_stats()
     assert stats["triton_attention_calls"] == 0 and stats["reference_attention_calls"] == 1
     assert stats["paged_attention_bailouts_by_phase_reason"] == {"prefill:recent_tokens": 1}
@@ -284,3 +286,82 @@ def test_reset_forgets_every_ring():
     keys, values = torch.randn(20, H, D), torch.randn(20, H, D)
     append(cache, s, keys, values)
     assert torch.equal(cache.read(s, 0)[0], expected_kv(cache, keys, values, 0)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# the window in the engine (the default model on the CPU)
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
+           "def fibonacci(n):", "List three primary colors:"]
+SHARED = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
+          "in want of a wife. However little known the feelings or views of such a man may be")
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    from pagedkv import load_model
+
+    return load_model("default")  # its own copy: the engine switches the model's attention
+
+
+def engine(model_and_tokenizer, kv_format, **options):
+    from pagedkv import LLM
+
+    model, tokenizer = model_and_tokenizer
+    return LLM(model, tokenizer=tokenizer, kv_format=kv_format, block_size=8, **options)
+
+
+def test_a_window_longer_than_every_sequence_generates_what_dense_pages_do(model_and_tokenizer):
+    from pagedkv import SamplingParams
+
+    params = SamplingParams(max_tokens=20)  # prompts of 5..15 tokens: every sequence stays within 40 tokens
+    dense = engine(model_and_tokenizer, "off", num_blocks=64).generate(PROMPTS, params)
+    quantized = engine(model_and_tokenizer, "turboquant", num_blocks=64).generate(PROMPTS, params)
+    windowed = engine(model_and_tokenizer, "turboquant:recent_tokens=40", num_blocks=64).generate(PROMPTS, params)
+    assert [o.token_ids for o in windowed] == [o.token_ids for o in dense]
+    assert [o.token_ids for o in quantized] != [o.token_ids for o in dense]  # the window is what made them equal
+
+
+@pytest.mark.parametrize("kv_format", ["turboquant:recent_tokens=16", "q4:recent_tokens=16"])
+def test_preempted_requests_recompute_to_the_same_greedy_tokens(model_and_tokenizer, kv_format):
+    from pagedkv import SamplingParams
+
+    params = SamplingParams(max_tokens=18)
+    roomy = engine(model_and_tokenizer, kv_format, num_blocks=64, prefix_caching=False)
+    alone = [roomy.generate(p, params)[0].token_ids for p in PROMPTS]
+    # 6 blocks of 8 cannot hold four requests of up to 33 tokens: they are admitted and grow into each other
+    llm = engine(model_and_tokenizer, kv_format, num_blocks=6, prefix_caching=False, admission_lookahead_tokens=0)
+    outputs = llm.generate(PROMPTS, params)
+    assert llm.stats()["preemptions"] > 0
+    assert [o.token_ids for o in outputs] == alone
+    assert llm.engine.cache.window.rings == {} and llm.stats()["blocks_used"] == 0
+
+
+def test_a_prefix_cache_hit_stops_where_the_window_starts(model_and_tokenizer):
+    from pagedkv import SamplingParams
+
+    tokenizer = model_and_tokenizer[1]
+    shared = tokenizer(SHARED).input_ids[:48]
+    prompts = [shared + tokenizer(" Who said this?").input_ids, shared + tokenizer(" Is it true?").input_ids]
+    params = SamplingParams(max_tokens=4)
+    expected = engine(model_and_tokenizer, "turboquant:recent_tokens=16", num_blocks=32,
+                      prefix_caching=False).generate(prompts[1], params)[0].token_ids
+    llm = engine(model_and_tokenizer, "turboquant:recent_tokens=16", num_blocks=32)
+    llm.generate(prompts[0], params)
+    out = llm.generate(prompts[1], params)[0]
+    # 6 shared blocks are cached, but blocks from (len - 16) // 8 on are computed so the window is dense
+    assert out.metrics.num_cached_tokens == (len(prompts[1]) - 16) // 8 * 8 < 48
+    assert out.token_ids == expected
+    assert llm.stats()["blocks_used"] == 0
+
+
+def test_samples_of_one_prompt_fork_the_window(model_and_tokenizer):
+    from pagedkv import SamplingParams
+
+    llm = engine(model_and_tokenizer, "turboquant:recent_tokens=16", num_blocks=64, prefix_caching=False)
+    params = SamplingParams(n=3, max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
+    (out,) = llm.generate(PROMPTS[1], params)  # the samples fork from the prompt, ring included
+    singles = llm.generate([PROMPTS[1]] * 3, [params.for_sample(i) for i in range(3)])
+    assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert llm.engine.cache.window.rings == {}

@@ -198,6 +198,8 @@ class Scheduler:
         """
         bs = self.cache.block_size
         max_blocks = (len(seq) - 1) // bs  # leave at least one token to compute (its logits are needed)
+        if self.cache.config.recent_tokens:  # cached blocks are quantized: the dense recent window is computed
+            max_blocks = max(0, min(max_blocks, (len(seq) - self.cache.config.recent_tokens) // bs))
         # a prompt whose log-probabilities are asked for is computed whole (cached blocks would skip them)
         reuse = self.prefix.enabled and seq.params.prompt_logprobs is None
         hashes = self.prefix.block_hashes(seq.block_hashes, seq.token_ids) if reuse else []

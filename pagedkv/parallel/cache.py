@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..cache import PagedKVCache
+from ..errors import ConfigError
 from ..ops.metadata import AttentionMetadata
 
 _MIRROR_EVENTS = ("forget", "trim", "clear")
@@ -69,6 +70,9 @@ class ShardedPagedKVCache(PagedKVCache):
 
     def __init__(self, config=None, **options):
         super().__init__(config, **options)
+        if self.window is not None:  # followers hold no sequences: rings would need their own step events
+            raise ConfigError(f"recent_tokens={self.config.recent_tokens}: the dense recent window does not run "
+                              "with tensor parallelism yet; use recent_tokens=0 or one GPU")
         self._copies: list[tuple[int, int]] = []
         self._mirror_events: list[tuple[str, tuple]] = []
         self.mirror = _RecordingMirror(self.mirror, self._mirror_events)
