@@ -3,6 +3,7 @@
     python bench/kernel_report.py [--formats off,q8,q4,turboquant] [--configs 64x4x5,128x4x2] [--json OUT]
     python bench/kernel_report.py --compile-all [--formats ...]
     python bench/kernel_report.py --count-variants [--formats ...]
+    python bench/kernel_report.py --warp-split [--formats q4,turboquant]   # the warp-split decode kernel
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
 `paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
@@ -111,12 +112,38 @@ def sass_loops(sass: str) -> list[list[str]]:
     return sorted(loops, key=len, reverse=True)
 
 
-def report(spec: str, tiles: TileConfig) -> dict:
-    kernel = compile_decode(spec, tiles)
+def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192):
+    """The warp-split decode kernel (`ops/triton/decode.py`) with DecodeTiles `tiles`, compiled for sm_90."""
+    from pagedkv.ops.metadata import AttentionMetadata
+    from pagedkv.ops.triton import decode
+    from triton.runtime.jit import JITFunction
+
+    fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
+    pages = fmt.allocate_pages(4, BLOCK_SIZE)
+    table = torch.zeros(batch, context // BLOCK_SIZE, dtype=torch.int32)
+    lens = [context] * batch
+    qsl = list(range(batch + 1))
+    meta = AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
+                             torch.arange(batch, dtype=torch.int64), None, lens, qsl, BLOCK_SIZE)
+    q = torch.empty(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    compiled = []
+    run = JITFunction.run
+    JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
+    try:
+        decode.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles)
+    finally:
+        JITFunction.run = run
+    return compiled[0]
+
+
+def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
+    kernel = kernel or compile_decode(spec, tiles)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
         ptx.write_text(kernel.asm["ptx"])
-        info = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)],
+        maxnreg = getattr(kernel.metadata, "maxnreg", None)
+        cap = [f"--maxrregcount={maxnreg}"] if maxnreg else []
+        info = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", *cap, str(ptx), "-o", str(cubin)],
                               capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
@@ -219,6 +246,8 @@ def main() -> None:
     parser.add_argument("--compile-all", action="store_true", help="compile every kernel for each format, dtype, head_dim")
     parser.add_argument("--dtypes", default="bfloat16,float16,float32", help="with --compile-all: query dtypes")
     parser.add_argument("--head-dims", default="64,128,256", help="with --compile-all")
+    parser.add_argument("--warp-split", action="store_true",
+                        help="the warp-split decode kernel: each format's default, the original orientation, lower register caps")
     parser.add_argument("--count-variants", action="store_true",
                         help="print (JSON) how many kernels a run over several batch shapes compiles; 1 each is right")
     args = parser.parse_args()
@@ -241,6 +270,28 @@ def main() -> None:
                         status = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
                     print(f"{spec:40s} {str(dtype):15s} head_dim {head_dim:3d}: {status}", flush=True)
         sys.exit(1 if failed else 0)
+    if args.warp_split:
+        import dataclasses
+
+        from pagedkv.ops.triton.tuning import DecodeTiles, warp_split_tiles
+
+        rows = []
+        for spec in formats:
+            fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
+            base = warp_split_tiles(fmt)
+            variants = [base]
+            variants += [DecodeTiles(32, 4, 3)] + [dataclasses.replace(base, max_registers=r) for r in (96, 80)]
+            for tiles in variants:
+                r = report(spec, TileConfig(16, tiles.tile_n, tiles.num_warps, tiles.num_stages),
+                           compile_warp_split(spec, tiles))
+                r.update(transposed=tiles.transposed, num_stages=tiles.num_stages, max_registers=tiles.max_registers)
+                rows.append(r)
+                print(json.dumps({k: r[k] for k in ("format", "tile_n", "transposed", "num_stages", "max_registers", "registers",
+                                                     "spill_bytes", "shared_bytes", "loop_instructions", "per_key_row")}),
+                      flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
     rows = []
     print(f"{'format':28s} {'tiles':>9s} {'regs':>5s} {'spill':>6s} {'smem KB':>8s} {'buffers':>8s} {'loop':>6s} {'/key row':>9s}")
     for spec in formats:

@@ -278,9 +278,15 @@ def decode_sweep(spec, layers, metas, queries, copies):
     return out
 
 
-# warp-split decode kernel configs: (keys per warp, warps, stages)
-# (keys per warp, warps, stages, transposed, register cap, q4 codes as biased float16)
-WARP_SPLIT_CONFIGS = [(32, 4, 3, False, None), (16, 4, 2, True, 128), (32, 4, 2, True, 128)]
+# warp-split decode kernel configs (`tuning.DecodeTiles`): keys per warp, warps, stages, orientation, register cap
+WARP_SPLIT_CONFIGS = [DecodeTiles(32, 4, 3), DecodeTiles(16, 4, 2, True, 128), DecodeTiles(32, 4, 2, True, 128),
+                      DecodeTiles(16, 4, 1, True, 128), DecodeTiles(16, 4, 1, True, 96), DecodeTiles(16, 4, 1, True, 80),
+                      DecodeTiles(32, 4, 1, True, 128)]
+
+
+def tiles_key(t: DecodeTiles) -> str:
+    return (f"warp_split_n{t.tile_n}_w{t.num_warps}_s{t.num_stages}{'_t' if t.transposed else ''}"
+            f"{f'_r{t.max_registers}' if t.max_registers else ''}")
 
 
 def warp_split_sweep(spec, layers, metas, queries, copies):
@@ -301,10 +307,9 @@ def warp_split_sweep(spec, layers, metas, queries, copies):
         if splits > 1 else (lambda q, p, f, m: attention.paged_attention(q, p, f, m, scale=SCALE, tiles=tiles))
     out["previous_default"] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: previous(q, p, f, m)
                                              for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
-    for tile_n, warps, stages, swap, maxnreg in WARP_SPLIT_CONFIGS:
+    for tiles in WARP_SPLIT_CONFIGS:
         for splits in split_counts:
-            key = f"warp_split_n{tile_n}_w{warps}_s{stages}{'_t' if swap else ''}{f'_r{maxnreg}' if maxnreg else ''}_split{splits}"
-            tiles = DecodeTiles(tile_n, warps, stages, transposed=swap, max_registers=maxnreg)
+            key = f"{tiles_key(tiles)}_split{splits}"
             fn = lambda q, p, f, m, sp=splits, t=tiles: decode.paged_attention(  # noqa: E731
                 q, p, f, m, scale=SCALE, num_splits=sp, tiles=t)
             try:

@@ -24,8 +24,8 @@ Formats (compile-time `KIND`, `K_BITS`):
                  `packing.pack_sign_magnitude`): eight products per step, each over 16 channels of one
                  group, whose scale goes on the probability columns; the output is rotated back at the end
                  (split-K: by the reduce kernel). Keys not rotated, head_dim 128 (`is_supported`).
-`decode_transposed.py` is the same kernel with keys on the matrix units' M dimension (faster for TurboQuant
-and q4 pages); `tuning.warp_split_tiles` chooses the orientation per format.
+`decode_transposed.py` is the same kernel with keys on the matrix units' M dimension, faster for every
+quantized format (`tuning.warp_split_tiles` chooses it); this orientation stays for comparison and tests.
 Codes become float16 with byte permutes (under the exponent of 1024, or into the fp16 codebook) in inline
 PTX (`FAST_CVT`), or with plain conversions under the interpreter, which cannot run PTX: the same values.
 """

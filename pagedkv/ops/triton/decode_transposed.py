@@ -7,7 +7,8 @@ the heads fill N, padded to 8 columns, so half as many matrix instructions and s
 and half the accumulator registers: capped at 128 registers, four programs (16 warps) fit a
 multiprocessor instead of two. The price is P^T, which the second product reads as its B operand: Triton
 moves it through shared memory. Measured on an H200 (`bench/kernels.py --warp-split`): TurboQuant 1.11-1.25x
-and q4 0.96-1.12x faster than `decode.py`; q8 and q6 slower (`tuning.warp_split_tiles` picks per format).
+and q4 0.96-1.12x faster than `decode.py`; unpipelined with 32 keys per warp, q8 and q6 too, so it is now the
+default for every quantized format (`tuning.warp_split_tiles`).
 
 Grid, splits, formats, conversions and partial states are `decode.py`'s; only the orientation differs.
 """
@@ -18,8 +19,9 @@ import triton
 import triton.language as tl
 
 from .codecs import KVQUANT, TURBOQUANT
-from .conversions import int8_pairs_to_f16, int8_to_f16, sign_magnitude_to_f16
-from .decode_io import load_quads, load_rows, token_sequence
+from .conversions import (int8_pairs_to_f16, int8_to_f16, nibble_quads_to_f16, sign_magnitude_to_f16,
+                          six_bit_quads_to_f16)
+from .decode_io import load_rows, token_sequence
 from .tiles import LOG2E, tanh
 
 
@@ -31,14 +33,70 @@ def query_t(q_row_t, h_ok, cols, WARPS: tl.constexpr, CDTYPE: tl.constexpr):
 
 
 @triton.jit
-def tq_key_group_t(qg, qsum, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, G: tl.constexpr,
-                   CDTYPE: tl.constexpr, FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores^T [WARPS, TILE_N, HR] of channel group G of TurboQuant int8 keys."""
-    codes = int8_to_f16(load_rows(k_ptr + 32 * G, k_row, offs32, ok), FAST_CVT).to(CDTYPE)
-    d = tl.dot(codes, qg, input_precision=DOT_PRECISION)
-    sc = tl.load(ks_ptr + s_row + G, mask=ok, other=0.0).to(tl.float32)
-    zs = tl.load(kz_ptr + s_row + G, mask=ok, other=0.0).to(tl.float32) * sc
+def tile_coords(start, pos0, kv_hi, first, bt_row, BLOCK_SIZE: tl.constexpr):
+    """The keys of the step at `start`: (ok, block, slot), each [WARPS, TILE_N]."""
+    offs_n = start + pos0
+    ok = (offs_n < kv_hi) & (offs_n >= first)
+    block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    return ok, block, offs_n % BLOCK_SIZE
+
+
+@triton.jit
+def tq_tile(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, slot, ok, k_strides, v_strides, ks_strides, vs_strides,
+            offs32, offs_u, HEAD_DIM: tl.constexpr):
+    """One step of TurboQuant pages as loaded, nothing converted: key codes of the four channel groups, their
+    scales and zero points, the value units and their signs, the value scales."""
+    k_row = block * k_strides[0] + slot * k_strides[1]
+    v_row = block * v_strides[0] + slot * v_strides[1]
+    s_row = block * ks_strides[0] + slot * ks_strides[1]
+    vs_row = block * vs_strides[0] + slot * vs_strides[1]
+    return (load_rows(k_ptr, k_row, offs32, ok), load_rows(k_ptr + 32, k_row, offs32, ok),
+            load_rows(k_ptr + 64, k_row, offs32, ok), load_rows(k_ptr + 96, k_row, offs32, ok),
+            tl.load(ks_ptr + s_row, mask=ok, other=0.0), tl.load(ks_ptr + s_row + 1, mask=ok, other=0.0),
+            tl.load(ks_ptr + s_row + 2, mask=ok, other=0.0), tl.load(ks_ptr + s_row + 3, mask=ok, other=0.0),
+            tl.load(kz_ptr + s_row, mask=ok, other=0.0), tl.load(kz_ptr + s_row + 1, mask=ok, other=0.0),
+            tl.load(kz_ptr + s_row + 2, mask=ok, other=0.0), tl.load(kz_ptr + s_row + 3, mask=ok, other=0.0),
+            load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok),
+            load_rows(v_ptr + HEAD_DIM // 4, v_row, offs_u, ok),
+            tl.load(vs_ptr + vs_row, mask=ok, other=0.0), tl.load(vs_ptr + vs_row + 1, mask=ok, other=0.0),
+            tl.load(vs_ptr + vs_row + 2, mask=ok, other=0.0), tl.load(vs_ptr + vs_row + 3, mask=ok, other=0.0))
+
+
+@triton.jit
+def tq_group_scores_t(codes, sc, z, qg, qsum, CDTYPE: tl.constexpr, FAST_CVT: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """Scores^T [WARPS, TILE_N, HR] of one channel group of TurboQuant int8 keys, from loaded codes, scales, zeros."""
+    d = tl.dot(int8_to_f16(codes, FAST_CVT).to(CDTYPE), qg, input_precision=DOT_PRECISION)
+    sc = sc.to(tl.float32)
+    zs = z.to(tl.float32) * sc
     return d * sc[:, :, None] + zs[:, :, None] * qsum[:, None, :]
+
+
+@triton.jit
+def quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok, k_strides, v_strides, ks_strides, vs_strides,
+               offs_u, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One step of q4 / q6 pages as loaded: key units (q6: and their 2-bit plane bytes), key scales, value units
+    (and plane bytes), value scales."""
+    k_row = block * k_strides[0] + slot * k_strides[1]
+    v_row = block * v_strides[0] + slot * v_strides[1]
+    ks = tl.load(ks_ptr + block * ks_strides[0] + slot * ks_strides[1], mask=ok, other=0.0)
+    vs = tl.load(vs_ptr + block * vs_strides[0] + slot * vs_strides[1], mask=ok, other=0.0)
+    ku = load_rows(k_ptr.to(tl.pointer_type(tl.int16)), k_row // 2, offs_u, ok)
+    vu = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)
+    if BITS == 6:
+        kh = load_rows(k_ptr + HEAD_DIM // 2, k_row, offs_u, ok)
+        vh = load_rows(v_ptr + HEAD_DIM // 2, v_row, offs_u, ok)
+    else:   # (q4 has no second plane: unused)
+        kh = ku
+        vh = vu
+    return ku, kh, ks, vu, vh, vs
+
+
+@triton.jit
+def unit_quads(units, planes, BITS: tl.constexpr, FAST_CVT: tl.constexpr):
+    if BITS == 6:
+        return six_bit_quads_to_f16(units, planes, FAST_CVT)
+    return nibble_quads_to_f16(units, FAST_CVT)
 
 
 @triton.jit
@@ -145,33 +203,35 @@ def decode_kernel_transposed(
     m_i = tl.full([WARPS, ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
     for start in range(kv_lo, kv_hi, STEP):
-        offs_n = start + pos0
-        ok = (offs_n < kv_hi) & (offs_n >= first)
-        block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
+        ok, block, slot = tile_coords(start, pos0, kv_hi, first, bt_row, BLOCK_SIZE)
         k_row = block * k_strides[0] + slot * k_strides[1]
         v_row = block * v_strides[0] + slot * v_strides[1]
         if TQ:
-            s_row = block * ks_strides[0] + slot * ks_strides[1]
-            s = tq_key_group_t(qg0, qs0, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 0, CDTYPE, FAST_CVT, DOT_PRECISION)
-            s += tq_key_group_t(qg1, qs1, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 1, CDTYPE, FAST_CVT, DOT_PRECISION)
-            s += tq_key_group_t(qg2, qs2, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 2, CDTYPE, FAST_CVT, DOT_PRECISION)
-            s += tq_key_group_t(qg3, qs3, k_ptr, ks_ptr, kz_ptr, k_row, s_row, ok, offs32, 3, CDTYPE, FAST_CVT, DOT_PRECISION)
+            t = tq_tile(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, slot, ok,
+                        k_strides, v_strides, ks_strides, vs_strides, offs32, offs_u, HEAD_DIM)
         elif KU:
-            k0, k1, k2, k3 = load_quads(k_ptr, k_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
+            t = quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok,
+                           k_strides, v_strides, ks_strides, vs_strides, offs_u, K_BITS, HEAD_DIM)
+        if TQ:   # t: key codes per group 0-3, scales 4-7, zero points 8-11, value units 12, signs 13, scales 14-17
+            s = tq_group_scores_t(t[0], t[4], t[8], qg0, qs0, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq_group_scores_t(t[1], t[5], t[9], qg1, qs1, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq_group_scores_t(t[2], t[6], t[10], qg2, qs2, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq_group_scores_t(t[3], t[7], t[11], qg3, qs3, CDTYPE, FAST_CVT, DOT_PRECISION)
+        elif KU:  # t: key units, their plane bytes, key scales, value units, plane bytes, value scales
+            k0, k1, k2, k3 = unit_quads(t[0], t[1], K_BITS, FAST_CVT)
             s = tl.dot(k0.to(CDTYPE), q0, input_precision=DOT_PRECISION)
             s = tl.dot(k1.to(CDTYPE), q1, s, input_precision=DOT_PRECISION)
             s = tl.dot(k2.to(CDTYPE), q2, s, input_precision=DOT_PRECISION)
             s = tl.dot(k3.to(CDTYPE), q3, s, input_precision=DOT_PRECISION)
+            s = s * t[2][:, :, None]
         elif QUANT:
             k = int8_to_f16(load_rows(k_ptr, k_row, offs_c, ok), FAST_CVT).to(CDTYPE)
             s = tl.dot(k, q_a, input_precision=DOT_PRECISION)
+            s = s * tl.load(ks_ptr + block * ks_strides[0] + slot * ks_strides[1], mask=ok, other=0.0)[:, :, None]
         else:
             k = tl.load(k_ptr + k_row[:, :, None] + offs_c[None, None, :],
                         mask=ok[:, :, None] & (offs_c < HEAD_DIM)[None, None, :], other=0.0)
             s = tl.dot(k.to(CDTYPE), q_a, input_precision=DOT_PRECISION)   # [WARPS, TILE_N, ROWS]
-        if QUANT:
-            s = s * tl.load(ks_ptr + block * ks_strides[0] + slot * ks_strides[1], mask=ok, other=0.0)[:, :, None]
         if USE_SOFTCAP:
             s = softcap * tanh(s * (qk_scale / softcap)) * LOG2E
         else:
@@ -182,20 +242,19 @@ def decode_kernel_transposed(
         p = tl.math.exp2(s - m_safe[:, None, :])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if QUANT:
+        if KU:
+            p = p * t[5][:, :, None]
+        elif QUANT:
             p = p * tl.load(vs_ptr + block * vs_strides[0] + slot * vs_strides[1], mask=ok, other=0.0)[:, :, None]
         p_f = p
         p = p.to(CDTYPE)
         a3 = alpha[:, None, :]
         if TQ:
-            units = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)
-            negs = load_rows(v_ptr + HEAD_DIM // 4, v_row, offs_u, ok)
-            v0, v1, v2, v3, v4, v5, v6, v7 = sign_magnitude_to_f16(units, negs, codebook_ptr, V_ASM)
-            v_s_row = block * vs_strides[0] + slot * vs_strides[1]
-            p0 = (p_f * tl.load(vs_ptr + v_s_row, mask=ok, other=0.0).to(tl.float32)[:, :, None]).to(CDTYPE)
-            p1 = (p_f * tl.load(vs_ptr + v_s_row + 1, mask=ok, other=0.0).to(tl.float32)[:, :, None]).to(CDTYPE)
-            p2 = (p_f * tl.load(vs_ptr + v_s_row + 2, mask=ok, other=0.0).to(tl.float32)[:, :, None]).to(CDTYPE)
-            p3 = (p_f * tl.load(vs_ptr + v_s_row + 3, mask=ok, other=0.0).to(tl.float32)[:, :, None]).to(CDTYPE)
+            v0, v1, v2, v3, v4, v5, v6, v7 = sign_magnitude_to_f16(t[12], t[13], codebook_ptr, V_ASM)
+            p0 = (p_f * t[14].to(tl.float32)[:, :, None]).to(CDTYPE)
+            p1 = (p_f * t[15].to(tl.float32)[:, :, None]).to(CDTYPE)
+            p2 = (p_f * t[16].to(tl.float32)[:, :, None]).to(CDTYPE)
+            p3 = (p_f * t[17].to(tl.float32)[:, :, None]).to(CDTYPE)
             acc0 = tl.dot(tl.trans(v0.to(CDTYPE), (0, 2, 1)), p0, acc0 * a3, input_precision=DOT_PRECISION)
             acc1 = tl.dot(tl.trans(v1.to(CDTYPE), (0, 2, 1)), p0, acc1 * a3, input_precision=DOT_PRECISION)
             acc2 = tl.dot(tl.trans(v2.to(CDTYPE), (0, 2, 1)), p1, acc2 * a3, input_precision=DOT_PRECISION)
@@ -204,13 +263,14 @@ def decode_kernel_transposed(
             acc5 = tl.dot(tl.trans(v5.to(CDTYPE), (0, 2, 1)), p2, acc5 * a3, input_precision=DOT_PRECISION)
             acc6 = tl.dot(tl.trans(v6.to(CDTYPE), (0, 2, 1)), p3, acc6 * a3, input_precision=DOT_PRECISION)
             acc7 = tl.dot(tl.trans(v7.to(CDTYPE), (0, 2, 1)), p3, acc7 * a3, input_precision=DOT_PRECISION)
+        elif KU:
+            v0, v1, v2, v3 = unit_quads(t[3], t[4], K_BITS, FAST_CVT)
+            acc0 = tl.dot(tl.trans(v0.to(CDTYPE), (0, 2, 1)), p, acc0 * a3, input_precision=DOT_PRECISION)
+            acc1 = tl.dot(tl.trans(v1.to(CDTYPE), (0, 2, 1)), p, acc1 * a3, input_precision=DOT_PRECISION)
+            acc2 = tl.dot(tl.trans(v2.to(CDTYPE), (0, 2, 1)), p, acc2 * a3, input_precision=DOT_PRECISION)
+            acc3 = tl.dot(tl.trans(v3.to(CDTYPE), (0, 2, 1)), p, acc3 * a3, input_precision=DOT_PRECISION)
         elif QUANT:
-            if NV == 2:
-                v0, v1 = int8_pairs_to_f16(load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok), FAST_CVT)
-            else:
-                v0, v1, v2, v3 = load_quads(v_ptr, v_row, offs_u, ok, K_BITS, HEAD_DIM, FAST_CVT)
-                acc2 = tl.dot(tl.trans(v2.to(CDTYPE), (0, 2, 1)), p, acc2 * a3, input_precision=DOT_PRECISION)
-                acc3 = tl.dot(tl.trans(v3.to(CDTYPE), (0, 2, 1)), p, acc3 * a3, input_precision=DOT_PRECISION)
+            v0, v1 = int8_pairs_to_f16(load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok), FAST_CVT)
             acc0 = tl.dot(tl.trans(v0.to(CDTYPE), (0, 2, 1)), p, acc0 * a3, input_precision=DOT_PRECISION)
             acc1 = tl.dot(tl.trans(v1.to(CDTYPE), (0, 2, 1)), p, acc1 * a3, input_precision=DOT_PRECISION)
         else:

@@ -176,15 +176,16 @@ class DecodeTiles:
 
 def warp_split_tiles(fmt) -> DecodeTiles:
     """The warp-split decode kernel's config per format, the fastest measured on an H200 over batch 1-128
-    (`bench/kernels.py --warp-split`, BENCHMARKS.md). TurboQuant and q4: transposed, capped at 128 registers
-    so that four programs (16 warps) fit a multiprocessor (TurboQuant 1.11-1.25x, q4 0.96-1.12x, geometric
-    mean 1.16x and 1.05x); q8 and q6: the original orientation, 32 keys, 3 stages (transposed they
-    measured 0.99x and 0.86x)."""
+    (`bench/kernels.py --warp-split`, BENCHMARKS.md): transposed, unpipelined (1 stage), capped at 128 registers
+    so that four programs (16 warps) fit a multiprocessor; 16 keys per warp for TurboQuant, 32 for KV-Quant.
+
+    Against the configs before (2026-12-01): TurboQuant 1.00-1.16x (Triton's pipeliner gave each page tile one
+    shared-memory buffer, which only delayed the loop), q4 1.12-1.15x, q8 1.02-1.15x, q6 1.00-1.12x (q8 and q6
+    ran in the original orientation, 3 stages). Lower register caps (96, 80: five or six programs) spill
+    and measured 1.1-1.4x slower; prefetching the next step's pages into registers, 1.3-2x slower."""
     if fmt.spec.kind == "turboquant":
-        return DecodeTiles(16, 4, 2, transposed=True, max_registers=128, programs_per_sm=4)
-    if fmt.spec.kind == "kvquant" and fmt.bits == 4:
-        return DecodeTiles(32, 4, 2, transposed=True, max_registers=128, programs_per_sm=4)
-    return DecodeTiles(32, 4, 3)
+        return DecodeTiles(16, 4, 1, transposed=True, max_registers=128, programs_per_sm=4)
+    return DecodeTiles(32, 4, 1, transposed=True, max_registers=128, programs_per_sm=4)
 
 
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
