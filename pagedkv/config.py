@@ -140,6 +140,11 @@ class KVFormat:
                        dtype=parse_dtype(cfg.get("dtype", "bf16"), "kv_quant_config['dtype']"))
         return None
 
+    @property
+    def page_format(self) -> "KVFormat":
+        """This format without its dense recent window: what shapes the pages' bytes (identities, block hashes)."""
+        return replace(self, recent_tokens=0)
+
     def __str__(self) -> str:
         window = f"recent_tokens={self.recent_tokens}" if self.recent_tokens else ""
         if self.kind == "dense":

@@ -70,7 +70,7 @@ def model_identity(model: torch.nn.Module, name: str | None = None) -> dict:
 def format_fingerprint(fmt) -> str:
     """sha256 over a bound page format's spec, page layout, page tensors and every tensor it holds (codebook,
     rotation signs)."""
-    h = hashlib.sha256(str(fmt.spec).encode())
+    h = hashlib.sha256(str(fmt.spec.page_format).encode())
     h.update(fmt.page_layout.encode())   # how codes are laid out in a page's bytes
     for name, (width, dtype) in fmt.page_spec().items():
         h.update(f"{name}:{width}:{dtype}".encode())
@@ -83,7 +83,7 @@ def format_fingerprint(fmt) -> str:
 
 def layer_identity(fmt) -> dict:
     return {
-        "format": str(fmt.spec),
+        "format": str(fmt.spec.page_format),
         "format_fingerprint": format_fingerprint(fmt),
         "num_kv_heads": fmt.num_kv_heads,
         "head_dim": fmt.head_dim,
@@ -100,7 +100,7 @@ def cache_identity(cache, formats: list | None = None) -> dict:
         "identity_version": IDENTITY_VERSION,
         "model": dict(cache.model_identity),
         "block_size": cache.block_size,
-        "kv_format": str(cache.config.kv_format),
+        "kv_format": str(cache.config.kv_format.page_format),
         "layers": [None if f is None else layer_identity(f) for f in formats],
     }
 

@@ -43,6 +43,9 @@ def add_cache_options(p: argparse.ArgumentParser) -> None:
                    help="growth cap per sequence (default: the model's max_position_embeddings)")
     g.add_argument("--paged-kv-quantization", default="off", metavar="FORMAT",
                    help="page format: off, q8, q6, q4, turboquant, turboquant:k=q4_0,v=q3_0[,rotate_keys]")
+    g.add_argument("--recent-tokens", type=int, default=None, metavar="N",
+                   help="keep the last N tokens of every sequence exact beside the quantized pages (a multiple of "
+                        "--block-size; quantized formats only; default 0: off)")
     g.add_argument("--boundary-layers", type=int, default=0,
                    help="keep the first and last N layers dense when quantizing (default 0)")
     g.add_argument("--kernels", choices=("auto", "triton", "reference"), default=None,
@@ -55,7 +58,7 @@ def cache_options(args: argparse.Namespace) -> dict:
 
     opts = dict(block_size=args.block_size, num_blocks=args.num_blocks, dynamic=args.dynamic,
                 context_window_tokens=args.context_window_tokens, kv_format=args.paged_kv_quantization,
-                boundary_layers=args.boundary_layers, kernels=args.kernels)
+                boundary_layers=args.boundary_layers, kernels=args.kernels, recent_tokens=args.recent_tokens)
     CacheConfig.build(**opts)  # validate before loading a model
     return opts
 

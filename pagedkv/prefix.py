@@ -57,7 +57,7 @@ class PrefixCache:
     def __init__(self, cache: PagedKVCache, enabled: bool = True):
         self.cache = cache
         self.enabled = enabled
-        self.page_format = str(cache.config.kv_format)
+        self.page_format = str(cache.config.kv_format.page_format)  # a dense recent window leaves pages as they are
         self.stats = PrefixCacheStats()
 
     @property

@@ -258,6 +258,26 @@ def test_a_sequence_on_shared_prefix_blocks_reads_them_quantized_and_its_own_tok
     assert torch.equal(cache.read(c, 0)[0], expected_kv(cache, keys[:28], values[:28], 24)[0])
 
 
+def test_snapshots_carry_the_pages_only_and_restore_across_windows():
+    torch.manual_seed(7)
+    cache = window_cache(recent=16)
+    s = cache.add_sequence()
+    keys, values = torch.randn(40, H, D), torch.randn(40, H, D)
+    append(cache, s, keys[:30], values[:30])
+    snap = cache.snapshot(s)
+    assert "recent_tokens" not in str(snap.identity)  # the window does not change the pages' bytes
+    restored = cache.restore(snap)
+    # the ring is not in the snapshot: the restored tokens are read from the pages
+    assert torch.equal(cache.read(restored, 0)[0], expected_kv(cache, keys[:30], values[:30], 30)[0])
+    append(cache, restored, keys[30:], values[30:])  # length 40: window from block 3; block 3 mixes restored tokens
+    assert torch.equal(cache.read(restored, 1)[0], expected_kv(cache, keys, values, 32, layer=1)[0])
+    append(cache, s, keys[30:], values[30:])
+    assert torch.equal(cache.read(s, 1)[0], expected_kv(cache, keys, values, 24, layer=1)[0])
+    plain = window_cache(recent=0)  # the same pages without a window
+    p = plain.restore(snap)
+    assert torch.equal(plain.read(p, 0)[0], expected_kv(cache, keys[:30], values[:30], 30)[0])
+
+
 def test_stats_count_the_window_bytes():
     cache = window_cache(recent=16, dtype="fp32")
     s, t = cache.add_sequence(), cache.add_sequence()
@@ -365,3 +385,45 @@ def test_samples_of_one_prompt_fork_the_window(model_and_tokenizer):
     assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     assert llm.engine.cache.window.rings == {}
+
+
+def test_a_padded_transformers_batch_inside_the_window_equals_dynamic_cache(smollm2):
+    from transformers import DynamicCache
+
+    from pagedkv import install_paged_kv_cache
+    from pagedkv.hf import cache_kwarg
+
+    model, tok = smollm2
+    tok.padding_side = "left"
+    enc = tok(["Hi!", "Give me a long list of fruits and their colors, please.", "Water boils at"],
+              return_tensors="pt", padding=True)
+    assert len(set(enc.attention_mask.sum(1).tolist())) == 3  # rows of three lengths: padded steps
+
+    def greedy(cache):
+        out = model.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=20, do_sample=False,
+                             min_new_tokens=20, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                             **{cache_kwarg(model): cache})
+        return out.sequences, torch.stack([s.float().log_softmax(-1) for s in out.scores], dim=1)
+
+    with torch.inference_mode():
+        ref_seq, ref_lp = greedy(DynamicCache())
+        cache = install_paged_kv_cache(model, kv_format="turboquant:recent_tokens=48", block_size=8)
+        seq, lp = greedy(cache)  # every row stays within 48 tokens: all of them read exact
+    assert torch.equal(seq, ref_seq)
+    assert (lp - ref_lp).nan_to_num(0, 0, 0).abs().max().item() <= 1e-3
+    assert max(cache.seq_len(s) for s in cache.batch_seq_ids) <= 48
+
+
+def test_recent_tokens_flag_reaches_the_cache_options():
+    from pagedkv.cli import build_parser
+    from pagedkv.options import cache_options
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--paged-kv-quantization", "q4", "--recent-tokens", "32", "hi"])
+    opts = cache_options(args)
+    assert opts["recent_tokens"] == 32 and PagedKVCache(**opts).config.recent_tokens == 32
+    assert cache_options(parser.parse_args(["generate", "hi"]))["recent_tokens"] is None
+    with pytest.raises(ConfigError, match="multiple of block_size=16"):
+        cache_options(parser.parse_args(["generate", "--paged-kv-quantization", "q4", "--recent-tokens", "20", "hi"]))
+    with pytest.raises(ConfigError, match="needs a quantized format"):
+        cache_options(parser.parse_args(["generate", "--recent-tokens", "16", "hi"]))
