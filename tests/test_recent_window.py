@@ -427,3 +427,19 @@ def test_recent_tokens_flag_reaches_the_cache_options():
         cache_options(parser.parse_args(["generate", "--paged-kv-quantization", "q4", "--recent-tokens", "20", "hi"]))
     with pytest.raises(ConfigError, match="needs a quantized format"):
         cache_options(parser.parse_args(["generate", "--recent-tokens", "16", "hi"]))
+
+
+def test_speculative_rollbacks_with_a_window_keep_the_greedy_tokens(smollm2_f64):
+    """Drafts are written, partly rejected and trimmed inside the window. A verify step reads the window of
+    its last drafted token, a decode step its own: the logits differ by a block's quantization at most,
+    which does not move these greedy tokens (float64, as in test_engine_spec)."""
+    import test_engine_spec
+
+    model, tok = smollm2_f64
+    _, base = test_engine_spec.run(model, tok, "turboquant:recent_tokens=16", None)
+    llm, outputs = test_engine_spec.run(model, tok, "turboquant:recent_tokens=16", "ngram:k=4")
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in base]
+    stats = llm.stats()
+    assert stats["spec_accepted_tokens"] > 0 and stats["prefix_cache_hits"] > 0 and stats["blocks_used"] == 0
+    assert llm.engine.cache.paged_stats()["paged_attention_calls_by_phase"]["verify"] > 0
+    assert llm.engine.cache.window.rings == {}
