@@ -443,3 +443,47 @@ def test_speculative_rollbacks_with_a_window_keep_the_greedy_tokens(smollm2_f64)
     assert stats["spec_accepted_tokens"] > 0 and stats["prefix_cache_hits"] > 0 and stats["blocks_used"] == 0
     assert llm.engine.cache.paged_stats()["paged_attention_calls_by_phase"]["verify"] > 0
     assert llm.engine.cache.window.rings == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_triton_writes_the_pages_and_attention_reads_the_window_on_the_reference_path():
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.ops import reference
+
+    torch.manual_seed(8)
+    cache = PagedKVCache(kv_format="turboquant:recent_tokens=16", block_size=BS, num_blocks=64, device="cuda")
+    s = cache.add_sequence()
+    keys, values = torch.randn(45, H, D, device="cuda"), torch.randn(45, H, D, device="cuda")
+    for start, stop in [(0, 20), (20, 21), (21, 45)]:
+        meta = cache.begin_step([s], [stop - start], device="cuda")
+        cache.write(0, keys[start:stop], values[start:stop], meta)
+        q = torch.randn(stop - start, 2 * H, D, device="cuda")
+        out = cache.attention(0, q, scale=0.125, meta=meta)
+        cache.end_forward()
+        k, v = cache.read(s, 0)
+        first_dense = max(0, (stop - 16) // BS) * BS
+        assert torch.equal(k[first_dense:], keys[first_dense:stop]) and torch.equal(v[first_dense:], values[first_dense:stop])
+        torch.testing.assert_close(out, reference.attend(q, k, v, scale=0.125, sliding_window=None, softcap=None))
+    stats = cache.paged_stats()
+    assert stats["triton_attention_calls"] == 0 and stats["reference_attention_calls"] == 3
+    assert all(reason.endswith(":recent_tokens") for reason in stats["paged_attention_bailouts_by_phase_reason"])
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                         eos_token_id=None, bos_token_id=None)
+    model = LlamaForCausalLM(config).to("cuda", torch.float32).eval()
+    prompts = [[(7 * i + j) % 1024 for j in range(n)] for i, n in enumerate((7, 100, 33, 61))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = LLM(model, kv_format="turboquant:recent_tokens=32", num_blocks=256, max_num_batched_tokens=64)
+    assert llm.engine.runner.graphs is None
+    assert any("CUDA graphs are off" in str(w.message) and "recent_tokens=32" in str(w.message) for w in caught)
+    outputs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 24 for o in outputs)
+    assert llm.engine.cache.paged_stats()["triton_attention_calls"] == 0
