@@ -33,7 +33,7 @@ DEFAULT_FORMATS = "off,q8,turboquant"
 PASSKEY_LENGTHS = (1024, 2048, 4096, 8192)
 PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 PREFILL_CHUNK = 1024
-_FORMAT_OPTIONS = ("k=", "v=", "k_quant=", "v_quant=", "rotate_keys", "boundary_layers=")
+_FORMAT_OPTIONS = ("k=", "v=", "k_quant=", "v_quant=", "rotate_keys", "boundary_layers=", "recent_tokens=")
 
 
 @dataclass(frozen=True)

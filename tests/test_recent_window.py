@@ -487,3 +487,11 @@ def test_on_cuda_triton_writes_the_pages_and_attention_reads_the_window_on_the_r
     outputs = llm.generate(prompts, params)
     assert all(len(o.token_ids) == 24 for o in outputs)
     assert llm.engine.cache.paged_stats()["triton_attention_calls"] == 0
+
+
+def test_eval_formats_take_recent_tokens_after_format_options():
+    from pagedkv.evaluate import parse_formats
+
+    formats = parse_formats("off,turboquant:k=q4_0,v=q4_0,rotate_keys,recent_tokens=32,q4:recent_tokens=16")
+    assert [str(f.kv_format) for f in formats] == [
+        "off", "turboquant:k=q4_0,v=q4_0,rotate_keys,recent_tokens=32", "q4:recent_tokens=16"]
