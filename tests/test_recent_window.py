@@ -495,3 +495,23 @@ def test_eval_formats_take_recent_tokens_after_format_options():
     formats = parse_formats("off,turboquant:k=q4_0,v=q4_0,rotate_keys,recent_tokens=32,q4:recent_tokens=16")
     assert [str(f.kv_format) for f in formats] == [
         "off", "turboquant:k=q4_0,v=q4_0,rotate_keys,recent_tokens=32", "q4:recent_tokens=16"]
+
+
+def test_beam_search_inside_the_window_equals_dynamic_cache():
+    """Beams fork and free sequences every step (`reorder_cache`): each fork copies the ring, so with every
+    sequence inside the window the beams are those of dense keys/values."""
+    from transformers import DynamicCache
+
+    import test_hf_beam
+    from pagedkv import install_paged_kv_cache
+
+    model = test_hf_beam.tiny_llama()
+    expected = test_hf_beam.beam_search(model, DynamicCache(config=model.config), 3)
+    quantized = test_hf_beam.beam_search(model, install_paged_kv_cache(model, kv_format="turboquant:k=q4_0,v=q3_0",
+                                                                       block_size=4, num_blocks=256), 3)
+    paged = install_paged_kv_cache(model, kv_format="turboquant:k=q4_0,v=q3_0,recent_tokens=24", block_size=4,
+                                   num_blocks=256)
+    got = test_hf_beam.beam_search(model, paged, 3)  # 11 prompt + 10 new tokens <= 24
+    assert torch.equal(got, expected)
+    assert not torch.equal(quantized, expected)  # without the window these 4-bit keys change the beams
+    assert len(paged.window.rings) == 6  # the batch's 2 x 3 beams
