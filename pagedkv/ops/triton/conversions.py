@@ -21,20 +21,25 @@ def _positive_half_f16_words(bits: int = 3) -> tuple[int, int]:
     return int(half[0] | (half[1] << 16)), int(half[2] | (half[3] << 16))
 
 
-# TurboQuant 3-bit values, eight per int16 magnitude unit plus its sign byte, two units per call: per field
-# j a byte-permute selector 2m | (2m + 1) << 4 per value from the magnitude m, one look-up in the positive
-# half of the fp16 codebook (two immediate words), the sign bit.
+# TurboQuant 3-bit values, eight per int16 magnitude unit plus its sign byte, two units per call. The two units'
+# magnitude bytes are interleaved once per call (unit u's byte k to byte 2k, unit u + 1's to byte 2k + 1), so
+# that field j of both sits 8 bits apart; then per field (two values) six instructions: shift and mask the two
+# 2-bit magnitudes m, one multiply-add for the byte-permute selectors 2m | (2m + 1) << 4, one look-up in the
+# positive half of the fp16 codebook (two immediate words), and the sign bits shifted under bits 15 and 31
+# and applied with one LOP3 (v ^ (w & 0x80008000)).
 def _sign_magnitude_asm(first: int) -> str:
     """Fields first..first+3 of two value units ($4, $5: int32 each, the unit's magnitude int16 in bits 0-15 and
-    its sign byte in bits 16-23)."""
+    its sign byte in bits 16-23): $0..$3, fp16 pairs (unit u, unit u + 1)."""
+    def shift(j):   # where field j of unit u sits in the interleaved magnitudes (unit u + 1's: 8 bits higher)
+        return 2 * j if j < 4 else 2 * j + 8
+
     return "\n".join([
-        "{ .reg .b32 x, s, t, u, v, w, c0, c1;",
+        "{ .reg .b32 x, s, t, v, w, c0, c1;",
         "mov.b32 c0, 0x%08x; mov.b32 c1, 0x%08x;" % _positive_half_f16_words(),
-        "prmt.b32 x, $4, $5, 0x5410;",                          # the two magnitude int16s
-        "prmt.b32 s, $4, $5, 0x6020; and.b32 s, s, 0xFF00FF00;",  # the two sign bytes to bytes 1 and 3
-        *[f"shr.b32 t, x, {2 * j}; and.b32 t, t, 0x00030003; shr.b32 u, t, 8; or.b32 t, t, u; and.b32 t, t, 0x0303; "
-          f"mad.lo.u32 t, t, 0x22, 0x1010; prmt.b32 v, c0, c1, t; shl.b32 w, s, {7 - j}; and.b32 w, w, 0x80008000; "
-          f"xor.b32 ${j - first}, v, w;" for j in range(first, first + 4)],
+        "prmt.b32 x, $4, $5, 0x5140;",    # magnitude bytes interleaved: u.0, (u+1).0, u.1, (u+1).1
+        "prmt.b32 s, $4, $5, 0x6020;",    # the two sign bytes to bytes 1 and 3
+        *[f"shr.b32 t, x, {shift(j)}; and.b32 t, t, 0x0303; mad.lo.u32 t, t, 0x22, 0x1010; prmt.b32 v, c0, c1, t; "
+          f"shl.b32 w, s, {7 - j}; lop3.b32 ${j - first}, w, 0x80008000, v, 0x6A;" for j in range(first, first + 4)],
         "}"])
 
 

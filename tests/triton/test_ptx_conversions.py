@@ -1,0 +1,88 @@
+"""The inline-PTX conversions of `ops/triton/conversions.py`, run on the CPU by a small emulator of the PTX
+instructions they use.
+
+The Triton interpreter the CPU tests run under cannot execute PTX, so the decode kernels take their plain
+arithmetic branch there; this checks the PTX branch itself, bit for bit, against the codebook.
+"""
+
+import re
+
+import numpy as np
+import torch
+
+from pagedkv.formats.codebook import lloyd_max_codebook
+from pagedkv.ops.triton.conversions import SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO
+
+M32 = 0xFFFFFFFF
+
+
+def _prmt(a, b, c):
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = src[sel & 7]
+        if sel & 8:   # sign-replicate mode
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _lop3(a, b, c, lut):
+    out = 0
+    for bit in range(32):
+        idx = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
+        out |= ((lut >> idx) & 1) << bit
+    return out
+
+
+OPS = {
+    "mov.b32": lambda a: a,
+    "prmt.b32": _prmt,
+    "shr.b32": lambda a, n: (a & M32) >> n,
+    "shl.b32": lambda a, n: (a << n) & M32,
+    "and.b32": lambda a, b: a & b,
+    "or.b32": lambda a, b: a | b,
+    "xor.b32": lambda a, b: a ^ b,
+    "mad.lo.u32": lambda a, b, c: (a * b + c) & M32,
+    "lop3.b32": _lop3,
+}
+
+
+def run_ptx(asm: str, inputs: list[int], num_outputs: int) -> list[int]:
+    """Run `asm` (operands $0.. outputs, then inputs) on 32-bit integers; returns the outputs."""
+    regs = {f"${num_outputs + i}": x & M32 for i, x in enumerate(inputs)}
+    for ins in asm.replace("{", "").replace("}", "").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        dst, *args = [a.strip() for a in rest.split(",")]
+        assert op in OPS, f"the emulator does not know {op}"
+        vals = [int(a, 0) if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", a) else regs[a] for a in args]
+        regs[dst] = OPS[op](*vals) & M32
+    return [regs[f"${i}"] for i in range(num_outputs)]
+
+
+def test_sign_magnitude_asm_equals_the_codebook_for_every_field():
+    cb = lloyd_max_codebook(3).half()
+    cb_bits = cb.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    rng = np.random.default_rng(0)
+    cases = [(0, 0, 0, 0), (0xFFFF, 0xFF, 0xFFFF, 0xFF), (0xAAAA, 0x55, 0x5555, 0xAA)]
+    cases += [tuple(int(x) for x in row) for row in
+              np.stack([rng.integers(0, 1 << 16, 300), rng.integers(0, 256, 300),
+                        rng.integers(0, 1 << 16, 300), rng.integers(0, 256, 300)], axis=1)]
+    for mag_u, neg_u, mag_v, neg_v in cases:
+        args = [mag_u | (neg_u << 16), mag_v | (neg_v << 16)]
+        fields = run_ptx(SIGN_MAGNITUDE_ASM_LO.value, args, 4) + run_ptx(SIGN_MAGNITUDE_ASM_HI.value, args, 4)
+        for j, pair in enumerate(fields):
+            for lane, (mag, neg) in enumerate(((mag_u, neg_u), (mag_v, neg_v))):
+                m, negative = (mag >> (2 * j)) & 3, (neg >> j) & 1
+                code = 3 - m if negative else 4 + m     # sign-magnitude -> sorted codebook index
+                assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[code], (j, lane, hex(mag), hex(neg))
+
+
+def test_the_emulator_knows_the_byte_permute_and_lop3():
+    assert _prmt(0x33221100, 0x77665544, 0x5140) == 0x55114400
+    assert _prmt(0x80000000, 0, 0x000B) & 0xFF == 0xFF          # sign-replicate of byte 3
+    assert _lop3(0xF0, 0xCC, 0xAA, 0x6A) == 0x6A                # c ^ (a & b)
