@@ -45,7 +45,7 @@ class RecentWindow:
         self.num_ring_blocks = recent_tokens // block_size + 1
         self.rings: dict[int, _Ring] = {}  # seq_id -> its ring
         self.free_rows: list[int] = []
-        self.num_rows = 0  # rows the layer tensors hold
+        self.num_rows = 0  # rows handed out so far (a layer's tensors grow to hold them on its next write)
         self.keys: dict[int, torch.Tensor] = {}    # layer -> [num_rows, R, block_size, H, D]
         self.values: dict[int, torch.Tensor] = {}  # same
 
@@ -60,8 +60,8 @@ class RecentWindow:
             return -(-length // bs)
         first = max(start, -(-ring.dense_from // bs))
         for b in range(first, -(-length // bs)):
-            assert ring.blocks[b % self.num_ring_blocks] == b, \
-                f"ring slot {b % self.num_ring_blocks} of sequence {seq_id} holds block {ring.blocks[b % self.num_ring_blocks]}, not {b}"
+            slot = b % self.num_ring_blocks
+            assert ring.blocks[slot] == b, f"ring slot {slot} of sequence {seq_id} holds block {ring.blocks[slot]}, not {b}"
         return first
 
     def plan(self, seq_ids: list[int], starts: list[int], counts: list[int], device) -> WindowPlan:

@@ -467,7 +467,8 @@ def test_on_cuda_triton_writes_the_pages_and_attention_reads_the_window_on_the_r
         cache.end_forward()
         k, v = cache.read(s, 0)
         first_dense = max(0, (stop - 16) // BS) * BS
-        assert torch.equal(k[first_dense:], keys[first_dense:stop]) and torch.equal(v[first_dense:], values[first_dense:stop])
+        assert torch.equal(k[first_dense:], keys[first_dense:stop])
+        assert torch.equal(v[first_dense:], values[first_dense:stop])
         torch.testing.assert_close(out, reference.attend(q, k, v, scale=0.125, sliding_window=None, softcap=None))
     stats = cache.paged_stats()
     assert stats["triton_attention_calls"] == 0 and stats["reference_attention_calls"] == 3
