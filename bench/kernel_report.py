@@ -273,6 +273,7 @@ def main() -> None:
     if args.warp_split:
         import dataclasses
 
+        from pagedkv.ops.triton import decode
         from pagedkv.ops.triton.tuning import DecodeTiles, warp_split_tiles
 
         rows = []
@@ -280,7 +281,9 @@ def main() -> None:
             fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
             base = warp_split_tiles(fmt)
             variants = [base]
-            variants += [DecodeTiles(32, 4, 3)] + [dataclasses.replace(base, max_registers=r) for r in (96, 80)]
+            if decode.is_supported(fmt, transposed=False):
+                variants.append(DecodeTiles(32, 4, 3))
+            variants += [dataclasses.replace(base, max_registers=r) for r in (96, 80)]
             for tiles in variants:
                 r = report(spec, TileConfig(16, tiles.tile_n, tiles.num_warps, tiles.num_stages),
                            compile_warp_split(spec, tiles))

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from pagedkv.formats.codebook import lloyd_max_codebook
-from pagedkv.ops.triton.conversions import SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO
+from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, NIBBLE_PAIRS_ASM, SIGN_MAGNITUDE_ASM_HI,
+                                            SIGN_MAGNITUDE_ASM_LO)
 
 M32 = 0xFFFFFFFF
 
@@ -36,7 +37,17 @@ def _lop3(a, b, c, lut):
     return out
 
 
+def _sub_f16x2(a, b):
+    lanes = []
+    for h in (0, 16):
+        x = np.array([(a >> h) & 0xFFFF], dtype=np.uint16).view(np.float16)
+        y = np.array([(b >> h) & 0xFFFF], dtype=np.uint16).view(np.float16)
+        lanes.append(int((x - y).view(np.uint16)[0]))
+    return lanes[0] | (lanes[1] << 16)
+
+
 OPS = {
+    "sub.f16x2": _sub_f16x2,
     "mov.b32": lambda a: a,
     "prmt.b32": _prmt,
     "shr.b32": lambda a, n: (a & M32) >> n,
@@ -86,3 +97,33 @@ def test_the_emulator_knows_the_byte_permute_and_lop3():
     assert _prmt(0x33221100, 0x77665544, 0x5140) == 0x55114400
     assert _prmt(0x80000000, 0, 0x000B) & 0xFF == 0xFF          # sign-replicate of byte 3
     assert _lop3(0xF0, 0xCC, 0xAA, 0x6A) == 0x6A                # c ^ (a & b)
+
+
+def _bytes(rng, n):
+    edge = [0, 0xFFFFFFFF, 0x0F0F0F0F, 0xF0F0F0F0, 0x87654321, 0x78563412]
+    return edge + [int(x) for x in rng.integers(0, 1 << 32, n, dtype=np.uint64)]
+
+
+def _lanes(regs):
+    """fp16 bit patterns of output registers, element order."""
+    return [(r >> h) & 0xFFFF for r in regs for h in (0, 16)]
+
+
+def test_nibble_pairs_asm_gives_both_nibbles_as_float16():
+    for word in _bytes(np.random.default_rng(1), 300):
+        out = run_ptx(NIBBLE_PAIRS_ASM.value, [word], 4)
+        codes = [(word >> (8 * k)) & 0xFF for k in range(4)]
+        want = [c & 15 for c in codes] + [c >> 4 for c in codes]
+        got = np.array(_lanes(out), dtype=np.uint16).view(np.float16).astype(int).tolist()
+        assert got == want, (hex(word), got, want)
+
+
+def test_codebook4_asm_equals_the_codebook_for_every_code():
+    cb_bits = lloyd_max_codebook(4).half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    words = _bytes(np.random.default_rng(2), 300)
+    words += [sum(((c + k) % 16 | ((15 - c - k) % 16) << 4) << (8 * k) for k in range(4)) for c in range(16)]
+    for word in words:
+        out = run_ptx(CODEBOOK4_ASM.value, [word], 4)
+        codes = [(word >> (8 * k)) & 0xFF for k in range(4)]
+        want = [cb_bits[c & 15] for c in codes] + [cb_bits[c >> 4] for c in codes]
+        assert _lanes(out) == want, hex(word)

@@ -61,12 +61,30 @@ def test_decode_kernel_matches_reference_over_turboquant_pages(shape, num_splits
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+# TurboQuant pages only the transposed kernel reads (q4_0 keys, 4-bit values), and rotated keys
+TQ_MORE = ["turboquant:k=q4_0,v=q4_0", "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q8_0,v=q4_0",
+           "turboquant:k=q4_0,v=q3_0", "turboquant:k=q8_0,v=q3_0,rotate_keys"]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
+@pytest.mark.parametrize("spec", TQ_MORE)
+def test_transposed_decode_kernel_matches_reference_over_more_turboquant_pages(spec, shape, num_splits):
+    hq, hkv, d, bs = shape
+    case = build_case(hash((spec, shape)) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=CTX_LENS, new_lens=NEW_LENS)
+    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5, num_splits=num_splits,
+                                 tiles=tiles_of(case.fmt, True))
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("options", [dict(sliding_window=7), dict(softcap=3.0), dict(sliding_window=40, softcap=2.0)],
                          ids=["window", "softcap", "window_softcap"])
-@pytest.mark.parametrize("fmt", ["off", "q6", "q4", "turboquant"])
+@pytest.mark.parametrize("fmt", ["off", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0,rotate_keys"])
 def test_decode_window_and_softcap_match_reference(fmt, options, num_splits):
-    case = build_case(7, fmt, num_q_heads=8, num_kv_heads=2, head_dim=128 if fmt == "turboquant" else 64, block_size=16,
+    case = build_case(7, fmt, num_q_heads=8, num_kv_heads=2, head_dim=128 if fmt.startswith("turboquant") else 64, block_size=16,
                       ctx_lens=[0, 161, 3], new_lens=[2, 1, 1])
     ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.3, **options)
     out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.3, num_splits=num_splits,
@@ -95,7 +113,9 @@ def test_decode_kernel_reads_only_the_formats_it_supports():
     assert [decode.is_supported(fmt(s)) for s in ["off", "q8", "q6", "q4"]] == [True, True, True, True]
     assert decode.is_supported(fmt("turboquant", 128))
     assert not decode.is_supported(fmt("turboquant", 64))            # eight-channel value units: head_dim 128
-    assert not decode.is_supported(fmt("turboquant:k=q8_0,v=q3_0,rotate_keys", 128))
-    assert not decode.is_supported(fmt("turboquant:k=q4_0,v=q4_0", 128))
+    assert decode.is_supported(fmt("turboquant:k=q8_0,v=q3_0,rotate_keys", 128))   # the queries are rotated
+    assert decode.is_supported(fmt("turboquant:k=q4_0,v=q4_0", 128))
+    assert not decode.is_supported(fmt("turboquant:k=q4_0,v=q4_0", 128), transposed=False)
+    assert not decode.is_supported(fmt("turboquant:k=q5_0,v=q2_0", 128))
 
 

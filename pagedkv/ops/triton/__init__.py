@@ -74,9 +74,10 @@ def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
     the warp-split decode kernel: measured on an H200 1.1-2x faster than the varlen and split-K kernels there
     (dense pages: 0.86-0.92x, so they stay). (Here, not in `tuning`, which `decode` imports.)"""
     from .decode import is_supported
-    from .tuning import is_decode_like, page_class
+    from .tuning import is_decode_like, page_class, warp_split_measured
 
-    return is_decode_like(num_tokens, num_seqs) and page_class(fmt) != "dense" and is_supported(fmt)
+    return (is_decode_like(num_tokens, num_seqs) and page_class(fmt) != "dense" and is_supported(fmt)
+            and warp_split_measured(fmt))
 
 
 def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap):

@@ -15,10 +15,10 @@ import triton.language as tl
 from ...formats.codebook import lloyd_max_codebook
 
 
-def _positive_half_f16_words(bits: int = 3) -> tuple[int, int]:
-    """The positive half of the `bits`-bit Lloyd-Max codebook in float16, as two 32-bit words (two entries each)."""
+def _positive_half_f16_words(bits: int = 3) -> tuple[int, ...]:
+    """The positive half of the `bits`-bit Lloyd-Max codebook in float16, as 32-bit words (two entries each)."""
     half = lloyd_max_codebook(bits)[1 << (bits - 1):].half().view(torch.int16).to(torch.int64) & 0xFFFF
-    return int(half[0] | (half[1] << 16)), int(half[2] | (half[3] << 16))
+    return tuple(int(half[i] | (half[i + 1] << 16)) for i in range(0, len(half), 2))
 
 
 # TurboQuant 3-bit values, eight per int16 magnitude unit plus its sign byte, two units per call. The two units'
@@ -45,6 +45,41 @@ def _sign_magnitude_asm(first: int) -> str:
 
 SIGN_MAGNITUDE_ASM_LO = tl.constexpr(_sign_magnitude_asm(0))   # fields 0-3
 SIGN_MAGNITUDE_ASM_HI = tl.constexpr(_sign_magnitude_asm(4))   # fields 4-7
+
+
+# 4-bit codes, two per byte (channel 2j in the low nibble of byte j, 2j + 1 in the high one), four bytes per
+# call: the low and the high nibbles, each as four float16 (two registers per output).
+NIBBLE_PAIRS_ASM = tl.constexpr("""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64006400;
+and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, 0x64646464, 0x4140; prmt.b32 $1, lo, 0x64646464, 0x4342;
+prmt.b32 $2, hi, 0x64646464, 0x4140; prmt.b32 $3, hi, 0x64646464, 0x4342;
+sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""")
+
+
+def _codebook4_asm() -> str:
+    """TurboQuant 4-bit values, codes sorted like the centroids (the codebook is symmetric: code c >= 8 is
+    +centroid[c], c < 8 is -centroid[15 - c]), two per byte as in NIBBLE_PAIRS_ASM, four bytes ($4) per call:
+    the low nibbles' centroids in $0, $1, the high ones' in $2, $3. Per two values: the codes of two bytes side
+    by side (bits 0-3 and 8-11), the positive-lane mask by byte permute with sign replication, the magnitude
+    index m (c & 7, or 7 - c for negative codes) with one LOP3, look-ups of entry m & 3 in the low and the
+    high four of the positive half (two immediate words each), the half picked by m's bit 2, the sign."""
+    words = _positive_half_f16_words(4)
+    lines = ["{ .reg .b32 c0, c1, c2, c3, t, t4, r, m, a, b, k, v;",
+             "mov.b32 c0, 0x%08x; mov.b32 c1, 0x%08x; mov.b32 c2, 0x%08x; mov.b32 c3, 0x%08x;" % words]
+    for out, shift in ((0, 0), (1, 16), (2, 4), (3, 20)):
+        lines.append(
+            (f"shr.b32 t, $4, {shift}; and.b32 t, t, 0x0F0F; " if shift else "and.b32 t, $4, 0x0F0F; ")
+            + "shl.b32 t4, t, 4; prmt.b32 r, t4, 0, 0x0098; "           # 0xFF in the bytes of positive codes
+            + "lop3.b32 m, t, r, 0x0707, 0x82; "                        # m = (t ^ ~r) & 7 per byte
+            + "and.b32 a, m, 0x0303; mad.lo.u32 k, a, 0x22, 0x1010; "   # byte-permute selectors of entry m & 3
+            + "prmt.b32 a, c0, c1, k; prmt.b32 b, c2, c3, k; "
+            + "shl.b32 k, m, 5; prmt.b32 k, k, 0, 0x9988; lop3.b32 v, k, b, a, 0xCA; "   # m >= 4: the high four
+            + f"prmt.b32 r, t4, 0, 0x9988; lop3.b32 ${out}, r, 0x80008000, v, 0xA6;")     # negative: sign bit
+    lines.append("}")
+    return "\n".join(lines)
+
+
+CODEBOOK4_ASM = tl.constexpr(_codebook4_asm())
 
 
 @triton.jit
@@ -145,3 +180,25 @@ def sign_magnitude_to_f16(units, negs, cb_ptr, FAST_CVT: tl.constexpr):
                   sign_magnitude_value(x, n, cb_ptr, 4), sign_magnitude_value(x, n, cb_ptr, 5),
                   sign_magnitude_value(x, n, cb_ptr, 6), sign_magnitude_value(x, n, cb_ptr, 7))
     return values
+
+
+@triton.jit
+def nibble_pairs_to_f16(b, FAST_CVT: tl.constexpr):
+    """uint8 holding two 4-bit codes -> (low nibble, high nibble) as float16, exact."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(asm=NIBBLE_PAIRS_ASM, constraints="=r,=r,=r,=r,r", args=[b],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    x = b.to(tl.int32)
+    return (x & 15).to(tl.float16), ((x >> 4) & 15).to(tl.float16)
+
+
+@triton.jit
+def codebook4_pairs_to_f16(b, cb_ptr, FAST_CVT: tl.constexpr):
+    """uint8 holding two TurboQuant 4-bit value codes -> their centroids (low nibble's, high nibble's): with
+    FAST_CVT float16 by byte permutes in the positive half of the fp16 codebook, else loads from the codebook
+    in its dtype."""
+    if FAST_CVT:
+        return tl.inline_asm_elementwise(asm=CODEBOOK4_ASM, constraints="=r,=r,=r,=r,r", args=[b],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    x = b.to(tl.int32)
+    return tl.load(cb_ptr + (x & 15)), tl.load(cb_ptr + ((x >> 4) & 15))

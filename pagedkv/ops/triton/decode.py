@@ -23,7 +23,8 @@ Formats (compile-time `KIND`, `K_BITS`):
                  point applied to score columns; 3-bit values (magnitude and sign planes in unit order,
                  `packing.pack_sign_magnitude`): eight products per step, each over 16 channels of one
                  group, whose scale goes on the probability columns; the output is rotated back at the end
-                 (split-K: by the reduce kernel). Keys not rotated, head_dim 128 (`is_supported`).
+                 (split-K: by the reduce kernel). Rotated keys: the queries are rotated before the
+                 kernel. head_dim 128; q4_0 keys and 4-bit values in the transposed kernel (`is_supported`).
 `decode_transposed.py` is the same kernel with keys on the matrix units' M dimension, faster for every
 quantized format (`tuning.warp_split_tiles` chooses it); this orientation stays for comparison and tests.
 Codes become float16 with byte permutes (under the exponent of 1024, or into the fp16 codebook) in inline
@@ -53,12 +54,15 @@ from .tuning import DecodeTiles, warp_split_tiles
 PER_STEP_ARGS = ["num_seqs", "stride_bt", "num_splits"]
 
 
-def is_supported(fmt: PageFormat) -> bool:
-    """Formats this kernel reads: dense pages, KV-Quant, and TurboQuant with int8 keys (q8_0, not rotated)
-    and 3-bit values at head_dim 128 (other TurboQuant pages use the varlen kernels)."""
+def is_supported(fmt: PageFormat, transposed: bool = True) -> bool:
+    """Formats this kernel reads: dense pages, KV-Quant, and TurboQuant at head_dim 128 with q8_0 keys and 3-bit
+    values, or in the transposed orientation (`decode_transposed.py`, the default) q8_0 or q4_0 keys and 3- or
+    4-bit values; keys rotated or not (the queries are rotated instead). Other TurboQuant pages use the varlen
+    kernels. (The fp16 look-up tables are the Lloyd-Max codebooks: `conversions.py`.)"""
     kind = fmt.spec.kind
-    if kind == "turboquant":   # (its fp16 look-up table is the 3-bit Lloyd-Max codebook: `_sign_magnitude_asm`)
-        return fmt.key_bits == 8 and fmt.value_bits == 3 and fmt.key_signs is None and fmt.head_dim == 128
+    if kind == "turboquant":
+        bits = (fmt.key_bits, fmt.value_bits)
+        return fmt.head_dim == 128 and (bits == (8, 3) or (transposed and bits[0] in (4, 8) and bits[1] in (3, 4)))
     return kind == "dense" or kind == "kvquant"
 
 
@@ -329,7 +333,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     from .split_k import partial_states, reduce_splits
 
     tiles = tiles or warp_split_tiles(fmt)
-    assert is_supported(fmt), f"the warp-split decode kernel does not read {fmt.spec} pages"
+    assert is_supported(fmt, tiles.transposed), \
+        f"the warp-split decode kernel ({'transposed' if tiles.transposed else 'heads on M'}) does not read {fmt.spec} pages"
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -345,14 +350,18 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     extra = {}
     if tiles.transposed:   # the group's heads on the N dimension: 8 columns at least
         kernel, rows = decode_kernel_transposed, max(8, triton.next_power_of_2(group))
+        extra["V_BITS"] = view.v_bits if view.kind == TURBOQUANT else 3
     else:                  # the group's heads on the M dimension: 16 rows at least
         kernel, rows = decode_kernel, max(16, triton.next_power_of_2(group))
     registers = {"maxnreg": tiles.max_registers} if tiles.max_registers else {}
+    q = query
+    if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R), R orthogonal
+        q = (query.float() @ view.q_rotation).to(torch.float32 if query.dtype == torch.float32 else torch.float16)
     kernel[(num_tokens, view.num_kv_heads, num_splits)](
-        out, *parts, query, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
+        out, *parts, q, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
         value_codebook(view, query.dtype), view.aux("out_rotation"),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
         num_seqs, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=rows,

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from .codecs import KVQUANT, TURBOQUANT
-from .conversions import (int8_pairs_to_f16, int8_to_f16, nibble_quads_to_f16, sign_magnitude_to_f16,
-                          six_bit_quads_to_f16)
+from .conversions import (codebook4_pairs_to_f16, int8_pairs_to_f16, int8_to_f16, nibble_pairs_to_f16,
+                          nibble_quads_to_f16, sign_magnitude_to_f16, six_bit_quads_to_f16)
 from .decode_io import load_rows, token_sequence
 from .tiles import LOG2E, tanh
 
@@ -42,34 +42,79 @@ def tile_coords(start, pos0, kv_hi, first, bt_row, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def tq_tile(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, slot, ok, k_strides, v_strides, ks_strides, vs_strides,
-            offs32, offs_u, HEAD_DIM: tl.constexpr):
-    """One step of TurboQuant pages as loaded, nothing converted: key codes of the four channel groups, their
-    scales and zero points, the value units and their signs, the value scales."""
+def tq_key_tile(k_ptr, ks_ptr, kz_ptr, block, slot, ok, k_strides, ks_strides, K_BITS: tl.constexpr):
+    """One step of TurboQuant keys as loaded, nothing converted: the codes of the four channel groups (q8_0: 32
+    int8 per group; q4_0: 16 bytes per group, channels 2j and 2j + 1 in byte j), their scales, their zero points."""
     k_row = block * k_strides[0] + slot * k_strides[1]
-    v_row = block * v_strides[0] + slot * v_strides[1]
     s_row = block * ks_strides[0] + slot * ks_strides[1]
-    vs_row = block * vs_strides[0] + slot * vs_strides[1]
-    return (load_rows(k_ptr, k_row, offs32, ok), load_rows(k_ptr + 32, k_row, offs32, ok),
-            load_rows(k_ptr + 64, k_row, offs32, ok), load_rows(k_ptr + 96, k_row, offs32, ok),
+    W: tl.constexpr = 32 if K_BITS == 8 else 16
+    offs = tl.arange(0, W)
+    return (load_rows(k_ptr, k_row, offs, ok), load_rows(k_ptr + W, k_row, offs, ok),
+            load_rows(k_ptr + 2 * W, k_row, offs, ok), load_rows(k_ptr + 3 * W, k_row, offs, ok),
             tl.load(ks_ptr + s_row, mask=ok, other=0.0), tl.load(ks_ptr + s_row + 1, mask=ok, other=0.0),
             tl.load(ks_ptr + s_row + 2, mask=ok, other=0.0), tl.load(ks_ptr + s_row + 3, mask=ok, other=0.0),
             tl.load(kz_ptr + s_row, mask=ok, other=0.0), tl.load(kz_ptr + s_row + 1, mask=ok, other=0.0),
-            tl.load(kz_ptr + s_row + 2, mask=ok, other=0.0), tl.load(kz_ptr + s_row + 3, mask=ok, other=0.0),
-            load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok),
+            tl.load(kz_ptr + s_row + 2, mask=ok, other=0.0), tl.load(kz_ptr + s_row + 3, mask=ok, other=0.0))
+
+
+@triton.jit
+def tq3_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides, offs_u, HEAD_DIM: tl.constexpr):
+    """One step of TurboQuant 3-bit values as loaded: the magnitude units, their sign bytes, the four group scales."""
+    v_row = block * v_strides[0] + slot * v_strides[1]
+    vs_row = block * vs_strides[0] + slot * vs_strides[1]
+    return (load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok),
             load_rows(v_ptr + HEAD_DIM // 4, v_row, offs_u, ok),
             tl.load(vs_ptr + vs_row, mask=ok, other=0.0), tl.load(vs_ptr + vs_row + 1, mask=ok, other=0.0),
             tl.load(vs_ptr + vs_row + 2, mask=ok, other=0.0), tl.load(vs_ptr + vs_row + 3, mask=ok, other=0.0))
 
 
 @triton.jit
-def tq_group_scores_t(codes, sc, z, qg, qsum, CDTYPE: tl.constexpr, FAST_CVT: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    """Scores^T [WARPS, TILE_N, HR] of one channel group of TurboQuant int8 keys, from loaded codes, scales, zeros."""
-    d = tl.dot(int8_to_f16(codes, FAST_CVT).to(CDTYPE), qg, input_precision=DOT_PRECISION)
+def tq4_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides):
+    """One step of TurboQuant 4-bit values as loaded: the 16 bytes of each channel group, the four group scales."""
+    v_row = block * v_strides[0] + slot * v_strides[1]
+    vs_row = block * vs_strides[0] + slot * vs_strides[1]
+    offs = tl.arange(0, 16)
+    return (load_rows(v_ptr, v_row, offs, ok), load_rows(v_ptr + 16, v_row, offs, ok),
+            load_rows(v_ptr + 32, v_row, offs, ok), load_rows(v_ptr + 48, v_row, offs, ok),
+            tl.load(vs_ptr + vs_row, mask=ok, other=0.0), tl.load(vs_ptr + vs_row + 1, mask=ok, other=0.0),
+            tl.load(vs_ptr + vs_row + 2, mask=ok, other=0.0), tl.load(vs_ptr + vs_row + 3, mask=ok, other=0.0))
+
+
+@triton.jit
+def group_scores_t(d, sc, z, qsum):
+    """A channel group's scores^T from d = codes . q [WARPS, TILE_N, HR]: its scale and zero point go on score
+    rows (scale * (d + zero * sum(q)))."""
     sc = sc.to(tl.float32)
     zs = z.to(tl.float32) * sc
     return d * sc[:, :, None] + zs[:, :, None] * qsum[:, None, :]
+
+
+@triton.jit
+def tq8_group_scores_t(codes, sc, z, qg, qsum, CDTYPE: tl.constexpr, FAST_CVT: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """Scores^T [WARPS, TILE_N, HR] of one channel group of TurboQuant int8 keys, from loaded codes, scales, zeros."""
+    d = tl.dot(int8_to_f16(codes, FAST_CVT).to(CDTYPE), qg, input_precision=DOT_PRECISION)
+    return group_scores_t(d, sc, z, qsum)
+
+
+@triton.jit
+def tq4_group_scores_t(pairs, sc, z, qe, qo, qsum, CDTYPE: tl.constexpr, FAST_CVT: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """The same for 4-bit keys: the group's even channels (low nibbles) against the query's even channels qe,
+    the odd ones against qo (two products, no code moved to its channel)."""
+    even, odd = nibble_pairs_to_f16(pairs, FAST_CVT)
+    d = tl.dot(even.to(CDTYPE), qe, input_precision=DOT_PRECISION)
+    d = tl.dot(odd.to(CDTYPE), qo, d, input_precision=DOT_PRECISION)
+    return group_scores_t(d, sc, z, qsum)
+
+
+@triton.jit
+def value_channels(J: tl.constexpr, offs_u, V_BITS: tl.constexpr):
+    """The channels accumulator J of TurboQuant values holds (offs_u: arange(16), head_dim 128): 3-bit values
+    (unit order) channels 16 J + u; 4-bit values the even (J even) or odd channels of group J // 2."""
+    if V_BITS == 3:
+        return 16 * J + offs_u
+    return 32 * (J // 2) + 2 * offs_u + (J % 2)
 
 
 @triton.jit
@@ -111,11 +156,10 @@ def store_t(o_row_t, cols, acc, f, inv, mask):
 
 
 @triton.jit
-def rotate_t(out_t, rotation_ptr, J: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """out_t [HEAD_DIM // 8, HR] (channels J * HEAD_DIM / 8 + u) -> its share of out @ rotation, [HR, HEAD_DIM]."""
-    offs_u = tl.arange(0, HEAD_DIM // 8)
+def rotate_t(out_t, rotation_ptr, chans, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out_t [C, HR] (channels `chans` [C]) -> its share of out @ rotation, [HR, HEAD_DIM]."""
     offs_d = tl.arange(0, HEAD_DIM)
-    r = tl.load(rotation_ptr + (J * (HEAD_DIM // 8) + offs_u)[:, None] * HEAD_DIM + offs_d[None, :])
+    r = tl.load(rotation_ptr + chans[:, None] * HEAD_DIM + offs_d[None, :])
     return tl.dot(tl.trans(out_t), r, input_precision=DOT_PRECISION)
 
 
@@ -131,7 +175,7 @@ def decode_kernel_transposed(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
-    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, V_BITS: tl.constexpr = 3,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -161,7 +205,7 @@ def decode_kernel_transposed(
         q1 = query_t(q_row_t, h_ok, 4 * offs_u + 1, WARPS, CDTYPE)
         q2 = query_t(q_row_t, h_ok, 4 * offs_u + 2, WARPS, CDTYPE)
         q3 = query_t(q_row_t, h_ok, 4 * offs_u + 3, WARPS, CDTYPE)
-    if TQ:
+    if TQ and K_BITS == 8:   # the query's channel groups of 32 and their sums (the keys' zero points apply to them)
         offs32 = tl.arange(0, 32)
         qg0 = query_t(q_row_t, h_ok, offs32, WARPS, CDTYPE)
         qg1 = query_t(q_row_t, h_ok, 32 + offs32, WARPS, CDTYPE)
@@ -171,6 +215,21 @@ def decode_kernel_transposed(
         qs1 = tl.sum(qg1.to(tl.float32), axis=1)
         qs2 = tl.sum(qg2.to(tl.float32), axis=1)
         qs3 = tl.sum(qg3.to(tl.float32), axis=1)
+    elif TQ:                 # 4-bit keys: each group's even and odd channels, and the group's sums
+        even = 2 * tl.arange(0, 16)
+        qe0 = query_t(q_row_t, h_ok, even, WARPS, CDTYPE)
+        qo0 = query_t(q_row_t, h_ok, even + 1, WARPS, CDTYPE)
+        qe1 = query_t(q_row_t, h_ok, 32 + even, WARPS, CDTYPE)
+        qo1 = query_t(q_row_t, h_ok, 33 + even, WARPS, CDTYPE)
+        qe2 = query_t(q_row_t, h_ok, 64 + even, WARPS, CDTYPE)
+        qo2 = query_t(q_row_t, h_ok, 65 + even, WARPS, CDTYPE)
+        qe3 = query_t(q_row_t, h_ok, 96 + even, WARPS, CDTYPE)
+        qo3 = query_t(q_row_t, h_ok, 97 + even, WARPS, CDTYPE)
+        qs0 = tl.sum(qe0.to(tl.float32), axis=1) + tl.sum(qo0.to(tl.float32), axis=1)
+        qs1 = tl.sum(qe1.to(tl.float32), axis=1) + tl.sum(qo1.to(tl.float32), axis=1)
+        qs2 = tl.sum(qe2.to(tl.float32), axis=1) + tl.sum(qo2.to(tl.float32), axis=1)
+        qs3 = tl.sum(qe3.to(tl.float32), axis=1) + tl.sum(qo3.to(tl.float32), axis=1)
+    if TQ:
         V_ASM: tl.constexpr = FAST_CVT and CDTYPE == tl.float16
 
     STEP: tl.constexpr = WARPS * TILE_N
@@ -207,16 +266,24 @@ def decode_kernel_transposed(
         k_row = block * k_strides[0] + slot * k_strides[1]
         v_row = block * v_strides[0] + slot * v_strides[1]
         if TQ:
-            t = tq_tile(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, slot, ok,
-                        k_strides, v_strides, ks_strides, vs_strides, offs32, offs_u, HEAD_DIM)
+            kt = tq_key_tile(k_ptr, ks_ptr, kz_ptr, block, slot, ok, k_strides, ks_strides, K_BITS)
+            if V_BITS == 3:
+                vt = tq3_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides, offs_u, HEAD_DIM)
+            else:
+                vt = tq4_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides)
         elif KU:
             t = quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok,
                            k_strides, v_strides, ks_strides, vs_strides, offs_u, K_BITS, HEAD_DIM)
-        if TQ:   # t: key codes per group 0-3, scales 4-7, zero points 8-11, value units 12, signs 13, scales 14-17
-            s = tq_group_scores_t(t[0], t[4], t[8], qg0, qs0, CDTYPE, FAST_CVT, DOT_PRECISION)
-            s += tq_group_scores_t(t[1], t[5], t[9], qg1, qs1, CDTYPE, FAST_CVT, DOT_PRECISION)
-            s += tq_group_scores_t(t[2], t[6], t[10], qg2, qs2, CDTYPE, FAST_CVT, DOT_PRECISION)
-            s += tq_group_scores_t(t[3], t[7], t[11], qg3, qs3, CDTYPE, FAST_CVT, DOT_PRECISION)
+        if TQ and K_BITS == 8:   # kt: key codes per group 0-3, scales 4-7, zero points 8-11
+            s = tq8_group_scores_t(kt[0], kt[4], kt[8], qg0, qs0, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq8_group_scores_t(kt[1], kt[5], kt[9], qg1, qs1, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq8_group_scores_t(kt[2], kt[6], kt[10], qg2, qs2, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq8_group_scores_t(kt[3], kt[7], kt[11], qg3, qs3, CDTYPE, FAST_CVT, DOT_PRECISION)
+        elif TQ:
+            s = tq4_group_scores_t(kt[0], kt[4], kt[8], qe0, qo0, qs0, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq4_group_scores_t(kt[1], kt[5], kt[9], qe1, qo1, qs1, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq4_group_scores_t(kt[2], kt[6], kt[10], qe2, qo2, qs2, CDTYPE, FAST_CVT, DOT_PRECISION)
+            s += tq4_group_scores_t(kt[3], kt[7], kt[11], qe3, qo3, qs3, CDTYPE, FAST_CVT, DOT_PRECISION)
         elif KU:  # t: key units, their plane bytes, key scales, value units, plane bytes, value scales
             k0, k1, k2, k3 = unit_quads(t[0], t[1], K_BITS, FAST_CVT)
             s = tl.dot(k0.to(CDTYPE), q0, input_precision=DOT_PRECISION)
@@ -249,12 +316,22 @@ def decode_kernel_transposed(
         p_f = p
         p = p.to(CDTYPE)
         a3 = alpha[:, None, :]
-        if TQ:
-            v0, v1, v2, v3, v4, v5, v6, v7 = sign_magnitude_to_f16(t[12], t[13], codebook_ptr, V_ASM)
-            p0 = (p_f * t[14].to(tl.float32)[:, :, None]).to(CDTYPE)
-            p1 = (p_f * t[15].to(tl.float32)[:, :, None]).to(CDTYPE)
-            p2 = (p_f * t[16].to(tl.float32)[:, :, None]).to(CDTYPE)
-            p3 = (p_f * t[17].to(tl.float32)[:, :, None]).to(CDTYPE)
+        if TQ:   # each group's scale goes on P's columns; accumulator J holds channels value_channels(J)
+            if V_BITS == 3:   # vt: magnitude units, sign bytes, scales 2-5
+                v0, v1, v2, v3, v4, v5, v6, v7 = sign_magnitude_to_f16(vt[0], vt[1], codebook_ptr, V_ASM)
+                p0 = (p_f * vt[2].to(tl.float32)[:, :, None]).to(CDTYPE)
+                p1 = (p_f * vt[3].to(tl.float32)[:, :, None]).to(CDTYPE)
+                p2 = (p_f * vt[4].to(tl.float32)[:, :, None]).to(CDTYPE)
+                p3 = (p_f * vt[5].to(tl.float32)[:, :, None]).to(CDTYPE)
+            else:             # vt: the bytes of groups 0-3, scales 4-7
+                v0, v1 = codebook4_pairs_to_f16(vt[0], codebook_ptr, V_ASM)
+                v2, v3 = codebook4_pairs_to_f16(vt[1], codebook_ptr, V_ASM)
+                v4, v5 = codebook4_pairs_to_f16(vt[2], codebook_ptr, V_ASM)
+                v6, v7 = codebook4_pairs_to_f16(vt[3], codebook_ptr, V_ASM)
+                p0 = (p_f * vt[4].to(tl.float32)[:, :, None]).to(CDTYPE)
+                p1 = (p_f * vt[5].to(tl.float32)[:, :, None]).to(CDTYPE)
+                p2 = (p_f * vt[6].to(tl.float32)[:, :, None]).to(CDTYPE)
+                p3 = (p_f * vt[7].to(tl.float32)[:, :, None]).to(CDTYPE)
             acc0 = tl.dot(tl.trans(v0.to(CDTYPE), (0, 2, 1)), p0, acc0 * a3, input_precision=DOT_PRECISION)
             acc1 = tl.dot(tl.trans(v1.to(CDTYPE), (0, 2, 1)), p0, acc1 * a3, input_precision=DOT_PRECISION)
             acc2 = tl.dot(tl.trans(v2.to(CDTYPE), (0, 2, 1)), p1, acc2 * a3, input_precision=DOT_PRECISION)
@@ -294,26 +371,26 @@ def decode_kernel_transposed(
         inv = 1.0 / tl.where(l > 0, l, 1.0)
     cols_ok = h_ok[None, :]
     if TQ and not SPLIT:
-        out = rotate_t(merge_t(acc0, f, inv), rotation_ptr, 0, HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc1, f, inv), rotation_ptr, 1, HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc2, f, inv), rotation_ptr, 2, HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc3, f, inv), rotation_ptr, 3, HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc4, f, inv), rotation_ptr, 4, HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc5, f, inv), rotation_ptr, 5, HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc6, f, inv), rotation_ptr, 6, HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc7, f, inv), rotation_ptr, 7, HEAD_DIM, DOT_PRECISION)
+        out = rotate_t(merge_t(acc0, f, inv), rotation_ptr, value_channels(0, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc1, f, inv), rotation_ptr, value_channels(1, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc2, f, inv), rotation_ptr, value_channels(2, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc3, f, inv), rotation_ptr, value_channels(3, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc4, f, inv), rotation_ptr, value_channels(4, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc5, f, inv), rotation_ptr, value_channels(5, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc6, f, inv), rotation_ptr, value_channels(6, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc7, f, inv), rotation_ptr, value_channels(7, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
         offs_d = tl.arange(0, HEAD_DIM)
         o_row = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh
         tl.store(o_row + offs_d[None, :], out.to(o_row.dtype.element_ty), mask=h_ok[:, None])
     elif TQ:
-        store_t(o_row_t, offs_u, acc0, f, inv, cols_ok)
-        store_t(o_row_t, VC + offs_u, acc1, f, inv, cols_ok)
-        store_t(o_row_t, 2 * VC + offs_u, acc2, f, inv, cols_ok)
-        store_t(o_row_t, 3 * VC + offs_u, acc3, f, inv, cols_ok)
-        store_t(o_row_t, 4 * VC + offs_u, acc4, f, inv, cols_ok)
-        store_t(o_row_t, 5 * VC + offs_u, acc5, f, inv, cols_ok)
-        store_t(o_row_t, 6 * VC + offs_u, acc6, f, inv, cols_ok)
-        store_t(o_row_t, 7 * VC + offs_u, acc7, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(0, offs_u, V_BITS), acc0, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(1, offs_u, V_BITS), acc1, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(2, offs_u, V_BITS), acc2, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(3, offs_u, V_BITS), acc3, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(4, offs_u, V_BITS), acc4, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(5, offs_u, V_BITS), acc5, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(6, offs_u, V_BITS), acc6, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(7, offs_u, V_BITS), acc7, f, inv, cols_ok)
     elif QUANT:
         store_t(o_row_t, NV * offs_u, acc0, f, inv, cols_ok)
         store_t(o_row_t, NV * offs_u + 1, acc1, f, inv, cols_ok)
