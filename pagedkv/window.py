@@ -142,12 +142,17 @@ class RecentWindow:
         if ring is None:
             return
         child = self.rings[new_seq_id] = _Ring(self._take_row(), ring.dense_from, list(ring.blocks))
+        self.copy_row(ring.row, child.row)
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Ring row `dst` becomes a copy of row `src`, in every layer."""
+        self.num_rows = max(self.num_rows, src + 1, dst + 1)
         for layer_idx in list(self.keys):
             # rings written under inference mode (the engine) are inference tensors: copy in that mode too
             with torch.inference_mode(torch.is_inference(self.keys[layer_idx])):
                 keys, values = self._tensors(layer_idx, self.keys[layer_idx][0, 0])
-                keys[child.row].copy_(keys[ring.row])
-                values[child.row].copy_(values[ring.row])
+                keys[dst].copy_(keys[src])
+                values[dst].copy_(values[src])
 
     def forget(self, seq_id: int) -> None:
         ring = self.rings.pop(seq_id, None)

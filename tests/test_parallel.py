@@ -15,7 +15,8 @@ from pagedkv.errors import ConfigError
 from pagedkv.parallel import (ShardedPagedKVCache, check_model, check_tensor_parallel, follow, install_sharded_cache,
                               launch, lead, load_sharded_model)
 
-FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q3_0,rotate_keys"]
+FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q3_0,rotate_keys",
+           "turboquant:k=q4_0,v=q3_0,recent_tokens=16"]
 NUM_KV_HEADS = 4
 CACHE = dict(block_size=4, num_blocks=1, dynamic=True, kernels="reference")  # small blocks, pool grows
 PROMPTS = [[7, 12, 99, 3, 45, 200, 17, 18, 64, 31, 5], [40, 41, 42, 43, 250]]

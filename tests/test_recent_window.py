@@ -516,3 +516,46 @@ def test_beam_search_inside_the_window_equals_dynamic_cache():
     assert torch.equal(got, expected)
     assert not torch.equal(quantized, expected)  # without the window these 4-bit keys change the beams
     assert len(paged.window.rings) == 6  # the batch's 2 x 3 beams
+
+
+def test_a_tensor_parallel_follower_writes_and_reads_the_rings_the_leader_plans():
+    """The leader's steps carry the window's plan, its ring rows and the rows its forks copied: a follower
+    (no sequences of its own) fed the same keys/values holds the same rings and attends the same."""
+    from pagedkv.ops import reference
+    from pagedkv.parallel import ShardedPagedKVCache
+
+    torch.manual_seed(9)
+    options = dict(kv_format="turboquant:recent_tokens=16", block_size=BS, num_blocks=2, dynamic=True)
+    leader, follower = ShardedPagedKVCache(**options), ShardedPagedKVCache(**options)
+
+    def step(seq_ids, counts):
+        meta = leader.begin_step(seq_ids, counts)
+        follower.follow_step(leader.export_step(), torch.device("cpu"))
+        n = sum(counts)
+        k, v, q = torch.randn(n, H, D), torch.randn(n, H, D), torch.randn(n, 2 * H, D)
+        outs = []
+        for cache in (leader, follower):
+            cache.write(0, k, v)
+            outs.append(cache.attention(0, q, scale=0.125))
+            cache.end_forward()
+        assert meta.window is not None and torch.equal(outs[0], outs[1])
+        for seq_id, ring in leader.window.rings.items():  # what each sequence reads from its ring
+            length = leader.seq_len(seq_id)
+            first = leader.window.first_dense_block(seq_id, length)
+            for lw, fw in zip(leader.window.layer(0), follower.window.layer(0)):
+                assert torch.equal(reference.gather_ring(lw, ring.row, first, length, BS),
+                                   reference.gather_ring(fw, ring.row, first, length, BS))
+        return meta
+
+
+    a = leader.add_sequence()
+    step([a], [30])
+    b = leader.fork(a)  # b's ring: a copy of a's row, made on the follower at the next step
+    assert step([a, b], [1, 1]).window.first_block_cpu == [1, 1]  # b reads blocks 1..3 from its copied ring
+    step([b], [12])
+    leader.trim(9, seq_id=b)
+    step([a, b], [9, 3])
+    leader.free(a)
+    c = leader.add_sequence()  # takes a's ring row again
+    step([b, c], [1, 20])
+    assert leader.window.rings[c].row == 0 and follower.window.num_rows == leader.window.num_rows == 2

@@ -6,18 +6,20 @@ forward, exports a `CacheStep`: the pool size, the block copies its copy-on-writ
 per-sequence events of the KV-Quant mirror (freed, trimmed, cleared), and the planned metadata (block
 tables, slot mapping, sequence lengths). A follower's cache has no sequences of its own: it applies
 the step (grows its pages, copies the same blocks, plays the mirror events) and its layers then write
-and attend exactly where the leader's do.
+and attend exactly where the leader's do. A dense recent window (`recent_tokens`) follows the same way:
+the plan says which ring rows and slots each step writes and reads, and the step carries the number of
+ring rows and the rows the leader's forks copied.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from ..cache import PagedKVCache
-from ..errors import ConfigError
-from ..ops.metadata import AttentionMetadata
+from ..ops.metadata import AttentionMetadata, WindowPlan
+from ..window import RecentWindow
 
 _MIRROR_EVENTS = ("forget", "trim", "clear")
 
@@ -31,6 +33,8 @@ class CacheStep:
     mirror_events: list[tuple[str, tuple]]  # (DequantMirror method, args) since the last step, in order
     plan: dict | None                     # AttentionMetadata fields, tensors on the CPU (None: a graph step)
     pending_columns: int                  # positions this forward adds to transformers' view of the cache
+    window_rows: int = 0                  # dense recent window: ring rows handed out by the leader
+    window_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) ring rows its forks copied
 
 
 class _RecordingMirror:
@@ -52,13 +56,32 @@ class _RecordingMirror:
         return record
 
 
+class _RecordingWindow(RecentWindow):
+    """The cache's dense recent window, with the ring rows its forks copy recorded for the followers."""
+
+    def __init__(self, recent_tokens: int, block_size: int, copies: list):
+        super().__init__(recent_tokens, block_size)
+        self._copies = copies
+
+    def copy_row(self, src: int, dst: int) -> None:
+        self._copies.append((src, dst))
+        super().copy_row(src, dst)
+
+
+def _moved(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, WindowPlan):
+        return replace(value, token_index=value.token_index.to(device), slot_mapping=value.slot_mapping.to(device))
+    return value
+
+
 def _plan_to_host(plan: AttentionMetadata) -> dict:
-    return {f.name: (v.cpu() if isinstance(v, torch.Tensor) else v)
-            for f in fields(plan) for v in [getattr(plan, f.name)]}
+    return {f.name: _moved(getattr(plan, f.name), "cpu") for f in fields(plan)}
 
 
 def _plan_on(plan: dict, device: torch.device) -> AttentionMetadata:
-    return AttentionMetadata(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in plan.items()})
+    return AttentionMetadata(**{k: _moved(v, device) for k, v in plan.items()})
 
 
 class ShardedPagedKVCache(PagedKVCache):
@@ -70,10 +93,10 @@ class ShardedPagedKVCache(PagedKVCache):
 
     def __init__(self, config=None, **options):
         super().__init__(config, **options)
-        if self.window is not None:  # followers hold no sequences: rings would need their own step events
-            raise ConfigError(f"recent_tokens={self.config.recent_tokens}: the dense recent window does not run "
-                              "with tensor parallelism yet; use recent_tokens=0 or one GPU")
         self._copies: list[tuple[int, int]] = []
+        self._window_copies: list[tuple[int, int]] = []
+        if self.window is not None:
+            self.window = _RecordingWindow(self.config.recent_tokens, self.block_size, self._window_copies)
         self._mirror_events: list[tuple[str, tuple]] = []
         self.mirror = _RecordingMirror(self.mirror, self._mirror_events)
         # the ranks that capture and replay this cache's CUDA graphs with it (`pagedkv.parallel.graphs`): set by
@@ -92,7 +115,7 @@ class ShardedPagedKVCache(PagedKVCache):
         assert self.plan is not None, "export_step() needs a planned forward: begin_step/begin_forward first"
         step = CacheStep(num_blocks=self.pool.num_blocks, copies=list(self._copies),
                          mirror_events=list(self._mirror_events), plan=_plan_to_host(self.plan),
-                         pending_columns=self._pending_columns)
+                         pending_columns=self._pending_columns, **self._window_events())
         self._copies.clear()
         self._mirror_events.clear()
         return step
@@ -101,10 +124,18 @@ class ShardedPagedKVCache(PagedKVCache):
         """The pool size, block copies and mirror events since the last step, without a plan (a CUDA-graph step:
         its block tables and slots reach the followers as device tensors)."""
         step = CacheStep(num_blocks=self.pool.num_blocks, copies=list(self._copies),
-                         mirror_events=list(self._mirror_events), plan=None, pending_columns=0)
+                         mirror_events=list(self._mirror_events), plan=None, pending_columns=0,
+                         **self._window_events())
         self._copies.clear()
         self._mirror_events.clear()
         return step
+
+    def _window_events(self) -> dict:
+        if self.window is None:
+            return {}
+        events = {"window_rows": self.window.num_rows, "window_copies": list(self._window_copies)}
+        self._window_copies.clear()
+        return events
 
     # ------------------------------------------------------------------------------------------
     # follower
@@ -121,6 +152,11 @@ class ShardedPagedKVCache(PagedKVCache):
                         page[dst].copy_(page[src])
         for name, args in step.mirror_events:
             getattr(self.mirror, name)(*args)
+        if self.window is not None:
+            self.window.num_rows = max(self.window.num_rows, step.window_rows)
+            for src, dst in step.window_copies:
+                self.window.copy_row(src, dst)
+            self._window_copies.clear()  # a follower exports nothing
         if step.plan is None:
             return
         self.plan = _plan_on(step.plan, device)
