@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from pagedkv.formats.codebook import lloyd_max_codebook
-from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, NIBBLE_PAIRS_ASM, SIGN_MAGNITUDE_ASM_HI,
-                                            SIGN_MAGNITUDE_ASM_LO)
+from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, INT8_ASM, INT8_PAIRS_ASM, NIBBLE_PAIRS_ASM,
+                                            NIBBLE_QUADS_ASM, SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO,
+                                            SIX_BIT_QUADS_ASM)
 
 M32 = 0xFFFFFFFF
 
@@ -54,6 +55,7 @@ OPS = {
     "shl.b32": lambda a, n: (a << n) & M32,
     "and.b32": lambda a, b: a & b,
     "or.b32": lambda a, b: a | b,
+    "add.u32": lambda a, b: (a + b) & M32,
     "xor.b32": lambda a, b: a ^ b,
     "mad.lo.u32": lambda a, b, c: (a * b + c) & M32,
     "lop3.b32": _lop3,
@@ -127,3 +129,43 @@ def test_codebook4_asm_equals_the_codebook_for_every_code():
         codes = [(word >> (8 * k)) & 0xFF for k in range(4)]
         want = [cb_bits[c & 15] for c in codes] + [cb_bits[c >> 4] for c in codes]
         assert _lanes(out) == want, hex(word)
+
+
+def _f16(lanes):
+    return np.array(lanes, dtype=np.uint16).view(np.float16).astype(float).tolist()
+
+
+def _signed8(b):
+    return b - 256 if b & 0x80 else b
+
+
+def test_int8_asm_gives_the_signed_codes():
+    for word in _bytes(np.random.default_rng(3), 200):
+        got = _f16(_lanes(run_ptx(INT8_ASM.value, [word], 2)))
+        assert got == [_signed8((word >> (8 * k)) & 0xFF) for k in range(4)], hex(word)
+
+
+def test_int8_pairs_asm_splits_even_and_odd_channels():
+    for word in _bytes(np.random.default_rng(4), 200):
+        even, odd = run_ptx(INT8_PAIRS_ASM.value, [word], 2)
+        units = [word & 0xFFFF, word >> 16]
+        assert _f16(_lanes([even])) == [_signed8(u & 0xFF) for u in units], hex(word)
+        assert _f16(_lanes([odd])) == [_signed8(u >> 8) for u in units], hex(word)
+
+
+def test_nibble_quads_asm_gives_each_channel_of_a_unit():
+    for word in _bytes(np.random.default_rng(5), 200):
+        outs = run_ptx(NIBBLE_QUADS_ASM.value, [word], 4)
+        units = [word & 0xFFFF, word >> 16]
+        for i, reg in enumerate(outs):
+            assert _f16(_lanes([reg])) == [((u >> (4 * i)) & 15) - 7 for u in units], (hex(word), i)
+
+
+def test_six_bit_quads_asm_joins_the_two_planes():
+    rng = np.random.default_rng(6)
+    for word, planes in zip(_bytes(rng, 200), [int(x) for x in rng.integers(0, 1 << 16, 206)]):
+        outs = run_ptx(SIX_BIT_QUADS_ASM.value, [word, planes], 4)
+        units, fields = [word & 0xFFFF, word >> 16], [planes & 0xFF, planes >> 8]
+        for i, reg in enumerate(outs):
+            want = [((u >> (4 * i)) & 15) + 16 * ((f >> (2 * i)) & 3) - 31 for u, f in zip(units, fields)]
+            assert _f16(_lanes([reg])) == want, (hex(word), hex(planes), i)

@@ -82,15 +82,40 @@ def _codebook4_asm() -> str:
 CODEBOOK4_ASM = tl.constexpr(_codebook4_asm())
 
 
+# int8 codes, four per call ($2): the bytes c ^ 0x80 under the exponent of 1024 read 1152 + c; minus 1152.
+INT8_ASM = tl.constexpr("""{ .reg .b32 u, b; xor.b32 u, $2, 0x80808080; mov.b32 b, 0x64806480;
+prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362;
+sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }""")
+# int16 units of two int8 codes, two units per call ($2): even channels in $0, odd ones in $1.
+INT8_PAIRS_ASM = tl.constexpr("""{ .reg .b32 u, b; xor.b32 u, $2, 0x80808080; mov.b32 b, 0x64806480;
+prmt.b32 $0, u, 0x64646464, 0x4240; prmt.b32 $1, u, 0x64646464, 0x4341;
+sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }""")
+# int16 units of four (code + 7) nibbles, two units per call ($4): channel 4j + i of both units in $i.
+NIBBLE_QUADS_ASM = tl.constexpr("""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64076407;
+and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, 0x64646464, 0x4240; prmt.b32 $1, hi, 0x64646464, 0x4240;
+prmt.b32 $2, lo, 0x64646464, 0x4341; prmt.b32 $3, hi, 0x64646464, 0x4341;
+sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""")
+# q6: the nibble units ($4) and their 2-bit plane bytes ($5), two units per call: code + 31 = nibble + 16 * field.
+SIX_BIT_QUADS_ASM = tl.constexpr("""{ .reg .b32 lo, hi, t, a, b, m;
+and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 t, $5, 0, 0x1100;
+and.b32 a, t, 0x00030003; shr.b32 b, t, 4; and.b32 b, b, 0x03000300; or.b32 a, a, b; shl.b32 a, a, 4;
+add.u32 lo, lo, a;
+shr.b32 a, t, 2; and.b32 a, a, 0x00030003; shr.b32 b, t, 6; and.b32 b, b, 0x03000300; or.b32 a, a, b;
+shl.b32 a, a, 4; add.u32 hi, hi, a;
+mov.b32 m, 0x641F641F;
+prmt.b32 $0, lo, 0x64646464, 0x4240; prmt.b32 $1, hi, 0x64646464, 0x4240;
+prmt.b32 $2, lo, 0x64646464, 0x4341; prmt.b32 $3, hi, 0x64646464, 0x4341;
+sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m; }""")
+
+
 @triton.jit
 def int8_to_f16(c, FAST_CVT: tl.constexpr):
     """int8 codes -> float16, exact: the bytes c ^ 0x80 put under the exponent of 1024 read 1152 + c."""
     if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 u, b; xor.b32 u, $2, 0x80808080; mov.b32 b, 0x64806480;
-            prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362;
-            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }""",
-            constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(asm=INT8_ASM, constraints="=r,=r,r", args=[c], dtype=tl.float16,
+                                         is_pure=True, pack=4)
     return c.to(tl.float16)
 
 
@@ -98,11 +123,8 @@ def int8_to_f16(c, FAST_CVT: tl.constexpr):
 def int8_pairs_to_f16(x, FAST_CVT: tl.constexpr):
     """int16 holding two int8 codes (channel 2j low byte, 2j + 1 high byte) -> (even, odd) as float16, exact."""
     if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 u, b; xor.b32 u, $2, 0x80808080; mov.b32 b, 0x64806480;
-            prmt.b32 $0, u, 0x64646464, 0x4240; prmt.b32 $1, u, 0x64646464, 0x4341;
-            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }""",
-            constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(asm=INT8_PAIRS_ASM, constraints="=r,=r,r", args=[x],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
     x = x.to(tl.int32)
     return ((x << 24) >> 24).to(tl.float16), (x >> 8).to(tl.float16)
 
@@ -111,14 +133,8 @@ def int8_pairs_to_f16(x, FAST_CVT: tl.constexpr):
 def nibble_quads_to_f16(x, FAST_CVT: tl.constexpr):
     """int16 holding four (code + 7) nibbles (channel 4j + i at bits 4i) -> four float16 codes, exact."""
     if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64076407;
-            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
-            prmt.b32 $0, lo, 0x64646464, 0x4240; prmt.b32 $1, hi, 0x64646464, 0x4240;
-            prmt.b32 $2, lo, 0x64646464, 0x4341; prmt.b32 $3, hi, 0x64646464, 0x4341;
-            sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""",
-            constraints="=r,=r,=r,=r,r", args=[x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(asm=NIBBLE_QUADS_ASM, constraints="=r,=r,=r,=r,r", args=[x],
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
     x = x.to(tl.int32)
     return (((x & 15) - 7).to(tl.float16), (((x >> 4) & 15) - 7).to(tl.float16),
             (((x >> 8) & 15) - 7).to(tl.float16), (((x >> 12) & 15) - 7).to(tl.float16))
@@ -129,20 +145,8 @@ def six_bit_quads_to_f16(x, h, FAST_CVT: tl.constexpr):
     """q6 codes of four channels from their two planes (`packing.pack_planes`): x int16 holding the low
     nibbles of channels 4u..4u+3, h uint8 holding their high 2-bit fields -> four float16 codes, exact."""
     if FAST_CVT:
-        return tl.inline_asm_elementwise(
-            asm="""{ .reg .b32 lo, hi, t, a, b, m;
-            and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
-            prmt.b32 t, $5, 0, 0x1100;
-            and.b32 a, t, 0x00030003; shr.b32 b, t, 4; and.b32 b, b, 0x03000300; or.b32 a, a, b; shl.b32 a, a, 4;
-            add.u32 lo, lo, a;
-            shr.b32 a, t, 2; and.b32 a, a, 0x00030003; shr.b32 b, t, 6; and.b32 b, b, 0x03000300; or.b32 a, a, b;
-            shl.b32 a, a, 4; add.u32 hi, hi, a;
-            mov.b32 m, 0x641F641F;
-            prmt.b32 $0, lo, 0x64646464, 0x4240; prmt.b32 $1, hi, 0x64646464, 0x4240;
-            prmt.b32 $2, lo, 0x64646464, 0x4341; prmt.b32 $3, hi, 0x64646464, 0x4341;
-            sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, m; }""",
-            constraints="=r,=r,=r,=r,r,r", args=[x, h], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(asm=SIX_BIT_QUADS_ASM, constraints="=r,=r,=r,=r,r,r", args=[x, h],
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
     x = x.to(tl.int32) & 0xFFFF
     h = h.to(tl.int32)
     return (((x & 15) + 16 * (h & 3) - 31).to(tl.float16), (((x >> 4) & 15) + 16 * ((h >> 2) & 3) - 31).to(tl.float16),
