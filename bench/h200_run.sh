@@ -20,7 +20,7 @@ run() {  # run LIMIT_SECONDS COMMAND...
 case "${1:-kernels}" in
 kernels)
     run 150 python bench/kernels.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --skip write --out "$OUT/kernels"
-    run 300 python bench/kernels.py --formats "turboquant:k=q4_0,v=q4_0;turboquant:k=q4_0,v=q4_0,rotate_keys;turboquant:k=q8_0,v=q4_0" \
+    run 360 python bench/kernels.py --formats "off;turboquant:k=q4_0,v=q4_0;turboquant:k=q4_0,v=q4_0,rotate_keys;turboquant:k=q8_0,v=q4_0" \
         --warp-split --skip prefill,write --out "$OUT/sweeps/kernels_warp_split_tq4"
     run 150 python -m pytest -q -x tests/triton/test_triton_decode.py tests/triton/test_triton_cuda_graph.py tests/test_devices.py
     ;;
