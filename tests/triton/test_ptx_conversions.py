@@ -58,6 +58,7 @@ OPS = {
     "add.u32": lambda a, b: (a + b) & M32,
     "xor.b32": lambda a, b: a ^ b,
     "mad.lo.u32": lambda a, b, c: (a * b + c) & M32,
+    "mul.lo.u32": lambda a, b: (a * b) & M32,
     "lop3.b32": _lop3,
 }
 

@@ -56,25 +56,34 @@ prmt.b32 $2, hi, 0x64646464, 0x4140; prmt.b32 $3, hi, 0x64646464, 0x4342;
 sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""")
 
 
+def _positive_half_f16_byte_words(bits: int = 4) -> tuple[int, int, int, int]:
+    """The positive half of the codebook in float16 as byte tables: (low bytes of entries 0-3, of 4-7, high bytes
+    of entries 0-3, of 4-7), one byte per entry."""
+    half = lloyd_max_codebook(bits)[1 << (bits - 1):].half().view(torch.int16).to(torch.int64) & 0xFFFF
+    lo, hi = [int(x) & 0xFF for x in half], [int(x) >> 8 for x in half]
+    word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
+    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+
+
 def _codebook4_asm() -> str:
     """TurboQuant 4-bit values, codes sorted like the centroids (the codebook is symmetric: code c >= 8 is
     +centroid[c], c < 8 is -centroid[15 - c]), two per byte as in NIBBLE_PAIRS_ASM, four bytes ($4) per call:
-    the low nibbles' centroids in $0, $1, the high ones' in $2, $3. Per two values: the codes of two bytes side
-    by side (bits 0-3 and 8-11), the positive-lane mask by byte permute with sign replication, the magnitude
-    index m (c & 7, or 7 - c for negative codes) with one LOP3, look-ups of entry m & 3 in the low and the
-    high four of the positive half (two immediate words each), the half picked by m's bit 2, the sign."""
-    words = _positive_half_f16_words(4)
-    lines = ["{ .reg .b32 c0, c1, c2, c3, t, t4, r, m, a, b, k, v;",
-             "mov.b32 c0, 0x%08x; mov.b32 c1, 0x%08x; mov.b32 c2, 0x%08x; mov.b32 c3, 0x%08x;" % words]
+    the low nibbles' centroids in $0, $1, the high ones' in $2, $3. Per two values (ten or eleven
+    instructions): the codes of two bytes side by side (bits 0-3 and 8-11), the positive-code mask by byte
+    permute with sign replication, the magnitude index m (c & 7, or 7 - c for negative codes) with one LOP3,
+    the low and the high bytes of entry m of the positive half looked up in two byte tables (one selector
+    m * 0x11 serves both), the bytes merged and the sign set by two LOP3."""
+    lines = ["{ .reg .b32 l0, l1, h0, h1, t, t4, r, m, k, a, b;",
+             "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;"
+             % _positive_half_f16_byte_words(4)]
     for out, shift in ((0, 0), (1, 16), (2, 4), (3, 20)):
         lines.append(
             (f"shr.b32 t, $4, {shift}; and.b32 t, t, 0x0F0F; " if shift else "and.b32 t, $4, 0x0F0F; ")
             + "shl.b32 t4, t, 4; prmt.b32 r, t4, 0, 0x0098; "           # 0xFF in the bytes of positive codes
-            + "lop3.b32 m, t, r, 0x0707, 0x82; "                        # m = (t ^ ~r) & 7 per byte
-            + "and.b32 a, m, 0x0303; mad.lo.u32 k, a, 0x22, 0x1010; "   # byte-permute selectors of entry m & 3
-            + "prmt.b32 a, c0, c1, k; prmt.b32 b, c2, c3, k; "
-            + "shl.b32 k, m, 5; prmt.b32 k, k, 0, 0x9988; lop3.b32 v, k, b, a, 0xCA; "   # m >= 4: the high four
-            + f"prmt.b32 r, t4, 0, 0x9988; lop3.b32 ${out}, r, 0x80008000, v, 0xA6;")     # negative: sign bit
+            + "lop3.b32 m, t, r, 0x0707, 0x82; mul.lo.u32 k, m, 0x11; "  # m = (t ^ ~r) & 7; nibbles m0 m0 m1 m1
+            + "prmt.b32 a, l0, l1, k; prmt.b32 b, h0, h1, k; "           # low bytes, high bytes of entry m
+            + "lop3.b32 a, b, 0xFF00FF00, a, 0xE2; "                     # (b & 0xFF00FF00) | (a & 0x00FF00FF)
+            + f"prmt.b32 r, t4, 0, 0x9988; lop3.b32 ${out}, r, 0x80008000, a, 0xA6;")   # negative: sign bit
     lines.append("}")
     return "\n".join(lines)
 
