@@ -50,7 +50,8 @@ class PagedKVCache(Cache):
 
     Options (see `CacheConfig.build`): block_size=16, num_blocks=1024, dynamic, context_window_tokens,
     kv_format ("off", "q8", "turboquant", ...), turboquant_config, kv_quant_config, boundary_layers, dtype,
-    device, kernels ("auto" | "triton" | "reference"), num_layers.
+    device, kernels ("auto" | "triton" | "reference"), num_layers, recent_tokens (a dense recent window,
+    `pagedkv.window`).
     """
 
     def __init__(self, config: CacheConfig | None = None, *, model_identity: dict | None = None, **options):
