@@ -146,6 +146,29 @@ def test_the_profile_feeds_at_most_one_block_per_forward(tiny_runner, monkeypatc
 
 
 @pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
+def test_windows_score_a_recent_window_format_in_block_steps(tiny_runner, monkeypatch):
+    """The perplexity windows: one forward for the scored half of a format without a dense recent window,
+    block steps for one with it (each token then reads the window it would read in generation)."""
+    from pagedkv.evaluate import window_logprobs
+
+    seen = []
+    forward = type(tiny_runner.model).forward
+
+    def counting(self, input_ids=None, **kw):
+        seen.append(input_ids.shape[1])
+        return forward(self, input_ids=input_ids, **kw)
+
+    monkeypatch.setattr(type(tiny_runner.model), "forward", counting)
+    ids = torch.arange(80) % 97
+    _, plain, windowed = parse_formats("q4,q4:recent_tokens=16")   # ("off" comes first)
+    window_logprobs(tiny_runner, plain, ids)
+    assert seen == [40, 39]
+    seen.clear()
+    lp = window_logprobs(tiny_runner, windowed, ids)
+    assert seen == [40, 16, 16, 7] and lp.shape[0] == 40
+
+
+@pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
 def test_the_profile_reports_increase_se_and_kl_against_off(tiny_runner):
     from pagedkv.evaluate import measure_profile
 
