@@ -128,10 +128,9 @@ def test_scoring_in_block_steps_matches_one_prefill_for_off(tiny_runner):
     assert torch.equal(kl, torch.zeros(69, dtype=torch.float64))
 
 
-@pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
-def test_the_profile_feeds_at_most_one_block_per_forward(tiny_runner, monkeypatch):
-    from pagedkv.evaluate import measure_profile
-
+@pytest.fixture
+def forward_sizes(tiny_runner, monkeypatch):
+    """The number of tokens of every forward of the tiny model, in order."""
     seen = []
     forward = type(tiny_runner.model).forward
 
@@ -140,32 +139,31 @@ def test_the_profile_feeds_at_most_one_block_per_forward(tiny_runner, monkeypatc
         return forward(self, input_ids=input_ids, **kw)
 
     monkeypatch.setattr(type(tiny_runner.model), "forward", counting)
-    fmts = parse_formats("off,q4")
-    measure_profile(tiny_runner, fmts, torch.arange(40) % 97)
-    assert seen == [16, 16, 16, 16, 7, 7]  # lockstep, off then q4, one block (or the rest) per forward
+    return seen
 
 
 @pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
-def test_windows_score_a_recent_window_format_in_block_steps(tiny_runner, monkeypatch):
+def test_the_profile_feeds_at_most_one_block_per_forward(tiny_runner, forward_sizes):
+    from pagedkv.evaluate import measure_profile
+
+    fmts = parse_formats("off,q4")
+    measure_profile(tiny_runner, fmts, torch.arange(40) % 97)
+    assert forward_sizes == [16, 16, 16, 16, 7, 7]  # lockstep, off then q4, one block (or the rest) per forward
+
+
+@pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
+def test_windows_score_a_recent_window_format_in_block_steps(tiny_runner, forward_sizes):
     """The perplexity windows: one forward for the scored half of a format without a dense recent window,
     block steps for one with it (each token then reads the window it would read in generation)."""
     from pagedkv.evaluate import window_logprobs
 
-    seen = []
-    forward = type(tiny_runner.model).forward
-
-    def counting(self, input_ids=None, **kw):
-        seen.append(input_ids.shape[1])
-        return forward(self, input_ids=input_ids, **kw)
-
-    monkeypatch.setattr(type(tiny_runner.model), "forward", counting)
     ids = torch.arange(80) % 97
     _, plain, windowed = parse_formats("q4,q4:recent_tokens=16")   # ("off" comes first)
     window_logprobs(tiny_runner, plain, ids)
-    assert seen == [40, 39]
-    seen.clear()
+    assert forward_sizes == [40, 39]
+    forward_sizes.clear()
     lp = window_logprobs(tiny_runner, windowed, ids)
-    assert seen == [40, 16, 16, 7] and lp.shape[0] == 40
+    assert forward_sizes == [40, 16, 16, 7] and lp.shape[0] == 40
 
 
 @pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")

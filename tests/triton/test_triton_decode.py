@@ -48,34 +48,23 @@ def test_decode_kernel_matches_reference(fmt, shape, num_splits, transposed):
 TQ_SHAPES = [(8, 2, 128, 16), (4, 4, 128, 16), (8, 1, 128, 5)]   # TurboQuant: head_dim 128 only
 
 
-@pytest.mark.parametrize("transposed", [False, True], ids=["heads_m", "keys_m"])
+# The default TurboQuant pages in both orientations; those only the transposed kernel reads (q4_0 keys, 4-bit
+# values), and rotated keys
+TQ_SPECS = ["turboquant", "turboquant:k=q4_0,v=q4_0", "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q8_0,v=q4_0",
+            "turboquant:k=q4_0,v=q3_0", "turboquant:k=q8_0,v=q3_0,rotate_keys"]
+TQ_CASES = [("turboquant", False)] + [(spec, True) for spec in TQ_SPECS]
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
-def test_decode_kernel_matches_reference_over_turboquant_pages(shape, num_splits, transposed):
+@pytest.mark.parametrize("spec,transposed", TQ_CASES, ids=lambda c: {False: "heads_m", True: "keys_m"}.get(c, c))
+def test_decode_kernel_matches_reference_over_turboquant_pages(spec, transposed, shape, num_splits):
     hq, hkv, d, bs = shape
-    case = build_case(hash(shape) % 1000, "turboquant", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                      ctx_lens=CTX_LENS, new_lens=NEW_LENS)
+    case = build_case(hash(shape) % 1000 + TQ_SPECS.index(spec), spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                      block_size=bs, ctx_lens=CTX_LENS, new_lens=NEW_LENS)
     ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5)
     out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5, num_splits=num_splits,
                                  tiles=tiles_of(case.fmt, transposed))
-    assert rel_err(out, ref) < TOL[torch.float32]
-
-
-# TurboQuant pages only the transposed kernel reads (q4_0 keys, 4-bit values), and rotated keys
-TQ_MORE = ["turboquant:k=q4_0,v=q4_0", "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q8_0,v=q4_0",
-           "turboquant:k=q4_0,v=q3_0", "turboquant:k=q8_0,v=q3_0,rotate_keys"]
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
-@pytest.mark.parametrize("spec", TQ_MORE)
-def test_transposed_decode_kernel_matches_reference_over_more_turboquant_pages(spec, shape, num_splits):
-    hq, hkv, d, bs = shape
-    case = build_case(hash((spec, shape)) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                      ctx_lens=CTX_LENS, new_lens=NEW_LENS)
-    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5)
-    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5, num_splits=num_splits,
-                                 tiles=tiles_of(case.fmt, True))
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
