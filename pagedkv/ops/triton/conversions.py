@@ -15,10 +15,16 @@ import triton.language as tl
 from ...formats.codebook import lloyd_max_codebook
 
 
-def _positive_half_f16_words(bits: int = 3) -> tuple[int, ...]:
-    """The positive half of the `bits`-bit Lloyd-Max codebook in float16, as 32-bit words (two entries each)."""
+def _positive_half_f16(bits: int) -> list[int]:
+    """The positive half of the `bits`-bit Lloyd-Max codebook as float16 bit patterns."""
     half = lloyd_max_codebook(bits)[1 << (bits - 1):].half().view(torch.int16).to(torch.int64) & 0xFFFF
-    return tuple(int(half[i] | (half[i + 1] << 16)) for i in range(0, len(half), 2))
+    return [int(x) for x in half]
+
+
+def _positive_half_f16_words(bits: int = 3) -> tuple[int, ...]:
+    """The positive half of the codebook in float16, as 32-bit words (two entries each)."""
+    half = _positive_half_f16(bits)
+    return tuple(half[i] | (half[i + 1] << 16) for i in range(0, len(half), 2))
 
 
 # TurboQuant 3-bit values, eight per int16 magnitude unit plus its sign byte, two units per call. The two units'
@@ -59,8 +65,8 @@ sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3,
 def _positive_half_f16_byte_words(bits: int = 4) -> tuple[int, int, int, int]:
     """The positive half of the codebook in float16 as byte tables: (low bytes of entries 0-3, of 4-7, high bytes
     of entries 0-3, of 4-7), one byte per entry."""
-    half = lloyd_max_codebook(bits)[1 << (bits - 1):].half().view(torch.int16).to(torch.int64) & 0xFFFF
-    lo, hi = [int(x) & 0xFF for x in half], [int(x) >> 8 for x in half]
+    half = _positive_half_f16(bits)
+    lo, hi = [x & 0xFF for x in half], [x >> 8 for x in half]
     word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
     return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
 
