@@ -112,9 +112,10 @@ def sass_loops(sass: str) -> list[list[str]]:
     return sorted(loops, key=len, reverse=True)
 
 
-def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192):
-    """The warp-split decode kernel (`ops/triton/decode.py`) with DecodeTiles `tiles`, compiled for sm_90."""
-    from pagedkv.ops.metadata import AttentionMetadata
+def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192, window: bool = False):
+    """The warp-split decode kernel (`ops/triton/decode.py`) with DecodeTiles `tiles`, compiled for sm_90; with
+    `window`, the variant that reads a dense recent window (recent_tokens=128) beside the pages."""
+    from pagedkv.ops.metadata import AttentionMetadata, WindowPlan
     from pagedkv.ops.triton import decode
     from triton.runtime.jit import JITFunction
 
@@ -125,12 +126,21 @@ def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192):
     qsl = list(range(batch + 1))
     meta = AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
                              torch.arange(batch, dtype=torch.int64), None, lens, qsl, BLOCK_SIZE)
+    rings = None
+    if window:
+        num_ring_blocks = 128 // BLOCK_SIZE + 1
+        rows, first = list(range(batch)), [(context - 128) // BLOCK_SIZE] * batch
+        empty = torch.empty(0, dtype=torch.int64)
+        meta.window = WindowPlan(empty, empty, torch.tensor(rows, dtype=torch.int32), torch.tensor(first, dtype=torch.int32),
+                                 rows, first, num_ring_blocks)
+        rings = tuple(torch.empty(batch, num_ring_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+                      for _ in range(2))
     q = torch.empty(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     compiled = []
     run = JITFunction.run
     JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
     try:
-        decode.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles)
+        decode.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles, window=rings)
     finally:
         JITFunction.run = run
     return compiled[0]
@@ -247,7 +257,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float16,float32", help="with --compile-all: query dtypes")
     parser.add_argument("--head-dims", default="64,128,256", help="with --compile-all")
     parser.add_argument("--warp-split", action="store_true",
-                        help="the warp-split decode kernel: each format's default, the original orientation, lower register caps")
+                        help="the warp-split decode kernel: each format's default, the original orientation, lower register caps; "
+                             "both orientations reading a recent window")
     parser.add_argument("--count-variants", action="store_true",
                         help="print (JSON) how many kernels a run over several batch shapes compiles; 1 each is right")
     args = parser.parse_args()
@@ -284,13 +295,16 @@ def main() -> None:
             if decode.is_supported(fmt, transposed=False):
                 variants.append(DecodeTiles(32, 4, 3))
             variants += [dataclasses.replace(base, max_registers=r) for r in (96, 80)]
-            for tiles in variants:
+            # then each orientation reading a dense recent window beside the pages
+            for tiles, window in [(t, False) for t in variants] + [(t, True) for t in variants[:-2]]:
                 r = report(spec, TileConfig(16, tiles.tile_n, tiles.num_warps, tiles.num_stages),
-                           compile_warp_split(spec, tiles))
-                r.update(transposed=tiles.transposed, num_stages=tiles.num_stages, max_registers=tiles.max_registers)
+                           compile_warp_split(spec, tiles, window=window))
+                r.update(transposed=tiles.transposed, num_stages=tiles.num_stages, max_registers=tiles.max_registers,
+                         window=window)
                 rows.append(r)
-                print(json.dumps({k: r[k] for k in ("format", "tile_n", "transposed", "num_stages", "max_registers", "registers",
-                                                     "spill_bytes", "shared_bytes", "loop_instructions", "per_key_row")}),
+                print(json.dumps({k: r[k] for k in ("format", "tile_n", "transposed", "num_stages", "max_registers", "window",
+                                                     "registers", "spill_bytes", "shared_bytes", "loop_instructions",
+                                                     "per_key_row")}),
                       flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))

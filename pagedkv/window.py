@@ -90,8 +90,10 @@ class RecentWindow:
             rows.append(ring.row)
             first_blocks.append(self.first_dense_block(sid, start + n))
             offset += n
+        per_seq = torch.tensor([rows, first_blocks], dtype=torch.int32, device=device)  # [2, num_seqs]: one copy
         return WindowPlan(token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
                           slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+                          rows=per_seq[0], first_block=per_seq[1],
                           rows_cpu=rows, first_block_cpu=first_blocks, num_ring_blocks=nrb)
 
     def _take_row(self) -> int:

@@ -447,7 +447,7 @@ def test_speculative_rollbacks_with_a_window_keep_the_greedy_tokens(smollm2_f64)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_triton_writes_the_pages_and_attention_reads_the_window_on_the_reference_path():
+def test_on_cuda_triton_writes_the_pages_and_decode_reads_the_window_in_the_kernel():
     import warnings
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -455,8 +455,8 @@ def test_on_cuda_triton_writes_the_pages_and_attention_reads_the_window_on_the_r
     from pagedkv import LLM, SamplingParams
     from pagedkv.ops import reference
 
-    torch.manual_seed(8)
-    cache = PagedKVCache(kv_format="turboquant:recent_tokens=16", block_size=BS, num_blocks=64, device="cuda")
+    torch.manual_seed(8)  # q4: the decode kernel reads it at head_dim 64 (TurboQuant at 128)
+    cache = PagedKVCache(kv_format="q4:recent_tokens=16", block_size=BS, num_blocks=64, device="cuda")
     s = cache.add_sequence()
     keys, values = torch.randn(45, H, D, device="cuda"), torch.randn(45, H, D, device="cuda")
     for start, stop in [(0, 20), (20, 21), (21, 45)]:
@@ -469,13 +469,14 @@ def test_on_cuda_triton_writes_the_pages_and_attention_reads_the_window_on_the_r
         first_dense = max(0, (stop - 16) // BS) * BS
         assert torch.equal(k[first_dense:], keys[first_dense:stop])
         assert torch.equal(v[first_dense:], values[first_dense:stop])
-        torch.testing.assert_close(out, reference.attend(q, k, v, scale=0.125, sliding_window=None, softcap=None))
-    stats = cache.paged_stats()
-    assert stats["triton_attention_calls"] == 0 and stats["reference_attention_calls"] == 3
+        torch.testing.assert_close(out, reference.attend(q, k, v, scale=0.125, sliding_window=None, softcap=None),
+                                   rtol=1e-4, atol=1e-5)
+    stats = cache.paged_stats()  # the decode step in the kernel, the two longer steps on the reference path
+    assert stats["triton_attention_calls"] == 1 and stats["reference_attention_calls"] == 2
     assert all(reason.endswith(":recent_tokens") for reason in stats["paged_attention_bailouts_by_phase_reason"])
 
     config = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,  # head_dim 128
                          eos_token_id=None, bos_token_id=None)
     model = LlamaForCausalLM(config).to("cuda", torch.float32).eval()
     prompts = [[(7 * i + j) % 1024 for j in range(n)] for i, n in enumerate((7, 100, 33, 61))]
@@ -487,7 +488,9 @@ def test_on_cuda_triton_writes_the_pages_and_attention_reads_the_window_on_the_r
     assert any("CUDA graphs are off" in str(w.message) and "recent_tokens=32" in str(w.message) for w in caught)
     outputs = llm.generate(prompts, params)
     assert all(len(o.token_ids) == 24 for o in outputs)
-    assert llm.engine.cache.paged_stats()["triton_attention_calls"] == 0
+    stats = llm.engine.cache.paged_stats()
+    assert stats["triton_attention_calls"] > 0
+    assert all(not reason.startswith("decode:") for reason in stats["paged_attention_bailouts_by_phase_reason"])
 
 
 def test_eval_formats_take_recent_tokens_after_format_options():

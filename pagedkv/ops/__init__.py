@@ -81,32 +81,41 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
 
     See `reference.paged_attention` for the semantics; returns [num_tokens, num_q_heads, head_dim].
     `mirror` (KV-Quant layers): the cache's dense mirror; each request's route is latched on its first
-    call ("mirror" when the reference path runs, else "direct") and requests on the mirror route are
-    attended by the reference path over their dense copies.
+    call ("mirror" when the device runs the reference path, else "direct", even in a step that falls back,
+    such as a prefill over a dense recent window) and requests on the mirror route are attended by the
+    reference path over their dense copies.
     `window` (a dense recent window, `meta.window` set): this layer's rings, keys and values
     [num_rows, num_ring_blocks, block_size, H, D]; each sequence's blocks from `meta.window.first_block_cpu`
-    on are read from there. The Triton kernels do not read rings yet: such a layer runs the reference path.
+    on are read from there. The Triton decode kernel reads rings (`triton.reads_window`); other batches with a
+    window run the reference path.
     """
     start = time.perf_counter()
     backend, reason = choose_backend(query.device, kernels, fmt)
+    route = "mirror" if backend == "reference" else "direct"   # a request's route follows the device, not the step
     has_window = window is not None and meta.window is not None
-    if has_window and backend != "reference":
-        backend, reason = "reference", "recent_tokens: the Triton kernels do not read the dense recent window yet"
+    if has_window and backend == "triton":
+        from .triton import reads_window
+
+        ok, why = reads_window(query.shape[0], meta.block_table.shape[0], fmt)
+        if not ok:
+            backend, reason = "reference", why
     sequence_kv = None
     if mirror is not None and meta.seq_ids is not None:
-        routes = mirror.latch(meta.seq_ids, "mirror" if backend == "reference" else "direct")
+        routes = mirror.latch(meta.seq_ids, route)
         if "mirror" in routes:
             if backend != "reference":
                 backend, reason = "reference", "kv_quant_mirror: a request in the batch is latched to the dense mirror"
             sequence_kv = _mirror_reader(mirror, routes, pages, fmt, meta)
-    if has_window:
+    if has_window and backend == "reference":
         sequence_kv = _window_reader(window, sequence_kv, pages, fmt, meta)
+    extra = {"window": window} if has_window and backend == "triton" else {}
+    if sequence_kv is not None:
+        extra["sequence_kv"] = sequence_kv
     if backend == "triton":
         from .triton import paged_attention as impl
     else:
         impl = reference.paged_attention
         warn_fallback(reason)
-    extra = {"sequence_kv": sequence_kv} if sequence_kv is not None else {}
     out = impl(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap, **extra)
     if counters is not None:
         counters.paged_attention_calls += 1

@@ -15,14 +15,17 @@ class WindowPlan:
     token_index:     [num_kept] int64, the packed new tokens kept in the rings (a step's last R blocks)
     slot_mapping:    [num_kept] int64, their slots in a layer's ring tensor viewed as
                      [num_rows * num_ring_blocks * block_size, H, D]
-    rows_cpu:        ring row of each sequence
-    first_block_cpu: first block of each sequence read from its ring (logical block b in ring slot
-                     b % num_ring_blocks); blocks before it, and all when it is past the last block, come
-                     from the pages
+    rows:            [num_seqs] int32, ring row of each sequence
+    first_block:     [num_seqs] int32, first block of each sequence read from its ring (logical block b in
+                     ring slot b % num_ring_blocks); blocks before it, and all when it is past the last
+                     block, come from the pages
+    rows_cpu, first_block_cpu: host copies of `rows` and `first_block`
     """
 
     token_index: torch.Tensor
     slot_mapping: torch.Tensor
+    rows: torch.Tensor
+    first_block: torch.Tensor
     rows_cpu: list[int]
     first_block_cpu: list[int]
     num_ring_blocks: int

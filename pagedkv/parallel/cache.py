@@ -72,7 +72,8 @@ def _moved(value, device):
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, WindowPlan):
-        return replace(value, token_index=value.token_index.to(device), slot_mapping=value.slot_mapping.to(device))
+        return replace(value, **{f.name: getattr(value, f.name).to(device) for f in fields(value)
+                                 if isinstance(getattr(value, f.name), torch.Tensor)})
     return value
 
 

@@ -59,7 +59,8 @@ def test_a_new_batch_shape_does_not_compile_the_warp_split_decode_kernel_again()
 
 def test_the_warp_split_decode_kernel_compiles_in_both_orientations_for_every_format(tmp_path):
     """Each quantized format's default config (transposed), the original orientation and two lower register
-    caps (a q6 tile whose loads returned tuples of two shapes once compiled only under the interpreter)."""
+    caps (a q6 tile whose loads returned tuples of two shapes once compiled only under the interpreter), and
+    both orientations reading a dense recent window (`recent_tokens`) beside the pages."""
     out = tmp_path / "report.json"
     r = kernel_report("--warp-split", "--formats", "q8;q6;q4;turboquant", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -67,3 +68,5 @@ def test_the_warp_split_decode_kernel_compiles_in_both_orientations_for_every_fo
     assert {(row["format"], row["transposed"]) for row in rows} == {
         (f, t) for f in ("q8", "q6", "q4", "turboquant") for t in (False, True)}
     assert all(row["loop_instructions"] > 0 and row["registers"] <= (row["max_registers"] or 255) for row in rows), rows
+    assert {(row["format"], row["transposed"]) for row in rows if row["window"]} == {
+        (f, t) for f in ("q8", "q6", "q4", "turboquant") for t in (False, True)}

@@ -55,18 +55,34 @@ def write_kv(pages, fmt, key, value, meta) -> None:
     announced("cache-write", fmt, key.dtype, lambda: impl(pages, fmt, key, value, meta))
 
 
-def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, softcap=None):
+def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, softcap=None, window=None):
     """Attention of packed queries [num_tokens, num_q_heads, head_dim] over one layer's pages.
 
     Decode-like batches over KV-Quant pages and the TurboQuant pages it reads run the warp-split decode
     kernel (`decode.py`); other batches the varlen kernel, or split-K when the (query block, KV head)
     programs would not fill the GPU. Every choice is made from shapes alone.
+    `window`: the layer's dense recent window (rings of keys and values, `decode.paged_attention`), for batches
+    `reads_window` accepts: the warp-split decode kernel reads it beside the pages.
     """
     from .tuning import is_decode_like
 
     kernels = "decode" if is_decode_like(query.shape[0], meta.block_table.shape[0]) else "prefill"
     return announced(kernels, fmt, query.dtype, lambda: _paged_attention(
-        query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap))
+        query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap, window=window))
+
+
+def reads_window(num_tokens: int, num_seqs: int, fmt) -> tuple[bool, str | None]:
+    """Whether the kernels read a dense recent window (`recent_tokens`) for this batch, else why not: the
+    warp-split decode kernel does, for decode-like batches over pages it reads (TurboQuant pages not yet timed
+    on a GPU included: `tuning.warp_split_measured`), whatever the split."""
+    from .decode import is_supported
+    from .tuning import is_decode_like
+
+    if not is_decode_like(num_tokens, num_seqs):
+        return False, "recent_tokens: the Triton kernels read the dense recent window in decode steps only"
+    if not is_supported(fmt):
+        return False, f"recent_tokens: the Triton decode kernel that reads the dense recent window does not read {fmt.spec} pages"
+    return True, None
 
 
 def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
@@ -80,19 +96,19 @@ def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
             and warp_split_measured(fmt))
 
 
-def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap):
+def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):
     from . import attention, split_k
     from .tuning import plan_attention, warp_split_splits, warp_split_tiles
 
     num_tokens, num_q_heads, head_dim = query.shape
     capacity = meta.block_table.shape[1] * meta.block_size
-    if uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):
+    if window is not None or uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):
         from . import decode
 
         num_splits = warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device,
                                        warp_split_tiles(fmt).programs_per_sm)
         return decode.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
-                                      softcap=softcap, num_splits=num_splits)
+                                      softcap=softcap, num_splits=num_splits, window=window)
     group = num_q_heads // fmt.num_kv_heads
     num_splits, tiles = plan_attention(num_tokens, meta.block_table.shape[0], group, head_dim, fmt, capacity,
                                        query.device)

@@ -44,7 +44,7 @@ from ..metadata import AttentionMetadata
 from .attention import check_inputs, dot_precision
 from .codecs import KVQUANT, TURBOQUANT
 from .conversions import int8_pairs_to_f16, int8_to_f16, sign_magnitude_to_f16
-from .decode_io import load_quads, load_rows, token_sequence
+from .decode_io import attend_ring, load_quads, load_rows, on_first_warp, ring_rotated, ring_units, token_sequence
 from .decode_transposed import decode_kernel_transposed
 from .page_view import page_view, stride3, value_codebook
 from .tiles import LOG2E, tanh
@@ -115,6 +115,14 @@ def store_channels(o_row, cols, acc, f, inv, mask):
     tl.store(o_row + cols[None, :], merge_warps(acc, f, inv).to(o_row.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def ring_accumulator(acc_r, J: tl.constexpr, offs_u, rotation_ptr, HEAD_DIM: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, WARPS: tl.constexpr):
+    """The ring's output^T acc_r (`decode_io.attend_ring`) as TurboQuant's accumulator J [WARPS, ROWS, VC]
+    (channels J * HEAD_DIM / 8 + u)."""
+    return on_first_warp(ring_rotated(acc_r, J * (HEAD_DIM // 8) + offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION), WARPS)
+
+
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
 def decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
@@ -122,12 +130,13 @@ def decode_kernel(
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,   # (block, slot, head) of each page tensor
+    rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr, stride_rqt, stride_rqh, r_strides,   # RING: `attend_ring`
     num_seqs, num_splits, qk_scale, softcap, sliding_window,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
-    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -199,9 +208,33 @@ def decode_kernel(
     acc7 = tl.zeros([WARPS, ROWS, VC], dtype=tl.float32)
     m_i = tl.full([WARPS, ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
-    for start in range(kv_lo, kv_hi, STEP):
+    body_hi = kv_hi
+    if RING:   # the keys the dense recent window holds first, then their output in the accumulators' channels
+        acc_r, m_i, l_i, body_hi = attend_ring(
+            seq, token, kv_head, head, row_ok, first, kv_hi, m_i, l_i, rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr,
+            ring_first_ptr, stride_rqt, stride_rqh, r_strides, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, NUM_RING_BLOCKS, USE_SOFTCAP, DOT_PRECISION)
+        if TQ:
+            acc0 = ring_accumulator(acc_r, 0, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc1 = ring_accumulator(acc_r, 1, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc2 = ring_accumulator(acc_r, 2, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc3 = ring_accumulator(acc_r, 3, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc4 = ring_accumulator(acc_r, 4, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc5 = ring_accumulator(acc_r, 5, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc6 = ring_accumulator(acc_r, 6, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc7 = ring_accumulator(acc_r, 7, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
+        elif QUANT:
+            r0, r1, r2, r3 = ring_units(acc_r, NV)
+            acc0 = on_first_warp(r0, WARPS)
+            acc1 = on_first_warp(r1, WARPS)
+            if NV == 4:
+                acc2 = on_first_warp(r2, WARPS)
+                acc3 = on_first_warp(r3, WARPS)
+        else:
+            acc_a = on_first_warp(tl.trans(acc_r), WARPS)
+    for start in range(kv_lo, body_hi, STEP):   # the pages' keys
         offs_n = start + pos0
-        ok = (offs_n < kv_hi) & (offs_n >= first)
+        ok = (offs_n < body_hi) & (offs_n >= first)
         block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
         slot = offs_n % BLOCK_SIZE
         k_row = block * k_strides[0] + slot * k_strides[1]
@@ -324,12 +357,36 @@ def fast_conversions() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
+def ring_args(query: torch.Tensor, view, meta: AttentionMetadata,
+              window: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[tuple, dict]:
+    """The decode kernels' arguments for a dense recent window (`decode_io.attend_ring`), in kernel order, and
+    their compile-time constants; stand-ins, never read, without one."""
+    if window is None:
+        return (query, view.k, view.k, meta.seq_lens, meta.seq_lens, 0, 0, (0, 0, 0)), dict(RING=False, NUM_RING_BLOCKS=1)
+    plan = meta.window
+    assert plan is not None, "reading a dense recent window needs the step's plan of it (meta.window)"
+    keys, values = window
+    assert keys.shape == values.shape and keys.stride() == values.stride(), "ring keys and values must share a layout"
+    assert keys.shape[1:] == (plan.num_ring_blocks, meta.block_size, view.num_kv_heads, view.head_dim), \
+        f"rings must be [num_rows, {plan.num_ring_blocks}, {meta.block_size}, {view.num_kv_heads}, {view.head_dim}], got {tuple(keys.shape)}"
+    assert plan.rows.dtype == plan.first_block.dtype == torch.int32, "ring rows and first blocks must be int32"
+    rk, rv = keys.flatten(0, 1), values.flatten(0, 1)   # [num_rows * num_ring_blocks, block_size, H, D]: pages
+    return ((query, rk, rv, plan.rows, plan.first_block, query.stride(0), query.stride(1), stride3(rk)),
+            dict(RING=True, NUM_RING_BLOCKS=plan.num_ring_blocks))
+
+
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    num_splits: int = 1, tiles: DecodeTiles | None = None) -> torch.Tensor:
+                    num_splits: int = 1, tiles: DecodeTiles | None = None,
+                    window: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`, for formats `is_supported` accepts: one program per
     (query token, KV head, split), `tiles.num_warps` warps of `tiles.tile_n` keys each per step, in either
-    orientation (default: the format's measured `tuning.warp_split_tiles`)."""
+    orientation (default: the format's measured `tuning.warp_split_tiles`).
+
+    `window`: a layer's dense recent window (`pagedkv.window`), its rings of keys and values [num_rows,
+    num_ring_blocks, block_size, num_kv_heads, head_dim] (any float dtype), planned in `meta.window`: each
+    sequence's blocks from `meta.window.first_block` on are read from its ring row `meta.window.rows`, exact,
+    the ones before from the pages, in the same pass (a split may cover both)."""
     from .split_k import partial_states, reduce_splits
 
     tiles = tiles or warp_split_tiles(fmt)
@@ -354,6 +411,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     else:                  # the group's heads on the M dimension: 16 rows at least
         kernel, rows = decode_kernel, max(16, triton.next_power_of_2(group))
     registers = {"maxnreg": tiles.max_registers} if tiles.max_registers else {}
+    ring, ring_constants = ring_args(query, view, meta, window)
     q = query
     if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R), R orthogonal
         q = (query.float() @ view.q_rotation).to(torch.float32 if query.dtype == torch.float32 else torch.float16)
@@ -362,14 +420,14 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         value_codebook(view, query.dtype), view.aux("out_rotation"),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-        stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
+        stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale), *ring,
         num_seqs, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=rows,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=meta.block_size,
         WARPS=tiles.num_warps, TILE_N=tiles.tile_n, SPLIT=split,
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), KIND=view.kind, K_BITS=view.k_bits,
         FAST_CVT=fast_conversions(), DOT_PRECISION=precision,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **registers, **extra,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **registers, **ring_constants, **extra,
     )
     if split:
         reduce_splits(out, parts, view, precision)

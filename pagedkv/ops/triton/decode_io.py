@@ -1,5 +1,6 @@
 """Loads shared by the two decode kernels (`decode.py`, `decode_transposed.py`): page rows, q4/q6 codes in
-units of four channels, and the sequence a packed query token belongs to."""
+units of four channels, the sequence a packed query token belongs to, and the keys of a sequence's dense
+recent window (its ring: `attend_ring`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .conversions import nibble_quads_to_f16, six_bit_quads_to_f16
+from .tiles import LOG2E, tanh
 
 
 @triton.jit
@@ -38,3 +40,106 @@ def token_sequence(token, query_start_loc_ptr, num_seqs):
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def softmax_step_t(s, ok, m_i, l_i, qk_scale, softcap, USE_SOFTCAP: tl.constexpr):
+    """One online-softmax step over raw scores^T s [WARPS, TILE_N, ROWS] of the keys `ok` [WARPS, TILE_N]:
+    returns (p, alpha, m_i, l_i), scores in log2 units (p [WARPS, TILE_N, ROWS], the rest [WARPS, ROWS])."""
+    if USE_SOFTCAP:
+        s = softcap * tanh(s * (qk_scale / softcap)) * LOG2E
+    else:
+        s = s * (qk_scale * LOG2E)
+    s = tl.where(ok[:, :, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None, :])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def attend_ring(seq, token, kv_head, head, h_ok, first, kv_hi, m_i, l_i,
+                rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr, stride_rqt, stride_rqh, r_strides,
+                qk_scale, softcap, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                NUM_RING_BLOCKS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                TILE_N: tl.constexpr = 16):
+    """The keys [first, kv_hi) of sequence `seq` that its dense recent window holds (`pagedkv.window`): from
+    block ring_first_ptr[seq] on, logical block b in ring slot b % NUM_RING_BLOCKS of ring row ring_rows_ptr[seq].
+    The rings rk_ptr / rv_ptr are read as pages [num_rows * NUM_RING_BLOCKS, BLOCK_SIZE, H, D] with (block,
+    slot, head) strides r_strides. The queries (query heads `head` [ROWS] of packed token `token`) are the
+    model's, rq_ptr (not rotated), and the products run in their dtype, as over dense pages. Continues the
+    online softmax (m_i, l_i) [WARPS, ROWS], each warp on its own TILE_N keys per step (16: a dense tile of 128
+    channels is 32 registers a thread, beside the pages' state).
+
+    Returns (acc, m_i, l_i, body_hi): the state merged over the warps, held by the first (the others start
+    afresh): acc [HEAD_DIM_PAD, ROWS] float32 its unnormalised output^T in the model's domain (`on_first_warp`
+    places it), m_i, l_i [WARPS, ROWS]; the keys [first, body_hi) before the window are the pages' to read."""
+    WARPS: tl.constexpr = m_i.shape[0]
+    ROWS: tl.constexpr = h_ok.shape[0]
+    STEP: tl.constexpr = WARPS * TILE_N
+    pos0 = tl.arange(0, WARPS)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+    RDTYPE: tl.constexpr = rq_ptr.dtype.element_ty
+    ring_from = tl.load(ring_first_ptr + seq) * BLOCK_SIZE
+    lo = tl.maximum(first, ring_from)
+    r_head = kv_head.to(tl.int64) * r_strides[2]
+    rk_ptr += r_head
+    rv_ptr += r_head
+    ring_block0 = tl.load(ring_rows_ptr + seq).to(tl.int64) * NUM_RING_BLOCKS
+    offs_c = tl.arange(0, HEAD_DIM_PAD)
+    c_ok = offs_c < HEAD_DIM
+    rq_row_t = rq_ptr + token.to(tl.int64) * stride_rqt + head[None, :] * stride_rqh    # [1, ROWS]
+    q = tl.load(rq_row_t + offs_c[:, None], mask=h_ok[None, :] & c_ok[:, None], other=0.0)
+    q = tl.broadcast_to(q[None, :, :], [WARPS, HEAD_DIM_PAD, ROWS])
+    acc = tl.zeros([WARPS, HEAD_DIM_PAD, ROWS], dtype=tl.float32)
+    for start in range(lo // STEP * STEP, kv_hi, STEP):
+        offs_n = start + pos0
+        ok = (offs_n < kv_hi) & (offs_n >= lo)
+        block = ring_block0 + (offs_n // BLOCK_SIZE) % NUM_RING_BLOCKS
+        row = block * r_strides[0] + (offs_n % BLOCK_SIZE) * r_strides[1]
+        mask = ok[:, :, None] & c_ok[None, None, :]
+        k = tl.load(rk_ptr + row[:, :, None] + offs_c[None, None, :], mask=mask, other=0.0).to(RDTYPE)
+        s = tl.dot(k, q, input_precision=DOT_PRECISION)                      # [WARPS, TILE_N, ROWS]
+        p, alpha, m_i, l_i = softmax_step_t(s, ok, m_i, l_i, qk_scale, softcap, USE_SOFTCAP)
+        v = tl.load(rv_ptr + row[:, :, None] + offs_c[None, None, :], mask=mask, other=0.0).to(RDTYPE)
+        acc = tl.dot(tl.trans(v, (0, 2, 1)), p.to(RDTYPE), acc * alpha[:, None, :], input_precision=DOT_PRECISION)
+    m = tl.max(m_i, axis=0)                                                   # [ROWS]
+    f = tl.math.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])     # [WARPS, ROWS]
+    first_warp = (tl.arange(0, WARPS) == 0)[:, None]
+    l_i = tl.where(first_warp, tl.sum(l_i * f, axis=0)[None, :], 0.0)
+    m_i = tl.where(first_warp, m[None, :], float("-inf"))
+    return tl.sum(acc * f[:, None, :], axis=0), m_i, l_i, tl.minimum(kv_hi, ring_from)
+
+
+@triton.jit
+def on_first_warp(x, WARPS: tl.constexpr):
+    """x [A, B] as a warp's accumulator [WARPS, A, B]: the first warp's, zeros for the others."""
+    first_warp = tl.arange(0, WARPS) == 0
+    return tl.where(first_warp[:, None, None], x[None, :, :], 0.0)
+
+
+@triton.jit
+def ring_rotated(acc, chans, rotation_ptr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Channels `chans` [C] of the ring's output^T acc [HEAD_DIM, ROWS] (`attend_ring`) in the rotated domain
+    TurboQuant accumulates values in (out = out_rot @ rotation, so out_rot = out @ rotation^T), per query row:
+    [ROWS, C]. (Query rows on M: a product of few rows, which needs no shared memory for its operands.)"""
+    offs_d = tl.arange(0, HEAD_DIM)
+    r = tl.load(rotation_ptr + chans[None, :] * HEAD_DIM + offs_d[:, None])          # [HEAD_DIM, C]
+    return tl.dot(tl.trans(acc), r, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def ring_units(acc, NV: tl.constexpr):
+    """The ring's output^T acc [HEAD_DIM, ROWS] (`attend_ring`) by channel of a KV-Quant unit of NV (2 or 4):
+    per query row, channels NV u + i, i = 0..3, each [ROWS, HEAD_DIM // NV] (NV 2: the last two repeat)."""
+    out = tl.trans(acc)                                                           # [ROWS, HEAD_DIM]
+    if NV == 2:
+        c0, c1 = tl.split(tl.reshape(out, [out.shape[0], out.shape[1] // 2, 2]))
+        c2 = c0
+        c3 = c1
+    else:
+        even, odd = tl.split(tl.reshape(out, [out.shape[0], out.shape[1] // 4, 2, 2]))   # channel 4u + 2a + b: b
+        c0, c2 = tl.split(even)
+        c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3

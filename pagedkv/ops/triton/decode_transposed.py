@@ -21,8 +21,8 @@ import triton.language as tl
 from .codecs import KVQUANT, TURBOQUANT
 from .conversions import (codebook4_pairs_to_f16, int8_pairs_to_f16, int8_to_f16, nibble_pairs_to_f16,
                           nibble_quads_to_f16, sign_magnitude_to_f16, six_bit_quads_to_f16)
-from .decode_io import load_rows, token_sequence
-from .tiles import LOG2E, tanh
+from .decode_io import (attend_ring, load_rows, on_first_warp, ring_rotated, ring_units, softmax_step_t,
+                        token_sequence)
 
 
 @triton.jit
@@ -118,6 +118,14 @@ def value_channels(J: tl.constexpr, offs_u, V_BITS: tl.constexpr):
 
 
 @triton.jit
+def ring_accumulator(acc_r, J: tl.constexpr, offs_u, rotation_ptr, V_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, WARPS: tl.constexpr):
+    """The ring's output^T acc_r (`decode_io.attend_ring`) as TurboQuant's accumulator J [WARPS, VC, ROWS]."""
+    return on_first_warp(tl.trans(ring_rotated(acc_r, value_channels(J, offs_u, V_BITS), rotation_ptr, HEAD_DIM,
+                                               DOT_PRECISION)), WARPS)
+
+
+@triton.jit
 def quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok, k_strides, v_strides, ks_strides, vs_strides,
                offs_u, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One step of q4 / q6 pages as loaded: key units (q6: and their 2-bit plane bytes), key scales, value units
@@ -170,12 +178,14 @@ def decode_kernel_transposed(
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,
+    rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr, stride_rqt, stride_rqh, r_strides,   # RING: `attend_ring`
     num_seqs, num_splits, qk_scale, softcap, sliding_window,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
-    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, V_BITS: tl.constexpr = 3,
+    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
+    V_BITS: tl.constexpr = 3,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -261,8 +271,32 @@ def decode_kernel_transposed(
     acc7 = tl.zeros([WARPS, VC, ROWS], dtype=tl.float32)
     m_i = tl.full([WARPS, ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
-    for start in range(kv_lo, kv_hi, STEP):
-        ok, block, slot = tile_coords(start, pos0, kv_hi, first, bt_row, BLOCK_SIZE)
+    body_hi = kv_hi
+    if RING:   # the keys the dense recent window holds first, then their output in the accumulators' channels
+        acc_r, m_i, l_i, body_hi = attend_ring(
+            seq, token, kv_head, head, h_ok, first, kv_hi, m_i, l_i, rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr,
+            ring_first_ptr, stride_rqt, stride_rqh, r_strides, qk_scale, softcap,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, NUM_RING_BLOCKS, USE_SOFTCAP, DOT_PRECISION)
+        if TQ:
+            acc0 = ring_accumulator(acc_r, 0, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc1 = ring_accumulator(acc_r, 1, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc2 = ring_accumulator(acc_r, 2, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc3 = ring_accumulator(acc_r, 3, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc4 = ring_accumulator(acc_r, 4, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc5 = ring_accumulator(acc_r, 5, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc6 = ring_accumulator(acc_r, 6, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
+            acc7 = ring_accumulator(acc_r, 7, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
+        elif QUANT:
+            r0, r1, r2, r3 = ring_units(acc_r, NV)
+            acc0 = on_first_warp(tl.trans(r0), WARPS)
+            acc1 = on_first_warp(tl.trans(r1), WARPS)
+            if NV == 4:
+                acc2 = on_first_warp(tl.trans(r2), WARPS)
+                acc3 = on_first_warp(tl.trans(r3), WARPS)
+        else:
+            acc_a = on_first_warp(acc_r, WARPS)
+    for start in range(kv_lo, body_hi, STEP):   # the pages' keys
+        ok, block, slot = tile_coords(start, pos0, body_hi, first, bt_row, BLOCK_SIZE)
         k_row = block * k_strides[0] + slot * k_strides[1]
         v_row = block * v_strides[0] + slot * v_strides[1]
         if TQ:
@@ -299,16 +333,7 @@ def decode_kernel_transposed(
             k = tl.load(k_ptr + k_row[:, :, None] + offs_c[None, None, :],
                         mask=ok[:, :, None] & (offs_c < HEAD_DIM)[None, None, :], other=0.0)
             s = tl.dot(k.to(CDTYPE), q_a, input_precision=DOT_PRECISION)   # [WARPS, TILE_N, ROWS]
-        if USE_SOFTCAP:
-            s = softcap * tanh(s * (qk_scale / softcap)) * LOG2E
-        else:
-            s = s * (qk_scale * LOG2E)
-        s = tl.where(ok[:, :, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None, :])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = softmax_step_t(s, ok, m_i, l_i, qk_scale, softcap, USE_SOFTCAP)
         if KU:
             p = p * t[5][:, :, None]
         elif QUANT:
