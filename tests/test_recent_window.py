@@ -157,6 +157,25 @@ def test_triton_requested_falls_back_to_the_reference_path_with_a_reason(monkeyp
     assert stats["paged_attention_bailouts_by_phase_reason"] == {"prefill:recent_tokens": 1}
 
 
+def test_decode_over_pages_the_decode_kernel_does_not_read_falls_back_with_a_reason(monkeypatch):
+    """TurboQuant at head_dim 64: the decode kernel, which reads the window, reads it at 128 only."""
+    from pagedkv import ops
+    from pagedkv.ops import reference
+
+    cache = window_cache(recent=16)
+    s = cache.add_sequence()
+    monkeypatch.setattr(ops, "choose_backend", lambda device, kernels, fmt: ("triton", None))
+    monkeypatch.setattr("pagedkv.ops.triton.write_kv", reference.write_kv)
+    for n in (20, 1):
+        meta = cache.begin_step([s], [n])
+        cache.write(0, torch.randn(n, H, D), torch.randn(n, H, D), meta)
+        cache.attention(0, torch.randn(n, 2 * H, D), scale=0.125, meta=meta)
+        cache.end_forward()
+    stats = cache.paged_stats()
+    assert stats["triton_attention_calls"] == 0
+    assert stats["paged_attention_bailouts_by_phase_reason"] == {"prefill:recent_tokens": 1, "decode:recent_tokens": 1}
+
+
 def test_every_token_is_encoded_once_and_pages_equal_encoding_each_block_directly(monkeypatch):
     torch.manual_seed(2)
     cache = window_cache(recent=16)
