@@ -117,6 +117,48 @@ def unpack_codes(ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
 
 
 @triton.jit
+def unpack_sign_magnitude(ptr, row, in_range, HEAD_DIM: tl.constexpr):
+    """3-bit codes [N, HEAD_DIM] int32 in [0, 8) of the magnitude and sign planes at ptr + row [N]
+    (`packing.pack_sign_magnitude`). The planes hold the codes in unit order (unit j: codes j, j + D/8, ...,
+    j + 7 D/8): magnitude byte 2j + h holds codes (4h + a) D/8 + j at bits 2a, sign byte D/4 + j holds code
+    a D/8 + j at bit a. Each byte is broadcast over the codes it holds and shifted, so the codes come out in
+    channel order with no permute (a register permute of the 8 x 8 unit grid at head_dim 64 wrote wrong
+    signs when compiled for an H200, though right under the interpreter)."""
+    J: tl.constexpr = HEAD_DIM // 8
+    N: tl.constexpr = row.shape[0]
+    offs_j = tl.arange(0, J)
+    offs_h = tl.arange(0, 2)
+    mag = tl.load(ptr + row[:, None, None] + offs_h[None, :, None] + 2 * offs_j[None, None, :],
+                  mask=in_range[:, None, None], other=0).to(tl.int32)                      # [N, 2, J]
+    shifts = 2 * tl.arange(0, 4)
+    mag = (mag[:, :, None, :] >> shifts[None, None, :, None]) & 3                       # [N, 2, 4, J]
+    sign = tl.load(ptr + HEAD_DIM // 4 + row[:, None] + offs_j[None, :], mask=in_range[:, None],
+                   other=0).to(tl.int32)                                                   # [N, J]
+    negative = (sign[:, None, :] >> tl.arange(0, 8)[None, :, None]) & 1                # [N, 8, J]
+    mag = tl.reshape(mag, [N, HEAD_DIM])
+    negative = tl.reshape(negative, [N, HEAD_DIM])
+    return tl.where(negative != 0, 3 - mag, 4 + mag)
+
+
+@triton.jit
+def pack_sign_magnitude(ptr, row, codes, HEAD_DIM: tl.constexpr):
+    """Store 3-bit codes [R, HEAD_DIM] (int32 in [0, 8)) as the magnitude and sign planes at ptr + row [R]
+    (the layout `unpack_sign_magnitude` reads): each byte is the sum of its codes' shifted bit fields,
+    summed over a middle axis of the channel-order codes, with no permute."""
+    J: tl.constexpr = HEAD_DIM // 8
+    R: tl.constexpr = row.shape[0]
+    negative = (codes < 4).to(tl.int32)
+    mag = tl.where(codes < 4, 3 - codes, codes - 4)
+    shifts = 2 * tl.arange(0, 4)
+    mag = tl.sum(tl.reshape(mag, [R, 2, 4, J]) << shifts[None, None, :, None], axis=2)  # [R, 2, J]
+    sign = tl.sum(tl.reshape(negative, [R, 8, J]) << tl.arange(0, 8)[None, :, None], axis=1)  # [R, J]
+    offs_j = tl.arange(0, J)
+    offs_h = tl.arange(0, 2)
+    tl.store(ptr + row[:, None, None] + offs_h[None, :, None] + 2 * offs_j[None, None, :], mag.to(tl.uint8))
+    tl.store(ptr + HEAD_DIM // 4 + row[:, None] + offs_j[None, :], sign.to(tl.uint8))
+
+
+@triton.jit
 def int_to_float(c):
     """Exact float32 of int32 c, |c| < 2**22, by its bits (2**23 + 2**22 + c) - (2**23 + 2**22): two full-rate
     operations instead of a quarter-rate conversion."""
@@ -268,11 +310,8 @@ def load_values(v_ptr, vs_ptr, codebook_ptr, block, slot, in_range, v_strides, v
     if KIND == KVQUANT:
         v = load_kvquant_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, CDTYPE)
     elif KIND == TURBOQUANT:  # codebook[code] * rms scale per group of 32
-        if V_BITS == 3:   # magnitude and sign planes in unit order (`packing.pack_sign_magnitude`)
-            magnitude = unpack_codes(v_ptr, row, in_range, HEAD_DIM, 2, False)
-            negative = unpack_codes(v_ptr + HEAD_DIM // 4, row, in_range, HEAD_DIM, 1, False)
-            codes = tl.where(negative != 0, 3 - magnitude, 4 + magnitude)
-            codes = tl.reshape(tl.permute(tl.reshape(codes, [N, HEAD_DIM // 8, 8]), [0, 2, 1]), [N, HEAD_DIM])
+        if V_BITS == 3:
+            codes = unpack_sign_magnitude(v_ptr, row, in_range, HEAD_DIM)
         else:
             codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False)
         codes = tl.reshape(codes, [N, HEAD_DIM // GROUP, GROUP])
@@ -389,10 +428,8 @@ def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multiplie
         best_scale = tl.where(better, scale16, best_scale)
         best_codes = tl.where(better[:, :, None], codes, best_codes)
     codes = tl.reshape(best_codes, [R, HEAD_DIM])
-    if BITS == 3:   # magnitude and sign planes in unit order (`packing.pack_sign_magnitude`)
-        codes = tl.reshape(tl.permute(tl.reshape(codes, [R, 8, HEAD_DIM // 8]), [0, 2, 1]), [R, HEAD_DIM])
-        pack_codes(ptr, row, tl.where(codes < 4, 3 - codes, codes - 4), HEAD_DIM, 2)
-        pack_codes(ptr + HEAD_DIM // 4, row, (codes < 4).to(tl.int32), HEAD_DIM, 1)
+    if BITS == 3:
+        pack_sign_magnitude(ptr, row, codes, HEAD_DIM)
     else:
         pack_codes(ptr, row, codes, HEAD_DIM, BITS)
     offs_g = tl.arange(0, G)
