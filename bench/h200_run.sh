@@ -4,7 +4,7 @@
 # (default bench/results); each step has its own time limit and runs even if an earlier one failed; the exit
 # code says whether any did.
 #
-#   OUT=/some/dir bash bench/h200_run.sh kernels   # kernel tables, the warp-split sweep, kernel and tier GPU tests
+#   OUT=/some/dir bash bench/h200_run.sh kernels   # write and attention GPU tests, kernel tables, decode GPU tests
 #   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
 set -u
 OUT=${OUT:-bench/results}
@@ -19,10 +19,10 @@ run() {  # run LIMIT_SECONDS COMMAND...
 }
 case "${1:-kernels}" in
 kernels)
+    run 150 python -m pytest -q -x tests/triton/test_triton_write.py tests/triton/test_triton_attention.py -k "turboquant or q4"
     run 150 python bench/kernels.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --skip write --out "$OUT/kernels"
-    run 360 python bench/kernels.py --formats "off;turboquant:k=q4_0,v=q4_0;turboquant:k=q4_0,v=q4_0,rotate_keys;turboquant:k=q8_0,v=q4_0" \
-        --warp-split --skip prefill,write --out "$OUT/sweeps/kernels_warp_split_tq4"
-    run 150 python -m pytest -q -x tests/triton/test_triton_decode.py tests/triton/test_triton_cuda_graph.py tests/test_devices.py
+    run 270 python -m pytest -q -x tests/triton/test_triton_decode_window.py tests/test_recent_window.py \
+        tests/triton/test_triton_decode.py tests/triton/test_triton_cuda_graph.py tests/test_devices.py
     ;;
 engine)
     run 200 python bench/engine_gpu.py --formats off q8 q4 turboquant --batches 16 64 --context 8192 --requests 32 \

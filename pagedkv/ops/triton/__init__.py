@@ -73,8 +73,7 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
 
 def reads_window(num_tokens: int, num_seqs: int, fmt) -> tuple[bool, str | None]:
     """Whether the kernels read a dense recent window (`recent_tokens`) for this batch, else why not: the
-    warp-split decode kernel does, for decode-like batches over pages it reads (TurboQuant pages not yet timed
-    on a GPU included: `tuning.warp_split_measured`), whatever the split."""
+    warp-split decode kernel does, for decode-like batches over pages it reads, whatever the split."""
     from .decode import is_supported
     from .tuning import is_decode_like
 
@@ -88,12 +87,12 @@ def reads_window(num_tokens: int, num_seqs: int, fmt) -> tuple[bool, str | None]
 def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
     """Decode-like batches over KV-Quant pages and the TurboQuant pages it reads (`decode.is_supported`) run
     the warp-split decode kernel: measured on an H200 1.1-2x faster than the varlen and split-K kernels there
-    (dense pages: 0.86-0.92x, so they stay). (Here, not in `tuning`, which `decode` imports.)"""
+    (TurboQuant with q4_0 keys, 4-bit values or rotated keys 1.4-1.9x, 2026-12-01; dense pages 0.91-0.97x, so
+    they stay). (Here, not in `tuning`, which `decode` imports.)"""
     from .decode import is_supported
-    from .tuning import is_decode_like, page_class, warp_split_measured
+    from .tuning import is_decode_like, page_class
 
-    return (is_decode_like(num_tokens, num_seqs) and page_class(fmt) != "dense" and is_supported(fmt)
-            and warp_split_measured(fmt))
+    return is_decode_like(num_tokens, num_seqs) and page_class(fmt) != "dense" and is_supported(fmt)
 
 
 def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):

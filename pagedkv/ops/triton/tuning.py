@@ -188,16 +188,6 @@ def warp_split_tiles(fmt) -> DecodeTiles:
     return DecodeTiles(32, 4, 1, transposed=True, max_registers=128, programs_per_sm=4)
 
 
-def warp_split_measured(fmt) -> bool:
-    """Whether the warp-split decode kernel is the measured default for the format's pages. It also reads
-    TurboQuant pages with q4_0 keys, 4-bit values or rotated keys (`decode.is_supported`), which have not yet
-    been timed against the varlen kernels on a GPU: they stay on those until they are
-    (`bench/kernels.py --warp-split` times both)."""
-    if fmt.spec.kind != "turboquant":
-        return True
-    return (fmt.key_bits, fmt.value_bits) == (8, 3) and fmt.key_signs is None
-
-
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
                    device: torch.device) -> tuple[int, TileConfig]:
     """(num_splits, tiles) of one attention call: for decode-like batches, split-K (with its own tiles)
