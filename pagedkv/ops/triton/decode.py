@@ -44,7 +44,7 @@ from ..metadata import AttentionMetadata
 from .attention import check_inputs, dot_precision
 from .codecs import KVQUANT, TURBOQUANT
 from .conversions import int8_pairs_to_f16, int8_to_f16, sign_magnitude_to_f16
-from .decode_io import attend_ring, load_quads, load_rows, on_first_warp, ring_rotated, ring_units, token_sequence
+from .decode_io import attend_ring, load_quads, load_rows, ring_accumulators, token_sequence
 from .decode_transposed import decode_kernel_transposed
 from .page_view import page_view, stride3, value_codebook
 from .tiles import LOG2E, tanh
@@ -113,14 +113,6 @@ def store_channels(o_row, cols, acc, f, inv, mask):
     """Merge the warps' partial outputs acc [WARPS, ROWS, C] (weights f [WARPS, ROWS]), scale rows by inv
     [ROWS] and store them at o_row [ROWS, 1] + cols [C]."""
     tl.store(o_row + cols[None, :], merge_warps(acc, f, inv).to(o_row.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def ring_accumulator(acc_r, J: tl.constexpr, offs_u, rotation_ptr, HEAD_DIM: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, WARPS: tl.constexpr):
-    """The ring's output^T acc_r (`decode_io.attend_ring`) as TurboQuant's accumulator J [WARPS, ROWS, VC]
-    (channels J * HEAD_DIM / 8 + u)."""
-    return on_first_warp(ring_rotated(acc_r, J * (HEAD_DIM // 8) + offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION), WARPS)
 
 
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
@@ -214,24 +206,9 @@ def decode_kernel(
             seq, token, kv_head, head, row_ok, first, kv_hi, m_i, l_i, rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr,
             ring_first_ptr, stride_rqt, stride_rqh, r_strides, qk_scale, softcap,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, NUM_RING_BLOCKS, USE_SOFTCAP, DOT_PRECISION)
-        if TQ:
-            acc0 = ring_accumulator(acc_r, 0, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc1 = ring_accumulator(acc_r, 1, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc2 = ring_accumulator(acc_r, 2, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc3 = ring_accumulator(acc_r, 3, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc4 = ring_accumulator(acc_r, 4, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc5 = ring_accumulator(acc_r, 5, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc6 = ring_accumulator(acc_r, 6, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc7 = ring_accumulator(acc_r, 7, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS)
-        elif QUANT:
-            r0, r1, r2, r3 = ring_units(acc_r, NV)
-            acc0 = on_first_warp(r0, WARPS)
-            acc1 = on_first_warp(r1, WARPS)
-            if NV == 4:
-                acc2 = on_first_warp(r2, WARPS)
-                acc3 = on_first_warp(r3, WARPS)
-        else:
-            acc_a = on_first_warp(tl.trans(acc_r), WARPS)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a = ring_accumulators(
+            acc_r, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a, offs_u, rotation_ptr, TQ, NV, 3,
+            HEAD_DIM, DOT_PRECISION, WARPS, False)
     for start in range(kv_lo, body_hi, STEP):   # the pages' keys
         offs_n = start + pos0
         ok = (offs_n < body_hi) & (offs_n >= first)

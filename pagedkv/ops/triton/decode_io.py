@@ -130,16 +130,58 @@ def ring_rotated(acc, chans, rotation_ptr, HEAD_DIM: tl.constexpr, DOT_PRECISION
 
 
 @triton.jit
-def ring_units(acc, NV: tl.constexpr):
-    """The ring's output^T acc [HEAD_DIM, ROWS] (`attend_ring`) by channel of a KV-Quant unit of NV (2 or 4):
-    per query row, channels NV u + i, i = 0..3, each [ROWS, HEAD_DIM // NV] (NV 2: the last two repeat)."""
-    out = tl.trans(acc)                                                           # [ROWS, HEAD_DIM]
-    if NV == 2:
-        c0, c1 = tl.split(tl.reshape(out, [out.shape[0], out.shape[1] // 2, 2]))
-        c2 = c0
-        c3 = c1
+def value_channels(J: tl.constexpr, offs_u, V_BITS: tl.constexpr):
+    """The channels accumulator J of TurboQuant values holds (offs_u: arange(16), head_dim 128): 3-bit values
+    (unit order) channels 16 J + u; 4-bit values the even (J even) or odd channels of group J // 2."""
+    if V_BITS == 3:
+        return 16 * J + offs_u
+    return 32 * (J // 2) + 2 * offs_u + (J % 2)
+
+
+@triton.jit
+def on_first_warp_t(x, WARPS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """x [ROWS, C] as a warp's accumulator: [WARPS, C, ROWS] in the transposed kernel, else [WARPS, ROWS, C]."""
+    if TRANSPOSED:
+        x = tl.trans(x)
+    return on_first_warp(x, WARPS)
+
+
+@triton.jit
+def ring_tq(acc, J: tl.constexpr, offs_u, rotation_ptr, V_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, WARPS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The ring's output^T acc (`attend_ring`) as TurboQuant's accumulator J (channels `value_channels(J)`)."""
+    chans = value_channels(J, offs_u, V_BITS)
+    return on_first_warp_t(ring_rotated(acc, chans, rotation_ptr, HEAD_DIM, DOT_PRECISION), WARPS, TRANSPOSED)
+
+
+@triton.jit
+def ring_accumulators(acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a, offs_u, rotation_ptr,
+                      KIND_TQ: tl.constexpr, NV: tl.constexpr, V_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, WARPS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The ring's output^T acc [HEAD_DIM, ROWS] (`attend_ring`) placed on the first warp of the accumulators
+    the decode kernel's pages use: TurboQuant's eight (KIND_TQ), KV-Quant's units (NV 2 or 4: channel NV u + i
+    in accumulator i), or the dense one (NV 1), in the kernel's orientation. The others come back unchanged."""
+    if KIND_TQ:
+        acc0 = ring_tq(acc, 0, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc1 = ring_tq(acc, 1, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc2 = ring_tq(acc, 2, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc3 = ring_tq(acc, 3, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc4 = ring_tq(acc, 4, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc5 = ring_tq(acc, 5, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc6 = ring_tq(acc, 6, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc7 = ring_tq(acc, 7, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+    elif NV > 1:
+        out = tl.trans(acc)                                                           # [ROWS, HEAD_DIM]
+        if NV == 2:
+            c0, c1 = tl.split(tl.reshape(out, [out.shape[0], out.shape[1] // 2, 2]))
+        else:
+            even, odd = tl.split(tl.reshape(out, [out.shape[0], out.shape[1] // 4, 2, 2]))   # channel 4u + 2a + b: b
+            c0, c2 = tl.split(even)
+            c1, c3 = tl.split(odd)
+            acc2 = on_first_warp_t(c2, WARPS, TRANSPOSED)
+            acc3 = on_first_warp_t(c3, WARPS, TRANSPOSED)
+        acc0 = on_first_warp_t(c0, WARPS, TRANSPOSED)
+        acc1 = on_first_warp_t(c1, WARPS, TRANSPOSED)
     else:
-        even, odd = tl.split(tl.reshape(out, [out.shape[0], out.shape[1] // 4, 2, 2]))   # channel 4u + 2a + b: b
-        c0, c2 = tl.split(even)
-        c1, c3 = tl.split(odd)
-    return c0, c1, c2, c3
+        acc_a = on_first_warp_t(tl.trans(acc), WARPS, TRANSPOSED)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a

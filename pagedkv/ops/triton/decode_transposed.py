@@ -21,8 +21,8 @@ import triton.language as tl
 from .codecs import KVQUANT, TURBOQUANT
 from .conversions import (codebook4_pairs_to_f16, int8_pairs_to_f16, int8_to_f16, nibble_pairs_to_f16,
                           nibble_quads_to_f16, sign_magnitude_to_f16, six_bit_quads_to_f16)
-from .decode_io import (attend_ring, load_rows, on_first_warp, ring_rotated, ring_units, softmax_step_t,
-                        token_sequence)
+from .decode_io import (attend_ring, load_rows, ring_accumulators, softmax_step_t, token_sequence,
+                        value_channels)
 
 
 @triton.jit
@@ -106,23 +106,6 @@ def tq4_group_scores_t(pairs, sc, z, qe, qo, qsum, CDTYPE: tl.constexpr, FAST_CV
     d = tl.dot(even.to(CDTYPE), qe, input_precision=DOT_PRECISION)
     d = tl.dot(odd.to(CDTYPE), qo, d, input_precision=DOT_PRECISION)
     return group_scores_t(d, sc, z, qsum)
-
-
-@triton.jit
-def value_channels(J: tl.constexpr, offs_u, V_BITS: tl.constexpr):
-    """The channels accumulator J of TurboQuant values holds (offs_u: arange(16), head_dim 128): 3-bit values
-    (unit order) channels 16 J + u; 4-bit values the even (J even) or odd channels of group J // 2."""
-    if V_BITS == 3:
-        return 16 * J + offs_u
-    return 32 * (J // 2) + 2 * offs_u + (J % 2)
-
-
-@triton.jit
-def ring_accumulator(acc_r, J: tl.constexpr, offs_u, rotation_ptr, V_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, WARPS: tl.constexpr):
-    """The ring's output^T acc_r (`decode_io.attend_ring`) as TurboQuant's accumulator J [WARPS, VC, ROWS]."""
-    return on_first_warp(tl.trans(ring_rotated(acc_r, value_channels(J, offs_u, V_BITS), rotation_ptr, HEAD_DIM,
-                                               DOT_PRECISION)), WARPS)
 
 
 @triton.jit
@@ -277,24 +260,9 @@ def decode_kernel_transposed(
             seq, token, kv_head, head, h_ok, first, kv_hi, m_i, l_i, rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr,
             ring_first_ptr, stride_rqt, stride_rqh, r_strides, qk_scale, softcap,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, NUM_RING_BLOCKS, USE_SOFTCAP, DOT_PRECISION)
-        if TQ:
-            acc0 = ring_accumulator(acc_r, 0, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc1 = ring_accumulator(acc_r, 1, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc2 = ring_accumulator(acc_r, 2, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc3 = ring_accumulator(acc_r, 3, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc4 = ring_accumulator(acc_r, 4, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc5 = ring_accumulator(acc_r, 5, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc6 = ring_accumulator(acc_r, 6, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
-            acc7 = ring_accumulator(acc_r, 7, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS)
-        elif QUANT:
-            r0, r1, r2, r3 = ring_units(acc_r, NV)
-            acc0 = on_first_warp(tl.trans(r0), WARPS)
-            acc1 = on_first_warp(tl.trans(r1), WARPS)
-            if NV == 4:
-                acc2 = on_first_warp(tl.trans(r2), WARPS)
-                acc3 = on_first_warp(tl.trans(r3), WARPS)
-        else:
-            acc_a = on_first_warp(acc_r, WARPS)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a = ring_accumulators(
+            acc_r, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a, offs_u, rotation_ptr, TQ, NV, V_BITS,
+            HEAD_DIM, DOT_PRECISION, WARPS, True)
     for start in range(kv_lo, body_hi, STEP):   # the pages' keys
         ok, block, slot = tile_coords(start, pos0, body_hi, first, bt_row, BLOCK_SIZE)
         k_row = block * k_strides[0] + slot * k_strides[1]
