@@ -404,11 +404,16 @@ def nearest_centroid(y, thresholds_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, row, s_row, x,
+def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, row, s_row, x, scratch_ptr,
                              HEAD_DIM: tl.constexpr, BITS: tl.constexpr, NUM_MULTIPLIERS: tl.constexpr):
     """Quantize rotated values x [R, HEAD_DIM] float32 per group of 32 as `turboquant._encode_values`: for
     each fp16 scale rms * multiplier (in grid order), the nearest centroids of x / scale; keep the first
-    scale of least squared error."""
+    scale of least squared error.
+
+    3-bit codes reach `pack_sign_magnitude` through memory (`scratch_ptr`: this row's HEAD_DIM int8, stored,
+    a barrier, loaded back): packed straight from the registers of the scale search, the sign plane came out
+    wrong at head_dim 64 when compiled for an H200 (the same packing of loaded codes is right, and both are
+    right under the interpreter)."""
     R: tl.constexpr = x.shape[0]
     G: tl.constexpr = HEAD_DIM // GROUP
     g = tl.reshape(x, [R, G, GROUP])
@@ -429,6 +434,10 @@ def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multiplie
         best_codes = tl.where(better[:, :, None], codes, best_codes)
     codes = tl.reshape(best_codes, [R, HEAD_DIM])
     if BITS == 3:
+        offs = tl.arange(0, HEAD_DIM)
+        tl.store(scratch_ptr + offs[None, :], codes.to(tl.int8))
+        tl.debug_barrier()
+        codes = tl.load(scratch_ptr + offs[None, :]).to(tl.int32)
         pack_sign_magnitude(ptr, row, codes, HEAD_DIM)
     else:
         pack_codes(ptr, row, codes, HEAD_DIM, BITS)

@@ -22,7 +22,7 @@ from .page_view import PageView, page_view, stride3
 def write_kv_kernel(
     key_ptr, value_ptr, slot_mapping_ptr,
     k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, key_signs_ptr, value_signs_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    scratch_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
     k_strides, v_strides, ks_strides, vs_strides,      # (block, slot, head) of each page tensor
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, ROTATE_KEYS: tl.constexpr,
@@ -55,7 +55,8 @@ def write_kv_kernel(
             x = fwht(x * tl.load(key_signs_ptr + offs_d)[None, :], HEAD_DIM, LOG2_HEAD_DIM) / SQRT_HEAD_DIM
         encode_turboquant_keys(k_ptr, ks_ptr, kz_ptr, k_row, ks_row, x, HEAD_DIM, K_BITS)
         x = fwht(value.to(tl.float32) * tl.load(value_signs_ptr + offs_d)[None, :], HEAD_DIM, LOG2_HEAD_DIM) / SQRT_HEAD_DIM
-        encode_turboquant_values(v_ptr, vs_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, v_row, vs_row, x,
+        scratch = scratch_ptr + (t * tl.num_programs(1) + head) * HEAD_DIM   # 3-bit codes' trip through memory
+        encode_turboquant_values(v_ptr, vs_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, v_row, vs_row, x, scratch,
                                  HEAD_DIM, V_BITS, NUM_MULTIPLIERS)
     else:
         tl.store(k_ptr + k_row[:, None] + offs_d[None, :], key.to(k_ptr.dtype.element_ty), mask=d_ok)
@@ -77,10 +78,13 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
         f"slot_mapping must be int64 [{num_input_tokens}], got {slots.dtype} {tuple(slots.shape)}"
     if num_input_tokens == 0:
         return
+    three_bit = view.kind == TURBOQUANT and view.v_bits == 3
+    scratch = torch.empty(num_input_tokens * num_kv_heads * head_dim if three_bit else 1, dtype=torch.int8,
+                          device=key.device)
     write_kv_kernel[(num_input_tokens, num_kv_heads)](
         key, value, slots, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
         view.aux("thresholds"), view.aux("codebook"), view.aux("scale_multipliers"), view.aux("key_signs"),
-        view.aux("value_signs"),
+        view.aux("value_signs"), scratch,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
         HEAD_DIM=head_dim,
