@@ -143,12 +143,32 @@ def forward_sizes(tiny_runner, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
-def test_the_profile_feeds_at_most_one_block_per_forward(tiny_runner, forward_sizes):
-    from pagedkv.evaluate import measure_profile
+def test_the_profile_steps_a_window_format_one_block_per_forward(tiny_runner, forward_sizes, monkeypatch):
+    import pagedkv.evaluate as evaluate
 
+    monkeypatch.setattr(evaluate, "PROFILE_CHUNK", 32)
+    fmts = parse_formats("off,q4,q4:recent_tokens=16")
+    evaluate.measure_profile(tiny_runner, fmts, torch.arange(40) % 97)
+    # lockstep chunks of 32 tokens (then the last 7): off and q4 in one forward each, the window format by blocks
+    assert forward_sizes == [32, 32, 16, 16, 7, 7, 7]
+
+
+@pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
+def test_the_profile_of_a_format_without_a_window_equals_block_steps(tiny_runner, monkeypatch):
+    """Without a dense window, a chunk in one forward writes every token before attending, as block steps
+    do: the same scores up to float rounding."""
+    import pagedkv.evaluate as evaluate
+
+    ids = torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(3))
     fmts = parse_formats("off,q4")
-    measure_profile(tiny_runner, fmts, torch.arange(40) % 97)
-    assert forward_sizes == [16, 16, 16, 16, 7, 7]  # lockstep, off then q4, one block (or the rest) per forward
+    chunked = evaluate.profile_scores(tiny_runner, fmts, ids)
+    monkeypatch.setattr(evaluate, "PROFILE_CHUNK", 16)
+    stepped = evaluate.profile_scores(tiny_runner, fmts, ids)
+    for f in fmts:
+        torch.testing.assert_close(chunked[f][0], stepped[f][0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(chunked[f][1], stepped[f][1], rtol=1e-6, atol=1e-9)
+    q4_vs_off = (chunked[fmts[1]][0] - chunked[fmts[0]][0]).abs().max()
+    assert float(q4_vs_off) > 1e-3   # q4 scores differ from off's far beyond the tolerance: the test can fail
 
 
 @pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
