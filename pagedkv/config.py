@@ -20,10 +20,11 @@ TURBOQUANT_VALUE_QUANTS = ("q2_0", "q3_0", "q4_0", "q5_0", "q8_0")
 KERNEL_CHOICES = ("auto", "triton", "reference")
 
 FORMAT_HELP = (
-    "accepted forms: 'off' (dense), 'q8', 'q6', 'q4' (KV-Quant), 'turboquant' (keys q8_0, values q3_0), "
+    "accepted forms: 'off' (dense), 'q8', 'q6', 'q4' (KV-Quant; 'q4:rotate_keys' rotates keys first), "
+    "'turboquant' (keys q8_0, values q3_0), "
     "'turboquant:k=<key quant>,v=<value quant>[,rotate_keys]' with key quant one of "
     f"{', '.join(TURBOQUANT_KEY_QUANTS)} and value quant one of {', '.join(TURBOQUANT_VALUE_QUANTS)}; "
-    "a quantized format may end in ':recent_tokens=N' (or ',recent_tokens=N' after TurboQuant options)"
+    "a quantized format may end in ':recent_tokens=N' (or ',recent_tokens=N' after other options)"
 )
 
 _DTYPES = {
@@ -46,8 +47,8 @@ def parse_dtype(value: str | torch.dtype | None, setting: str = "dtype") -> torc
 class KVFormat:
     """How pages store keys and values.
 
-    kind: "dense" (the model's dtype, or `dtype`), "kvquant" (`mode` q8/q6/q4, dense mirror in `dtype`),
-    or "turboquant" (`k_quant`, `v_quant`, `rotate_keys`). `recent_tokens`: the last N tokens of a
+    kind: "dense" (the model's dtype, or `dtype`), "kvquant" (`mode` q8/q6/q4, dense mirror in `dtype`,
+    `rotate_keys`), or "turboquant" (`k_quant`, `v_quant`, `rotate_keys`). `recent_tokens`: the last N tokens of a
     sequence are also kept dense and read from there (0: off; only for quantized kinds).
     """
 
@@ -66,6 +67,9 @@ class KVFormat:
             raise ConfigError(f"recent_tokens={self.recent_tokens} needs a quantized format; 'off' pages are dense already")
         if self.kind not in ("dense", "kvquant", "turboquant"):
             raise ConfigError(f"unknown page format kind {self.kind!r}; {FORMAT_HELP}")
+        if self.kind == "dense" and self.rotate_keys:
+            raise ConfigError("rotate_keys needs a quantized format ('q4:rotate_keys', 'turboquant:...,rotate_keys'); "
+                              "'off' pages store keys as they are")
         if self.kind == "kvquant" and self.mode not in KV_QUANT_MODES:
             raise ConfigError(f"KV-Quant mode {self.mode!r} is not one of {', '.join(KV_QUANT_MODES)}")
         if self.kind == "turboquant":
@@ -100,8 +104,12 @@ class KVFormat:
                 recent = int(value)
         if head in ("off", "dense", "none", "") and not items:
             return cls(recent_tokens=recent)
-        if head in KV_QUANT_MODES and not items:
-            return cls(kind="kvquant", mode=head, dtype=torch.bfloat16, recent_tokens=recent)
+        if head in KV_QUANT_MODES:
+            for item in items:
+                if item != "rotate_keys":
+                    raise ConfigError(f"bad KV-Quant option {item!r} in {spec!r}: {head} takes rotate_keys and "
+                                      f"recent_tokens=N (e.g. '{head}:rotate_keys,recent_tokens=128'); {FORMAT_HELP}")
+            return cls(kind="kvquant", mode=head, dtype=torch.bfloat16, rotate_keys=bool(items), recent_tokens=recent)
         if head == "turboquant":
             k, v, rotate = "q8_0", "q3_0", False
             for item in items:
@@ -150,7 +158,8 @@ class KVFormat:
         if self.kind == "dense":
             return "off"
         if self.kind == "kvquant":
-            return self.mode + (":" + window if window else "")
+            options = ",".join(filter(None, ("rotate_keys" if self.rotate_keys else "", window)))
+            return self.mode + (":" + options if options else "")
         s = f"turboquant:k={self.k_quant},v={self.v_quant}"
         return s + (",rotate_keys" if self.rotate_keys else "") + ("," + window if window else "")
 

@@ -42,7 +42,7 @@ def add_cache_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-window-tokens", type=int, default=None,
                    help="growth cap per sequence (default: the model's max_position_embeddings)")
     g.add_argument("--paged-kv-quantization", default="off", metavar="FORMAT",
-                   help="page format: off, q8, q6, q4, turboquant, turboquant:k=q4_0,v=q3_0[,rotate_keys]")
+                   help="page format: off, q8, q6, q4[:rotate_keys], turboquant, turboquant:k=q4_0,v=q3_0[,rotate_keys]")
     g.add_argument("--recent-tokens", type=int, default=None, metavar="N",
                    help="keep the last N tokens of every sequence exact beside the quantized pages (a multiple of "
                         "--block-size; quantized formats only; default 0: off)")

@@ -8,7 +8,7 @@ from pagedkv.formats import make_format
 from pagedkv.ops import reference
 from pagedkv.ops.metadata import AttentionMetadata
 
-FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q8_0,v=q4_0", "turboquant:k=q5_0,v=q5_0",
+FORMATS = ["off", "q8", "q6", "q4", "q4:rotate_keys", "q8:rotate_keys", "turboquant", "turboquant:k=q8_0,v=q4_0", "turboquant:k=q5_0,v=q5_0",
            "turboquant:k=q4_0,v=q2_0", "turboquant:k=int2,v=q8_0", "turboquant:k=q4_0,v=q4_0,rotate_keys",
            "turboquant:k=int8,v=q3_0,rotate_keys"]
 BLOCK_SIZE = 4

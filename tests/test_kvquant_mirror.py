@@ -129,3 +129,24 @@ def test_dense_and_turboquant_layers_do_not_use_the_mirror():
         stats = cache.paged_stats()
         assert stats["kv_quant_route"] is None and stats["kv_quant_dequant_tokens"] == 0
         assert not cache.mirror.routes
+
+
+@pytest.mark.filterwarnings("ignore::pagedkv.ops.PagedKVFallbackWarning")
+def test_rotated_keys_attend_alike_on_the_mirror_and_over_the_pages(monkeypatch):
+    """q4:rotate_keys: the mirror holds keys rotated back (`decode`) and is attended with the queries as they are;
+    the pages hold rotated keys, attended with rotated queries. Both give the same output."""
+    spec = KVFormat(kind="kvquant", mode="q4", dtype=torch.float32, rotate_keys=True)
+    outs = []
+    for route in ("mirror", "direct"):
+        if route == "direct":
+            monkeypatch.setattr(ops, "choose_backend", lambda device, kernels, fmt: ("triton", None))
+            monkeypatch.setattr("pagedkv.ops.triton.paged_attention", reference.paged_attention)
+            monkeypatch.setattr("pagedkv.ops.triton.write_kv", reference.write_kv)
+        cache = PagedKVCache(kv_format=spec, block_size=4, num_blocks=32, num_layers=1)
+        s = cache.add_sequence()
+        outs.append(step(cache, [s], [11], torch.Generator().manual_seed(6), num_layers=1)[0])
+        assert cache.paged_stats()["kv_quant_route"] == route
+    plain = PagedKVCache(kv_format="q4", block_size=4, num_blocks=32, num_layers=1)
+    p = plain.add_sequence()
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+    assert (step(plain, [p], [11], torch.Generator().manual_seed(6), num_layers=1)[0] - outs[0]).abs().max() > 1e-3

@@ -1,4 +1,5 @@
-"""The randomized Hadamard rotation used by TurboQuant: R x = H (s * x) / sqrt(n).
+"""The randomized Hadamard rotation used by TurboQuant (values, and keys with `rotate_keys`) and by
+KV-Quant `rotate_keys`: R x = H (s * x) / sqrt(n).
 
 H is the Sylvester Hadamard matrix of order n (a power of two), s a fixed vector of +-1 signs drawn from
 a seeded generator, so R is orthogonal and the same in every process: R^T y = s * (H y) / sqrt(n).
@@ -52,3 +53,18 @@ def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:
     """
     n = signs.shape[0]
     return rotate(torch.eye(n, dtype=torch.float32, device=signs.device), signs.float())
+
+
+def key_rotation(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation of keys before quantization (`rotate_keys`, TurboQuant and KV-Quant alike): signs [n]
+    float32 +-1 from KEY_SEED and their `rotation_matrix` [n, n] float32, on `device`. Attention rotates
+    queries by the same matrix, so q . k is unchanged (the rotation is orthogonal)."""
+    signs = random_signs(head_dim, KEY_SEED).to(device)
+    return signs, rotation_matrix(signs)
+
+
+def rotate_with(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """x @ matrix, in float32, or in float64 for float64 x (where a float32 product's rounding, which depends on
+    how many rows one matrix product holds, could move a code between a verify and a decode step)."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.to(dtype) @ matrix.to(dtype)

@@ -7,6 +7,11 @@ bits of every code, then the high 2 bits: `packing.pack_planes`), the same 3 byt
 bitstream but with no code split across bytes. Page tensors per KV head: "k" / "v" (codes), "k_scale" /
 "v_scale" (one float32).
 
+With `rotate_keys` (`q4:rotate_keys`), keys are first rotated by TurboQuant's randomized Hadamard key
+rotation R_k (`hadamard.key_rotation`), which spreads outlier channels over the whole head before the one
+scale per token and head is taken; attention rotates queries by the same R_k (q . k is unchanged, values
+and outputs are not rotated), and `decode` rotates keys back. Same bytes per token.
+
 The dense mirror of already-decoded tokens (dtype `spec.dtype`) is not part of the pages; it lives in
 `pagedkv.mirror` and is fed by `decode`.
 """
@@ -17,6 +22,7 @@ import torch
 
 from ..errors import ConfigError
 from .base import PageFormat
+from .hadamard import key_rotation, rotate_with
 from .packing import pack_bits, pack_planes, packed_width, unpack_bits, unpack_planes
 
 BITS = {"q8": 8, "q6": 6, "q4": 4}
@@ -44,6 +50,11 @@ class KVQuantFormat(PageFormat):
         if (head_dim * self.bits) % 8:
             raise ConfigError(f"KV-Quant {spec.mode} packs {self.bits}-bit codes into whole bytes, which needs "
                               f"head_dim * {self.bits} divisible by 8; head_dim {head_dim} is not (use q8)")
+        if spec.rotate_keys and head_dim & (head_dim - 1):
+            raise ConfigError(f"KV-Quant rotate_keys needs a power-of-two head_dim (Hadamard rotation); head_dim "
+                              f"{head_dim} is not: use --paged-kv-quantization {spec.mode} without rotate_keys")
+        # [D] +-1 float32, [D, D] float32 with keys @ key_rotation == R_k keys; None without rotate_keys
+        self.key_signs, self.key_rotation = key_rotation(head_dim, self.device) if spec.rotate_keys else (None, None)
 
     @property
     def mirror_dtype(self) -> torch.dtype:
@@ -64,19 +75,34 @@ class KVQuantFormat(PageFormat):
             return pack_planes(codes + self.qmax), scale
         return pack_bits(codes + self.qmax, self.bits), scale
 
-    def _decode_one(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def _decode_one(self, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.bits == 8:
             codes = packed.float()
         elif self.bits == 6:
             codes = (unpack_planes(packed, self.head_dim) - self.qmax).float()
         else:
             codes = (unpack_bits(packed, self.bits, self.head_dim) - self.qmax).float()
-        return (codes * scale.float()).to(self.dtype)
+        return (codes * scale.float()).to(dtype or self.dtype)
 
     def encode(self, key, value):
+        if self.key_rotation is not None:
+            key = rotate_with(key, self.key_rotation).float()
         k, k_scale = self._encode_one(key)
         v, v_scale = self._encode_one(value)
         return {"k": k, "k_scale": k_scale, "v": v, "v_scale": v_scale}
 
     def decode(self, parts):
-        return (self._decode_one(parts["k"], parts["k_scale"]), self._decode_one(parts["v"], parts["v_scale"]))
+        if self.key_rotation is None:
+            return (self._decode_one(parts["k"], parts["k_scale"]), self._decode_one(parts["v"], parts["v_scale"]))
+        k, v = self.decode_for_attention(parts)
+        return (k.float() @ self.key_rotation.T).to(self.dtype), v
+
+    # rotate_keys: attention runs with keys and queries in the rotated domain (values are not rotated)
+    def attention_query(self, query):
+        return query if self.key_rotation is None else rotate_with(query, self.key_rotation)
+
+    def decode_for_attention(self, parts):
+        if self.key_rotation is None:
+            return self.decode(parts)
+        k = self._decode_one(parts["k"], parts["k_scale"], torch.float32)
+        return k, self._decode_one(parts["v"], parts["v_scale"])

@@ -31,7 +31,7 @@ import torch
 from ..errors import ConfigError
 from .base import PageFormat
 from .codebook import lloyd_max_codebook, nearest_centroid
-from .hadamard import KEY_SEED, VALUE_SEED, random_signs, rotation_matrix
+from .hadamard import VALUE_SEED, key_rotation, random_signs, rotate_with, rotation_matrix
 from .packing import pack_bits, pack_sign_magnitude, packed_width, unpack_bits, unpack_sign_magnitude
 
 GROUP = 32
@@ -43,12 +43,6 @@ MIN_SCALE = 1e-7
 # value scales tried per group, as multiples of the group's RMS (1.0 first: ties keep the RMS)
 SCALE_GRID = [1.0] + [round(0.6 + 0.025 * i, 3) for i in range(33) if i != 16]
 SEARCH_ELEMENTS = 1 << 22  # candidate codes held at once while searching value scales
-
-
-def _rotation_dtype(x: torch.Tensor) -> torch.dtype:
-    """Rotations run in float32, or float64 for float64 inputs (where a float32 product's rounding, which
-    depends on how many rows one matrix product holds, could move a code between a verify and a decode step)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _round_up_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -93,10 +87,9 @@ class TurboQuantFormat(PageFormat):
         self.codebook = lloyd_max_codebook(self.value_bits).to(self.device)  # [2^bits] float32
         self.scale_grid = torch.tensor(SCALE_GRID, dtype=torch.float32, device=self.device)
         self.value_signs = random_signs(head_dim, VALUE_SEED).to(self.device)  # [D] +-1 float32
-        self.key_signs = random_signs(head_dim, KEY_SEED).to(self.device) if spec.rotate_keys else None
         # x @ rotation == R x (hadamard.rotate); y @ rotation.T == R^T y
         self.value_rotation = rotation_matrix(self.value_signs)  # [D, D] float32
-        self.key_rotation = rotation_matrix(self.key_signs) if spec.rotate_keys else None
+        self.key_signs, self.key_rotation = key_rotation(head_dim, self.device) if spec.rotate_keys else (None, None)
 
     def page_spec(self):
         key_dtype = torch.int8 if self.key_signed else torch.uint8
@@ -111,8 +104,8 @@ class TurboQuantFormat(PageFormat):
     # keys ---------------------------------------------------------------------------------------
     def _encode_keys(self, key: torch.Tensor) -> dict[str, torch.Tensor]:
         x = key.float()
-        if self.key_rotation is not None:  # rotated in float64 for float64 keys: rounding that no batch shape moves
-            x = (key.to(_rotation_dtype(key)) @ self.key_rotation.to(_rotation_dtype(key))).float()
+        if self.key_rotation is not None:
+            x = rotate_with(key, self.key_rotation).float()
         codes, scale, zero = quantize_keys(x, self.key_bits, self.key_signed)
         packed = codes.to(torch.int8) if self.key_signed else pack_bits(codes, self.key_bits)
         return {"k": packed, "k_scale": scale, "k_zero": zero}
@@ -125,7 +118,7 @@ class TurboQuantFormat(PageFormat):
 
     # values -------------------------------------------------------------------------------------
     def _encode_values(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        x = (value.to(_rotation_dtype(value)) @ self.value_rotation.to(_rotation_dtype(value))).float()
+        x = rotate_with(value, self.value_rotation).float()
         g = x.reshape(*x.shape[:-1], self.groups, GROUP)  # [N, H, groups, 32]
         step = max(1, SEARCH_ELEMENTS // (len(SCALE_GRID) * math.prod(g.shape[1:])))  # bounds the search's memory
         pieces = [self._search_value_scales(g[i:i + step]) for i in range(0, max(g.shape[0], 1), step)]
@@ -175,7 +168,7 @@ class TurboQuantFormat(PageFormat):
     def attention_query(self, query):
         if self.key_rotation is None:
             return query
-        return query.to(_rotation_dtype(query)) @ self.key_rotation.to(_rotation_dtype(query))
+        return rotate_with(query, self.key_rotation)
 
     def decode_for_attention(self, parts):
         return self._decode_keys(parts), self._decode_values(parts)

@@ -11,7 +11,7 @@ from pagedkv.ops import reference
 from pagedkv.ops.triton import attention, split_k
 from triton_cases import DEVICE, build_case, rel_err
 
-FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q5_0,v=q2_0",
+FORMATS = ["off", "q8", "q6", "q4", "q4:rotate_keys", "turboquant", "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q5_0,v=q2_0",
            "turboquant:k=int2,v=q8_0"]
 # (num_q_heads, num_kv_heads, head_dim, block_size): GQA 1, 4 and 8; head_dim 64 and 128
 SHAPES = [(2, 2, 64, 16), (8, 2, 128, 16), (8, 1, 64, 5)]

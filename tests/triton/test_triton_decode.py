@@ -16,7 +16,7 @@ from pagedkv.ops.triton import decode
 from pagedkv.ops.triton.tuning import warp_split_tiles
 from triton_cases import DEVICE, build_case, rel_err
 
-FORMATS = ["off", "q8", "q6", "q4"]
+FORMATS = ["off", "q8", "q6", "q4", "q4:rotate_keys"]
 # (num_q_heads, num_kv_heads, head_dim, block_size): GQA 1, 4 and 8; head_dim 64 and 128
 SHAPES = [(2, 2, 64, 16), (8, 2, 128, 16), (8, 1, 64, 5)]
 # decode tokens, a verify-like run of 3 and a prefill chunk in one batch, one sequence without new tokens

@@ -63,6 +63,7 @@ def tiles_of(fmt, transposed):
 
 # (spec, head_dim, orientations): TurboQuant decode reads head_dim 128; q4_0 keys and 4-bit values transposed only
 CASES = [("off", 64, (False, True)), ("q8", 64, (False, True)), ("q4", 64, (False, True)),
+         ("q4:rotate_keys", 64, (False, True)),
          ("turboquant", 128, (False, True)), ("turboquant:k=q4_0,v=q4_0", 128, (True,)),
          ("turboquant:k=q4_0,v=q4_0,rotate_keys", 128, (True,))]
 PARAMS = [(spec, d, t) for spec, d, ts in CASES for t in ts]
@@ -94,7 +95,7 @@ def test_decode_kernel_over_the_ring_with_sliding_window_and_softcap(spec, optio
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("spec", ["q4", "turboquant"])
+@pytest.mark.parametrize("spec", ["q4", "q4:rotate_keys", "turboquant"])
 def test_decode_kernel_over_the_ring_with_16_bit_queries(spec):
     case, rings = window_case(spec, 8, 2, 128, dtype=torch.float16, seed=5)
     ref = window_reference(case, rings, scale=0.1)

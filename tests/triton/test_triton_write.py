@@ -8,7 +8,7 @@ from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.triton import kv_write
 from triton_cases import DEVICE, build_case
 
-FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q5_0,v=q2_0",
+FORMATS = ["off", "q8", "q6", "q4", "q4:rotate_keys", "q8:rotate_keys", "turboquant", "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q5_0,v=q2_0",
            "turboquant:k=int2,v=q8_0"]
 
 
@@ -18,20 +18,28 @@ def poisoned_like(pages):
 
 
 def assert_same_pages(got, want, fmt, keys=None, values=None, slots=None):
-    """Byte-equal pages, except where TurboQuant rotates: the rotation is a float product whose summation
+    """Byte-equal pages, except where a format rotates: the rotation is a float product whose summation
     order the format leaves open (and the value-scale search sums 32 squares), so there the kernel's
     pages must keep the format's guarantees instead: rotated keys decode within scale / 2, and each value
     group reconstructs the rotated values as well as the reference's choice does."""
-    rotated = {"v", "v_scale"} | ({"k", "k_scale", "k_zero"} if getattr(fmt, "key_rotation", None) is not None else set())
+    rotated_keys = getattr(fmt, "key_rotation", None) is not None
+    rotated = ({"v", "v_scale"} if fmt.spec.kind == "turboquant" else set()) | \
+        ({"k", "k_scale", "k_zero"} if rotated_keys else set())
     for name in want:
         a, b = got[name], want[name]
         same = (a == b) | (a.isnan() & b.isnan()) if a.dtype.is_floating_point else a == b
-        if fmt.spec.kind == "turboquant" and name in rotated:
+        if name in rotated:
             continue
         assert bool(same.all()), f"{name}: {(~same).sum().item()} of {same.numel()} entries differ"
+    parts = lambda pages: {n: p.view(-1, *p.shape[2:])[slots] for n, p in pages.items()}  # noqa: E731
+    if fmt.spec.kind == "kvquant" and rotated_keys:   # one scale per token and head: absmax / qmax
+        got_scale, want_scale = parts(got)["k_scale"], parts(want)["k_scale"]
+        torch.testing.assert_close(got_scale, want_scale, rtol=1e-5, atol=0)
+        k_got, _ = fmt.decode_for_attention(parts(got))
+        x_keys = keys.float() @ fmt.key_rotation
+        assert bool(((k_got - x_keys).abs() <= got_scale / 2 * (1 + 1e-4) + 1e-6).all()), "a rotated key decodes too far"
     if fmt.spec.kind != "turboquant":
         return
-    parts = lambda pages: {n: p.view(-1, *p.shape[2:])[slots] for n, p in pages.items()}  # noqa: E731
     k_got, v_got = fmt.decode_for_attention(parts(got))
     _, v_want = fmt.decode_for_attention(parts(want))
     x_values = values.float() @ fmt.value_rotation

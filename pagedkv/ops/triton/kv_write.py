@@ -42,10 +42,13 @@ def write_kv_kernel(
     value = tl.load(value_ptr + t * stride_vt + head * stride_vh + zero[:, None] + offs_d[None, :], mask=d_ok, other=0.0)
     k_row = zero + block * k_strides[0] + offset * k_strides[1] + head * k_strides[2]
     v_row = zero + block * v_strides[0] + offset * v_strides[1] + head * v_strides[2]
-    if KIND == KVQUANT:
+    if KIND == KVQUANT:  # rotate_keys as below: hadamard.rotate(x, signs) = fwht(x * signs) / sqrt(head_dim)
         ks_row = zero + block * ks_strides[0] + offset * ks_strides[1] + head * ks_strides[2]
         vs_row = zero + block * vs_strides[0] + offset * vs_strides[1] + head * vs_strides[2]
-        encode_kvquant(k_ptr, ks_ptr, k_row, ks_row, key.to(tl.float32), HEAD_DIM, K_BITS)
+        x = key.to(tl.float32)
+        if ROTATE_KEYS:
+            x = fwht(x * tl.load(key_signs_ptr + offs_d)[None, :], HEAD_DIM, LOG2_HEAD_DIM) / SQRT_HEAD_DIM
+        encode_kvquant(k_ptr, ks_ptr, k_row, ks_row, x, HEAD_DIM, K_BITS)
         encode_kvquant(v_ptr, vs_ptr, v_row, vs_row, value.to(tl.float32), HEAD_DIM, V_BITS)
     elif KIND == TURBOQUANT:  # hadamard.rotate(x, signs) = fwht(x * signs) / sqrt(head_dim)
         ks_row = zero + block * ks_strides[0] + offset * ks_strides[1] + head * ks_strides[2]

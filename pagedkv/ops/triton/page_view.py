@@ -57,19 +57,25 @@ def stride3(t: torch.Tensor) -> tuple[int, int, int]:
 _derived: "weakref.WeakKeyDictionary[PageFormat, dict]" = weakref.WeakKeyDictionary()
 
 
+def _key_rotation_tensors(fmt) -> dict:
+    """rotate_keys (TurboQuant or KV-Quant): the signs the write kernel rotates keys with, and the matrix
+    queries are rotated by (x @ key_rotation == hadamard.rotate(x, key_signs)); None without it."""
+    if fmt.key_signs is None:
+        return {"key_signs": None, "q_rotation": None}
+    return {"key_signs": fmt.key_signs.float().contiguous(), "q_rotation": fmt.key_rotation.contiguous()}
+
+
 def _turboquant_tensors(fmt) -> dict:
     if fmt not in _derived:
         cb = fmt.codebook.float().contiguous()
-        key_rotation = fmt.key_rotation          # x @ key_rotation == hadamard.rotate(x, key_signs), or None
         _derived[fmt] = {
             "codebook": cb,
             "codebook_f16": cb.half(),
             "thresholds": decision_thresholds(cb).contiguous(),
             "value_signs": fmt.value_signs.float().contiguous(),
             "out_rotation": fmt.value_rotation.T.contiguous(),      # out = out_rot @ value_rotation.T
-            "key_signs": None if fmt.key_signs is None else fmt.key_signs.float().contiguous(),
-            "q_rotation": None if key_rotation is None else key_rotation.contiguous(),
             "scale_multipliers": fmt.scale_grid,
+            **_key_rotation_tensors(fmt),
         }
     return _derived[fmt]
 
@@ -90,7 +96,8 @@ def page_view(fmt: PageFormat, pages: dict[str, torch.Tensor]) -> PageView:
         return PageView(DENSE, fmt.num_kv_heads, fmt.head_dim, k, v, k, k, k)
     if kind == "kvquant":
         return PageView(KVQUANT, fmt.num_kv_heads, fmt.head_dim, k, v, pages["k_scale"], k, pages["v_scale"],
-                        k_bits=fmt.bits, v_bits=fmt.bits)
+                        k_bits=fmt.bits, v_bits=fmt.bits, rotate_keys=fmt.key_signs is not None,
+                        **_key_rotation_tensors(fmt))
     if kind == "turboquant":
         ks, kz = pages["k_scale"], pages["k_zero"]
         assert ks.shape == kz.shape and ks.stride() == kz.stride(), "k_scale and k_zero must share a layout"
