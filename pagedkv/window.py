@@ -16,7 +16,8 @@ it leaves the window); a sequence that starts from cached prefix blocks or a sna
 hold, checked whenever a block is read.
 
 Rings of all sequences live in one tensor per layer, `[num_rows, R, block_size, num_kv_heads, head_dim]`,
-a row per sequence (rows are reused after `forget`).
+a row per sequence (rows are reused after `forget`) and, last, a scratch row that no sequence holds (where the
+padding rows of a CUDA-graph step write).
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ class RecentWindow:
             assert ring.blocks[slot] == b, f"ring slot {slot} of sequence {seq_id} holds block {ring.blocks[slot]}, not {b}"
         return first
 
-    def plan(self, seq_ids: list[int], starts: list[int], counts: list[int], device) -> WindowPlan:
-        """Place the new tokens of each sequence (positions starts[i] .. starts[i] + counts[i] - 1) in its ring.
+    def place(self, seq_ids: list[int], starts: list[int], counts: list[int]) -> tuple[list[int], ...]:
+        """Place the new tokens of each sequence (positions starts[i] .. starts[i] + counts[i] - 1) in its ring;
+        returns host lists (token_index, slot_mapping, rows, first_block), the fields of a `WindowPlan`.
 
         Only the tokens of a step's last R blocks are kept (older ones would be overwritten in the same step).
         """
@@ -90,11 +92,16 @@ class RecentWindow:
             rows.append(ring.row)
             first_blocks.append(self.first_dense_block(sid, start + n))
             offset += n
+        return token_index, slots, rows, first_blocks
+
+    def plan(self, seq_ids: list[int], starts: list[int], counts: list[int], device) -> WindowPlan:
+        """`place`, as a `WindowPlan` on `device`."""
+        token_index, slots, rows, first_blocks = self.place(seq_ids, starts, counts)
         per_seq = torch.tensor([rows, first_blocks], dtype=torch.int32, device=device)  # [2, num_seqs]: one copy
         return WindowPlan(token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
                           slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
                           rows=per_seq[0], first_block=per_seq[1],
-                          rows_cpu=rows, first_block_cpu=first_blocks, num_ring_blocks=nrb)
+                          rows_cpu=rows, first_block_cpu=first_blocks, num_ring_blocks=self.num_ring_blocks)
 
     def _take_row(self) -> int:
         if self.free_rows:
@@ -118,11 +125,13 @@ class RecentWindow:
             keys.view(flat).index_copy_(0, plan.slot_mapping, key.index_select(0, plan.token_index))
             values.view(flat).index_copy_(0, plan.slot_mapping, value.index_select(0, plan.token_index))
 
-    def _tensors(self, layer_idx: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tensors(self, layer_idx: int, key: torch.Tensor, num_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's rings, grown to hold the rows handed out (and `num_rows` rows) plus the scratch row."""
+        need = max(self.num_rows, num_rows) + 1
         keys = self.keys.get(layer_idx)
-        if keys is None or keys.shape[0] < self.num_rows:
+        if keys is None or keys.shape[0] < need:
             have = 0 if keys is None else keys.shape[0]
-            rows = max(self.num_rows, 2 * have, 4)
+            rows = max(need, 2 * have, 4)
             shape = (rows, self.num_ring_blocks, self.block_size, *key.shape[1:])
             new_k, new_v = key.new_empty(shape), key.new_empty(shape)
             if keys is not None:
@@ -130,6 +139,21 @@ class RecentWindow:
                 new_v[:have] = self.values[layer_idx]
             self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def reserve(self, num_rows: int) -> None:
+        """Every layer's rings hold rows 0 .. num_rows - 1 and the scratch row (CUDA graphs capture the rings at a
+        fixed capacity, `pagedkv.engine.cuda_graph`)."""
+        for layer_idx, keys in list(self.keys.items()):
+            with torch.inference_mode(torch.is_inference(keys)):
+                self._tensors(layer_idx, keys[0, 0], num_rows)
+
+    @property
+    def scratch_row(self) -> int:
+        """A row no sequence holds, the rings' last (rows handed out stay below it once a write or `reserve` has
+        grown the rings for them): the padding rows of a CUDA-graph step write there."""
+        sizes = {keys.shape[0] for keys in self.keys.values()}
+        assert len(sizes) == 1, f"the layers' rings have {sorted(sizes)} rows: a scratch row needs one size"
+        return sizes.pop() - 1
 
     # ------------------------------------------------------------------------------------------
     # sequences

@@ -26,9 +26,13 @@ def _tensor_driven_write(pages, fmt, key, value, meta):
     reference.write_kv(pages, fmt, key, value, dataclasses.replace(meta, token_index=keep))
 
 
-def _tensor_driven_attention(query, pages, fmt, meta, **kwargs):
+def _tensor_driven_attention(query, pages, fmt, meta, window=None, **kwargs):
     exact = dataclasses.replace(meta, seq_lens_cpu=meta.seq_lens.tolist(),
                                 query_start_loc_cpu=meta.query_start_loc.tolist())
+    if window is not None:  # the dense recent window: ring rows and first blocks from the plan's tensors too
+        plan = meta.window
+        exact.window = dataclasses.replace(plan, rows_cpu=plan.rows.tolist(), first_block_cpu=plan.first_block.tolist())
+        kwargs["sequence_kv"] = pagedkv.ops._window_reader(window, None, pages, fmt, exact)
     return reference.paged_attention(query, pages, fmt, exact, **kwargs)
 
 
@@ -38,17 +42,20 @@ class _Replay:
 
 
 class EagerReplayRunner(CUDAGraphRunner):
-    """Captures nothing: replay runs the forward again over the static buffers."""
+    """Captures nothing: replay runs the forward again over the static buffers, which must be the tensors
+    the graphs were captured over (pages and rings neither reallocated nor grown by the replay)."""
 
     def _capture(self, bs):
         logits = self._forward(bs).clone()
 
         def replay():
+            assert self._current_pages_key() == self._pages_key, "replaying over tensors the graphs do not hold"
             self.cache.plan = self._metadata(bs)
             try:
                 logits.copy_(self._forward(bs))
             finally:
                 self.cache.end_forward()
+            assert self._current_pages_key() == self._pages_key, "a replay cannot reallocate tensors"
 
         return _Replay(replay), logits
 
@@ -76,8 +83,9 @@ def requests():
 
 def graph_llm(model, batch_sizes=(1, 2, 4), **options):
     """An LLM whose decode steps go through the graph runner, with the stand-in replay; max_num_seqs is
-    the largest bucket."""
-    llm = LLM(model, cuda_graph_batch_sizes=batch_sizes, max_num_seqs=max(batch_sizes), **options)
+    the largest bucket unless given."""
+    options.setdefault("max_num_seqs", max(batch_sizes))
+    llm = LLM(model, cuda_graph_batch_sizes=batch_sizes, **options)
     runner = llm.engine.runner
     runner.graphs = EagerReplayRunner(model, llm.engine.cache, runner.cache_kwarg, batch_sizes,
                                       max_blocks_per_seq=llm.engine.cache.blocks_for(llm.engine.max_model_len))
@@ -218,3 +226,90 @@ def test_penalties_in_graph_steps_queued_ahead_match_eager(tensor_driven_kernels
     for i, n in ((2, 12), (5, 9)):  # the stop token comes right after min_tokens
         assert outputs[i].outputs[0].token_ids[n:] == [stop] and stop not in outputs[i].outputs[0].token_ids[:n]
     assert llm.engine.runner.graphs.num_replays > 20 and llm.stats()["steps_queued_ahead"] > 10
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a dense recent window (`recent_tokens`): captured steps write the rings and read them, driven by tensors
+
+WINDOW = dict(block_size=16, num_blocks=64)
+
+
+def window_requests():
+    """Eight requests that cross block boundaries and outgrow a window of 32 tokens (blocks leave the rings)."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 30, 3, 47, 12, 20, 9, 16)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (60, 40, 70, 24, 50, 36, 44, 30)]
+    return prompts, params
+
+
+def generate_in_waves(llm, prompts, params, first_steps=6):
+    """The first request alone for a few steps, then the others: they take ring rows mid-run."""
+    engine, done = llm.engine, {}
+
+    def step():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+
+    ids = [engine.add_request(prompts[0], params[0])]
+    for _ in range(first_steps):
+        step()
+    ids += [engine.add_request(p, sp) for p, sp in zip(prompts[1:], params[1:])]
+    while engine.has_unfinished():
+        step()
+    return [done[i].token_ids for i in ids]
+
+
+@pytest.mark.parametrize("kv_format", ["q4:recent_tokens=32", "q8:recent_tokens=32"])
+def test_graph_decode_with_a_dense_window_matches_eager(tensor_driven_kernels, kv_format):
+    """Buckets of 1, 2 and 4 under up to 8 running requests (larger batches decode eagerly, over the same rings);
+    the rings start with room for 4 sequences and grow when the second wave arrives: captured again."""
+    model = tiny_llama()
+    prompts, params = window_requests()
+    expected = generate_in_waves(LLM(model, enforce_eager=True, max_num_seqs=8, kv_format=kv_format, **WINDOW),
+                                 prompts, params)
+    if kv_format.startswith("q4"):  # the window changes these tokens: a step that missed the rings would show
+        plain = LLM(model, enforce_eager=True, max_num_seqs=8, kv_format="q4", **WINDOW)
+        assert generate_in_waves(plain, prompts, params) != expected
+    llm = graph_llm(model, max_num_seqs=8, kv_format=kv_format, **WINDOW)
+    assert generate_in_waves(llm, prompts, params) == expected
+    graphs, window = llm.engine.runner.graphs, llm.engine.cache.window
+    assert graphs.num_replays > 25
+    # the pool never grows (64 blocks): every capture after the first followed the rings' growth
+    assert llm.engine.cache.grow_events == 0 and graphs.num_captures > 1 and window.scratch_row >= 8
+    assert llm.stats()["blocks_used"] == 0 and not window.rings
+
+
+def test_full_pool_with_a_dense_window_preempts_and_recovers(tensor_driven_kernels):
+    """Preempted requests give their ring rows back and take one again when they come back."""
+    model = tiny_llama()
+    prompts, params = window_requests()
+    options = dict(kv_format="q4:recent_tokens=32", block_size=16)
+    expected = [o.token_ids for o in LLM(model, enforce_eager=True, num_blocks=64, **options).generate(prompts, params)]
+    llm = graph_llm(model, num_blocks=10, admission_lookahead_tokens=0, **options)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.stats()
+    assert stats["preemptions"] > 0 and llm.engine.runner.graphs.num_replays > 30
+    assert stats["blocks_used"] == 0 and not llm.engine.cache.window.rings
+
+
+def test_verify_steps_with_a_dense_window_replay_the_verify_graph_runner(tensor_driven_kernels):
+    """Verify steps of one drafted token read the window in the decode kernel, so they replay a graph runner too;
+    the eager engine with the same fixed-length drafts gives the tokens (a verify step reads the window of its
+    last token, so not those of plain decoding)."""
+    model = tiny_llama()
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 7, [3, 1, 4, 1, 5, 9, 2, 6] * 2]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    options = dict(kv_format="q4:recent_tokens=32", speculative="ngram:k=1,adaptive=0", **WINDOW)
+    eager = LLM(model, enforce_eager=True, max_num_seqs=4, **options)
+    eager.engine.speculator.fixed_k = True
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    llm = graph_llm(model, **options)
+    engine = llm.engine
+    engine.runner.verify_graphs = verify = EagerReplayRunner(
+        model, engine.cache, engine.runner.cache_kwarg, (1, 2, 4),
+        max_blocks_per_seq=engine.cache.blocks_for(engine.max_model_len), query_len=2)
+    engine.speculator.fixed_k = True
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert verify.num_replays > 10 and llm.stats()["spec_accepted_tokens"] > 0
+    assert llm.stats()["blocks_used"] == 0

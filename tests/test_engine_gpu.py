@@ -1,5 +1,5 @@
 """On a CUDA device: decode steps replayed from captured CUDA graphs give the eager engine's tokens,
-for every page format, with the Triton kernels underneath."""
+for every page format (a dense recent window too), with the Triton kernels underneath."""
 
 import random
 
@@ -107,3 +107,51 @@ def test_penalties_in_captured_decode_steps_match_eager():
     # as in the decode test above: padded batches may flip a rare float32 argmax of a random model
     assert same / sum(len(e) for e in expected) > 0.97, (outputs, expected)
     assert sum(o == e for o, e in zip(outputs, expected)) >= 6
+
+
+@pytest.mark.parametrize("kv_format", ["q8:recent_tokens=32", "q4:recent_tokens=64"])
+def test_cuda_graph_decode_with_a_dense_window_matches_eager_decode(kv_format):
+    """Captured decode steps write the dense recent window's rings and read them in the Triton decode kernel.
+    Eight requests over buckets of 1, 2 and 4 (larger batches decode eagerly over the same rings): the rings,
+    captured with room for 4 sequences, grow and are captured again."""
+    model = small_llama()
+    prompts, params = workload()
+    options = dict(kv_format=kv_format, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128)
+    eager = LLM(model, enforce_eager=True, **options)
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    del eager
+    llm = LLM(model, cuda_graph_batch_sizes=(1, 2, 4), **options)
+    outputs = llm.generate(prompts, params)
+    stats, graphs = llm.stats(), llm.engine.runner.graphs
+    assert graphs is not None and stats["cuda_graph_replays"] > 20, stats
+    assert graphs.num_captures > 1 and llm.engine.cache.window.scratch_row >= 8
+    # only prefill chunks read the window on the reference path; every decode step runs the Triton kernel
+    bailouts = llm.engine.cache.paged_stats()["paged_attention_bailouts_by_phase_reason"]
+    assert set(bailouts) <= {"prefill:recent_tokens"}, bailouts
+    same = sum(a == b for o, e in zip(outputs, expected) for a, b in zip(o.token_ids, e))
+    # as in the decode test above: padded batches may flip a rare float32 argmax of a random model
+    assert same / sum(len(e) for e in expected) > 0.97, [(o.token_ids, e) for o, e in zip(outputs, expected)]
+    assert sum(o.token_ids == e for o, e in zip(outputs, expected)) >= 6
+    assert stats["blocks_used"] == 0
+
+
+def test_cuda_graph_verify_steps_with_a_dense_window_match_eager_verify():
+    """Verify steps of one drafted token read the window in the decode kernel, so they are captured too; the
+    eager engine with the same drafter is the reference (a verify step reads the window of its last token)."""
+    model = small_llama()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1024) for _ in range(n)] * 3 for n in (5, 9, 3, 17, 2, 11)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 24, 33, 20, 50, 30)]
+    options = dict(kv_format="q8:recent_tokens=32", num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128,
+                   speculative="ngram:k=1,adaptive=0")
+    eager = LLM(model, enforce_eager=True, **options)
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    del eager
+    llm = LLM(model, cuda_graph_batch_sizes=(1, 2, 4, 8), **options)
+    outputs = llm.generate(prompts, params)
+    runner, stats = llm.engine.runner, llm.stats()
+    assert runner.verify_graphs is not None and runner.verify_graphs.query_len == 2
+    assert runner.verify_graphs.num_replays > 10 and stats["spec_accepted_tokens"] > 0, stats
+    same = sum(a == b for o, e in zip(outputs, expected) for a, b in zip(o.token_ids, e))
+    assert same / sum(len(e) for e in expected) > 0.97, [(o.token_ids, e) for o, e in zip(outputs, expected)]
+    assert stats["blocks_used"] == 0

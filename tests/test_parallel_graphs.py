@@ -3,8 +3,9 @@
 The graphs are the CPU stand-in of tests/test_engine_cuda_graph.py (a "replay" re-runs the forward over
 the runner's static buffers, and attention/writes read only the metadata tensors, as the Triton kernels
 do). Rank 0's engine captures and replays; the followers capture and replay with it, fed the step's
-inputs by the broadcast of the static buffers. 1 and 2 gloo ranks must give one process's tokens for
-every page format, with the pool growing (a re-capture on every rank) and more requests than buckets.
+inputs by the broadcast of the static buffers (with a dense recent window, its ring slots, rows and first
+blocks too). 1 and 2 gloo ranks must give one process's tokens for every page format, with the pool growing
+(a re-capture on every rank) and more requests than buckets.
 """
 
 import gc
@@ -20,8 +21,9 @@ from test_engine_cuda_graph import EagerReplayRunner, _tensor_driven_attention, 
 from test_parallel import FORMATS as ALL_FORMATS
 from test_parallel import _save_tiny_llama
 
-# A dense recent window decodes without CUDA graphs until the kernels read it (README): not here.
-FORMATS = [f for f in ALL_FORMATS if "recent_tokens" not in f]
+# A dense recent window over pages the decode kernel reads (KV-Quant): its ring buffers travel with the
+# static buffers (test_parallel's window format, TurboQuant at head_dim 16, decodes eagerly: not here).
+FORMATS = [f for f in ALL_FORMATS if "recent_tokens" not in f] + ["q4:recent_tokens=8"]
 
 PROMPTS = [[7, 12, 99, 3, 45, 200, 17, 18, 64, 31, 5], [40, 41, 42, 43, 250], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 PARAMS = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (9, 12, 6, 10)]

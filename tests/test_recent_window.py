@@ -315,6 +315,23 @@ def test_stats_count_the_window_bytes():
     assert cache.paged_stats()["window_bytes_in_use"] == 2 * ring
 
 
+def test_rings_keep_a_scratch_row_that_no_sequence_holds():
+    """The rings' last row is scratch (CUDA-graph padding writes there); `reserve` grows every layer's rings to
+    a capacity, keeping what they hold."""
+    cache = window_cache(recent=16)
+    seqs = [cache.add_sequence() for _ in range(4)]
+    for s in seqs:
+        append(cache, s, torch.randn(20, H, D), torch.randn(20, H, D))
+    window = cache.window
+    rows = [window.rings[s].row for s in seqs]
+    assert max(rows) < window.scratch_row == window.keys[0].shape[0] - 1
+    before = [cache.read(s, layer) for s in seqs for layer in range(len(cache.pages))]
+    window.reserve(9)
+    assert window.scratch_row >= 9 and {k.shape[0] for k in window.keys.values()} == {window.scratch_row + 1}
+    after = [cache.read(s, layer) for s in seqs for layer in range(len(cache.pages))]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(after, before))
+
+
 def test_reset_forgets_every_ring():
     cache = window_cache(recent=16)
     s = cache.add_sequence()

@@ -16,10 +16,22 @@ Verify steps of speculative decoding (`query_len` = 1 + k tokens per sequence: i
 drafted ones) are captured by a second runner of the same kind: ids, positions and slots then hold
 `query_len` entries per sequence and query_start_loc steps by `query_len`.
 
+A dense recent window (`recent_tokens`, `pagedkv.window`) adds its plan to the same flat buffer:
+
+    ring_slot_mapping, ring_token_index: [max_bs * query_len] int64   (`WindowPlan.slot_mapping`, `token_index`)
+    ring_rows, ring_first_block: [max_bs] int32                        (`WindowPlan.rows`, `first_block`)
+
+The host places the step's new tokens in the rings (`RecentWindow.place`) as an eager step's plan does.
+The rings are captured at a fixed capacity: rows for the largest bucket at least, and a scratch row, the
+last, that no sequence holds. Padding entries write token 0 to the scratch row and read no ring block.
+This needs the kernels to read the window in the step (`ops.triton.reads_window`: decode steps, verify
+steps of one drafted token, over pages the decode kernel reads); otherwise the runner does not capture.
+
 A batch of n sequences runs in the smallest bucket >= n; the rows past n are padding (no write,
 `query_len` tokens of context) and their logits are dropped. Graphs are captured at the first decode step, when
-the page tensors exist, and again whenever the pool reallocates them (dynamic growth). They need the
-Triton kernels (the reference path loops over sequences in Python and cannot be captured).
+the page tensors exist, and again whenever the pool reallocates them (dynamic growth) or the window's rings
+are reallocated (an eager step wrote a ring row past their capacity, or a sequence took one in a graph step).
+They need the Triton kernels (the reference path loops over sequences in Python and cannot be captured).
 
 Under tensor parallelism every rank captures the same buckets at the same time and replays the same one
 each step, with rank 0's static buffers broadcast to the others first (`pagedkv.parallel.graphs`).
@@ -36,7 +48,7 @@ import torch
 from .. import ops
 from ..cache import PagedKVCache
 from ..cache import Sequence as CacheSequence
-from ..ops.metadata import AttentionMetadata
+from ..ops.metadata import AttentionMetadata, WindowPlan
 from .sequence import Sequence
 
 
@@ -50,7 +62,8 @@ class CUDAGraphRunner:
         self.device = next(model.parameters()).device
         max_bs, self.max_blocks = self.batch_sizes[-1], max_blocks_per_seq
         self.query_len = q = query_len
-        self.static = _StepInputs(max_bs, max_blocks_per_seq, self.device, query_len=q)
+        self.window = window = cache.window  # the dense recent window (`recent_tokens`), or None
+        self.static = _StepInputs(max_bs, max_blocks_per_seq, self.device, query_len=q, window=window is not None)
         self.input_ids = self.static.ints[0:1]  # [1, max_bs * query_len]
         self.position_ids = self.static.ints[1:2]  # [1, max_bs * query_len]
         self.slot_mapping = self.static.ints[2]
@@ -59,8 +72,8 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device) * q
         # pinned host twins, filled in numpy and copied up without waiting; two, used in turn, so a step can
         # be prepared while the copy of the step before it is still queued
-        self.host = [_StepInputs(max_bs, max_blocks_per_seq, pin=self.device.type == "cuda", query_len=q)
-                     for _ in range(2)]
+        self.host = [_StepInputs(max_bs, max_blocks_per_seq, pin=self.device.type == "cuda", query_len=q,
+                                 window=window is not None) for _ in range(2)]
         self._turn = 0
         # per bucket: the prefix of the flat buffer its graph reads, on the device and in each host twin
         self._copies = {bs: (self.static.prefix(bs), [host.prefix(bs) for host in self.host]) for bs in self.batch_sizes}
@@ -69,16 +82,23 @@ class CUDAGraphRunner:
         self.pool = None
         self._pages_key = None
         self._capturable: tuple[tuple, bool] | None = None  # (layers, layers without pages): is_capturable()
+        self._ring_padding = (0, 0, 0)  # what padding rows put in the window buffers (`_StepInputs.clear`)
         self.num_replays = 0
         self.num_captures = 0
 
     # ------------------------------------------------------------------------------------------
     def is_capturable(self) -> bool:
-        """The cache's every layer runs on the Triton kernels (allocated pages, CUDA, supported format)."""
+        """The cache's every layer runs on the Triton kernels (allocated pages, CUDA, supported format), and
+        reads its dense recent window there, if it has one (decode-like steps over pages the decode kernel reads)."""
         formats = self.cache.formats
         if not formats or any(f is None for f in formats):
             return False
-        return all(ops.choose_backend(self.device, self.cache.config.kernels, f)[0] == "triton" for f in formats)
+        if not all(ops.choose_backend(self.device, self.cache.config.kernels, f)[0] == "triton" for f in formats):
+            return False
+        from ..ops.triton import reads_window
+
+        bs, q = self.batch_sizes[-1], self.query_len
+        return all(reads_window(bs * q, bs, f)[0] for f in formats if f.spec.recent_tokens)
 
     def can_run(self, num_seqs: int) -> bool:
         if num_seqs > self.batch_sizes[-1]:
@@ -90,16 +110,23 @@ class CUDAGraphRunner:
         return self._capturable[1]
 
     def _current_pages_key(self):
-        return tuple(t.data_ptr() for p in self.cache.pages if p for t in p.values())
+        """The page tensors and the window's rings the graphs were captured over."""
+        rings = () if self.window is None else (*self.window.keys.values(), *self.window.values.values())
+        return tuple(t.data_ptr() for p in self.cache.pages if p for t in p.values()) + tuple(t.data_ptr() for t in rings)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         worst = self.max_blocks * self.cache.block_size  # host-side sizing sees the longest possible context
-        q = self.query_len
+        q, static = self.query_len, self.static
+        window = None
+        if self.window is not None:  # no host copies: the decode kernel reads the tensors
+            window = WindowPlan(token_index=static.ints[4, :bs * q], slot_mapping=static.ints[3, :bs * q],
+                                rows=static.per_seq[1, :bs], first_block=static.per_seq[2, :bs], rows_cpu=[],
+                                first_block_cpu=[], num_ring_blocks=self.window.num_ring_blocks)
         return AttentionMetadata(
             block_table=self.block_table[:bs], seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
             slot_mapping=self.slot_mapping[:bs * q], token_index=None, seq_lens_cpu=[worst] * bs,
             query_start_loc_cpu=[i * q for i in range(bs + 1)], block_size=self.cache.block_size,
-            phase_hint="verify" if q > 1 else None)
+            phase_hint="verify" if q > 1 else None, window=window)
 
     def _forward(self, bs: int) -> torch.Tensor:
         num_tokens = bs * self.query_len
@@ -113,9 +140,13 @@ class CUDAGraphRunner:
         capture theirs at the same time (the collectives inside the forwards pair up)."""
         self.graphs.clear()
         self.logits.clear()
-        for inputs in (self.static, *self.host):
-            inputs.clear()
         with self._peers("capturing"):
+            if self.window is not None:  # rings of a fixed capacity: the largest batch's rows at least, and scratch
+                self.window.reserve(max(self.window.num_rows, self.batch_sizes[-1]))
+                row = self.window.scratch_row
+                self._ring_padding = (row * self.window.num_ring_blocks * self.cache.block_size, row, self.max_blocks)
+            for inputs in (self.static, *self.host):
+                inputs.clear(self._ring_padding)
             for bs in reversed(self.batch_sizes):
                 self.cache.plan = self._metadata(bs)
                 try:
@@ -153,11 +184,14 @@ class CUDAGraphRunner:
 
     # ------------------------------------------------------------------------------------------
     def _fill_host(self, host: "_StepInputs", seqs: list[Sequence], held: list[CacheSequence],
-                   slots: list[list[int]], bs: int, token_rows: list[list[int]] | None) -> None:
+                   slots: list[list[int]], bs: int, token_rows: list[list[int]] | None, ring: tuple | None) -> None:
         """Write the step's inputs into `host`: `held` are the cache's sequences (after the reservation);
-        token_rows[i]: the query_len tokens sequence i feeds (None: they come from the device)."""
+        token_rows[i]: the query_len tokens sequence i feeds (None: they come from the device); ring: the
+        window's placement of the new tokens (`RecentWindow.place`), or None."""
         n, q, block_size = len(seqs), self.query_len, self.cache.block_size
         ints, lens, table = host.np_ints, host.np_seq_lens, host.np_block_table
+        if ring is not None:
+            self._fill_ring(host, ring, n, bs)
         if token_rows is not None:
             ints[0, :n * q] = [t for row in token_rows for t in row]
         lens[:n] = [h.num_tokens for h in held]  # the new tokens included
@@ -172,6 +206,18 @@ class CUDAGraphRunner:
         if any(r is not None for r in host.rows[n:bs]):  # padding: query_len tokens of context from block 0, never stored
             table[n:bs, :(q + block_size - 1) // block_size] = 0
             host.rows[n:bs] = [None] * (bs - n)
+
+    def _fill_ring(self, host: "_StepInputs", ring: tuple, n: int, bs: int) -> None:
+        """The window's buffers of `host` for n sequences in bucket bs: the kept new tokens' ring slots and
+        their index among the step's tokens, each sequence's ring row and first block read from it. The rest
+        is padding (`_StepInputs.clear`): writes of token 0 to the scratch row, nothing read from a ring."""
+        token_index, ring_slots, rows, first_block = ring
+        ints, per_seq, (pad_slot, pad_row, pad_first) = host.np_ints, host.np_per_seq, self._ring_padding
+        kept, num_tokens = len(ring_slots), bs * self.query_len
+        ints[3, :kept], ints[3, kept:num_tokens] = ring_slots, pad_slot
+        ints[4, :kept], ints[4, kept:num_tokens] = token_index, 0
+        per_seq[1, :n], per_seq[1, n:bs] = rows, pad_row
+        per_seq[2, :n], per_seq[2, n:bs] = first_block, pad_first
 
     def rolled_back(self, seq_id: int, num_blocks: int) -> None:
         """Cache sequence `seq_id` now holds `num_blocks` blocks (a rollback freed the rest): the blocks it
@@ -219,13 +265,18 @@ class CUDAGraphRunner:
         num_blocks = self.cache.pool.num_blocks
         slots = self.cache.reserve(seq_ids, [q] * n)
         try:
-            if self.cache.pool.num_blocks != num_blocks:  # the reservation grew the pool: new page tensors
+            held = [self.cache.seqs[i] for i in seq_ids]
+            ring = None
+            if self.window is not None:
+                ring = self.window.place(seq_ids, [h.num_tokens - q for h in held], [q] * n)
+            # the reservation grew the pool (new page tensors), or a sequence took a ring row past the rings' capacity
+            if self.cache.pool.num_blocks != num_blocks or (self.window is not None
+                                                            and self.window.num_rows > self.window.scratch_row):
                 self.capture()
             bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
             turn = self._turn
             self._turn ^= 1
-            held = [self.cache.seqs[i] for i in seq_ids]
-            self._fill_host(self.host[turn], seqs, held, slots, bs, token_rows)
+            self._fill_host(self.host[turn], seqs, held, slots, bs, token_rows, ring)
             static, host = self._copies[bs]
             static.copy_(host[turn], non_blocking=True)
             if input_ids is not None:
@@ -242,27 +293,32 @@ class CUDAGraphRunner:
 class _StepInputs:
     """A step's inputs as views of one flat buffer, so one copy moves them all (host twin: pinned).
 
-    ints: [3, max_bs * query_len] int64 (input ids, positions, slots); seq_lens: [max_bs] int32; block_table:
-    [max_bs, max_blocks] int32. The block table comes last, so the inputs of a bucket of bs rows are
-    the buffer's first `prefix(bs)` bytes. On the host, `rows[i]` is the cache sequence whose blocks
-    table row i holds and `num_written[i]` how many of them.
+    ints: [3, max_bs * query_len] int64 (input ids, positions, slots); per_seq: [1, max_bs] int32 (seq_lens);
+    block_table: [max_bs, max_blocks] int32. With a dense recent window, ints has two more rows (the ring
+    slots of the kept new tokens, `WindowPlan.slot_mapping`, and their index among the step's tokens,
+    `token_index`) and per_seq two more (ring rows, first blocks read from the ring). The block table comes
+    last, so the inputs of a bucket of bs rows are the buffer's first `prefix(bs)` bytes. On the host,
+    `rows[i]` is the cache sequence whose blocks table row i holds and `num_written[i]` how many of them.
     """
 
     def __init__(self, max_bs: int, max_blocks: int, device: torch.device | None = None, pin: bool = False,
-                 query_len: int = 1):
+                 query_len: int = 1, window: bool = False):
         max_tokens = max_bs * query_len
         self.query_len = query_len
-        ints_end = 3 * max_tokens * 8
-        self.table_start = ints_end + -(-max_bs * 4 // 8) * 8
+        num_ints, num_per_seq = (5, 3) if window else (3, 1)
+        ints_end = num_ints * max_tokens * 8
+        self.table_start = ints_end + -(-num_per_seq * max_bs * 4 // 8) * 8
         self.row_bytes = max_blocks * 4
         self.flat = torch.zeros(self.table_start + max_bs * self.row_bytes, dtype=torch.uint8, device=device,
                                 pin_memory=pin)
-        self.ints = self.flat[:ints_end].view(torch.int64).view(3, max_tokens)
-        self.seq_lens = self.flat[ints_end:ints_end + max_bs * 4].view(torch.int32)
+        self.ints = self.flat[:ints_end].view(torch.int64).view(num_ints, max_tokens)
+        self.per_seq = self.flat[ints_end:ints_end + num_per_seq * max_bs * 4].view(torch.int32).view(num_per_seq, max_bs)
+        self.seq_lens = self.per_seq[0]
         self.block_table = self.flat[self.table_start:].view(torch.int32).view(max_bs, max_blocks)
         if self.flat.device.type == "cpu":
-            self.np_ints, self.np_seq_lens, self.np_block_table = (
-                t.numpy() for t in (self.ints, self.seq_lens, self.block_table))
+            self.np_ints, self.np_per_seq, self.np_block_table = (
+                t.numpy() for t in (self.ints, self.per_seq, self.block_table))
+            self.np_seq_lens = self.np_per_seq[0]
         self.rows: list[CacheSequence | None] = [None] * max_bs
         self.num_written = np.zeros(max_bs, dtype=np.int64)
         self.clear()
@@ -270,11 +326,17 @@ class _StepInputs:
     def prefix(self, bs: int) -> torch.Tensor:
         return self.flat[:self.table_start + bs * self.row_bytes]
 
-    def clear(self) -> None:
-        """Padding everywhere: no slot, query_len tokens of context from block 0."""
+    def clear(self, ring_padding: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """Padding everywhere: no slot, query_len tokens of context from block 0; with a window, ring_padding
+        = (slot, row, first block): every token's ring write goes to that slot (the scratch row's), every
+        sequence reads that row from that block on (past its blocks: nothing)."""
         self.ints.zero_()
         self.ints[2].fill_(-1)
-        self.seq_lens.fill_(self.query_len)
+        self.per_seq[0].fill_(self.query_len)
+        if self.ints.shape[0] > 3:
+            self.ints[3].fill_(ring_padding[0])
+            self.per_seq[1].fill_(ring_padding[1])
+            self.per_seq[2].fill_(ring_padding[2])
         self.block_table.zero_()
         self.rows = [None] * len(self.rows)
         self.num_written[:] = 0

@@ -27,11 +27,7 @@ class ModelRunner:
         self.cache_kwarg = cache_kwarg(model)
         self.device = next(model.parameters()).device
         self.graphs = self.verify_graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and cache.config.recent_tokens:
-            warnings.warn(f"pagedkv: CUDA graphs are off for this engine, decoding eagerly (recent_tokens="
-                          f"{cache.config.recent_tokens}: the captured steps do not write or read the dense recent "
-                          "window yet)", RuntimeWarning, stacklevel=2)
-        elif self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))
 
