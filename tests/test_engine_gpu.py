@@ -112,32 +112,32 @@ def test_penalties_in_captured_decode_steps_match_eager():
 @pytest.mark.parametrize("kv_format", ["q8:recent_tokens=32", "q4:recent_tokens=64"])
 def test_cuda_graph_decode_with_a_dense_window_matches_eager_decode(kv_format):
     """Captured decode steps write the dense recent window's rings and read them in the Triton decode kernel.
-    Eight requests over buckets of 1, 2 and 4 (larger batches decode eagerly over the same rings): the rings,
-    captured with room for 4 sequences, grow and are captured again."""
+    One request alone first (captured with rings for 4 sequences and scratch), then seven more over buckets of
+    1, 2 and 4 (larger batches decode eagerly over the same rings): the rings grow and are captured again."""
+    from test_engine_cuda_graph import generate_in_waves
+
     model = small_llama()
     prompts, params = workload()
     options = dict(kv_format=kv_format, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128)
-    eager = LLM(model, enforce_eager=True, **options)
-    expected = [o.token_ids for o in eager.generate(prompts, params)]
-    del eager
+    expected = generate_in_waves(LLM(model, enforce_eager=True, **options), prompts, params)
     llm = LLM(model, cuda_graph_batch_sizes=(1, 2, 4), **options)
-    outputs = llm.generate(prompts, params)
+    outputs = generate_in_waves(llm, prompts, params)
     stats, graphs = llm.stats(), llm.engine.runner.graphs
     assert graphs is not None and stats["cuda_graph_replays"] > 20, stats
     assert graphs.num_captures > 1 and llm.engine.cache.window.scratch_row >= 8
-    # only prefill chunks read the window on the reference path; every decode step runs the Triton kernel
+    # steps with prefill chunks read the window on the reference path; every decode step runs the Triton kernel
     bailouts = llm.engine.cache.paged_stats()["paged_attention_bailouts_by_phase_reason"]
-    assert set(bailouts) <= {"prefill:recent_tokens"}, bailouts
-    same = sum(a == b for o, e in zip(outputs, expected) for a, b in zip(o.token_ids, e))
+    assert not any(key.startswith("decode:") for key in bailouts), bailouts
+    same = sum(a == b for o, e in zip(outputs, expected) for a, b in zip(o, e))
     # as in the decode test above: padded batches may flip a rare float32 argmax of a random model
-    assert same / sum(len(e) for e in expected) > 0.97, [(o.token_ids, e) for o, e in zip(outputs, expected)]
-    assert sum(o.token_ids == e for o, e in zip(outputs, expected)) >= 6
+    assert same / sum(len(e) for e in expected) > 0.97, list(zip(outputs, expected))
+    assert sum(o == e for o, e in zip(outputs, expected)) >= 6
     assert stats["blocks_used"] == 0
 
 
 def test_cuda_graph_verify_steps_with_a_dense_window_match_eager_verify():
     """Verify steps of one drafted token read the window in the decode kernel, so they are captured too; the
-    eager engine with the same drafter is the reference (a verify step reads the window of its last token)."""
+    eager engine with the same drafts is the reference (a verify step reads the window of its last token)."""
     model = small_llama()
     rng = random.Random(1)
     prompts = [[rng.randrange(1024) for _ in range(n)] * 3 for n in (5, 9, 3, 17, 2, 11)]
@@ -145,6 +145,7 @@ def test_cuda_graph_verify_steps_with_a_dense_window_match_eager_verify():
     options = dict(kv_format="q8:recent_tokens=32", num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128,
                    speculative="ngram:k=1,adaptive=0")
     eager = LLM(model, enforce_eager=True, **options)
+    eager.engine.speculator.fixed_k = True  # drafts padded to k, as under graphs
     expected = [o.token_ids for o in eager.generate(prompts, params)]
     del eager
     llm = LLM(model, cuda_graph_batch_sizes=(1, 2, 4, 8), **options)
