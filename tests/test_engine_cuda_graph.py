@@ -9,6 +9,7 @@ must give exactly the eager engine's tokens. (The real capture runs in tests/tes
 
 import dataclasses
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -313,3 +314,40 @@ def test_verify_steps_with_a_dense_window_replay_the_verify_graph_runner(tensor_
     assert [o.token_ids for o in outputs] == expected
     assert verify.num_replays > 10 and llm.stats()["spec_accepted_tokens"] > 0
     assert llm.stats()["blocks_used"] == 0
+
+
+def test_sequences_taking_ring_rows_in_graph_steps_are_captured_again(tensor_driven_kernels):
+    """Sequences that start from another's cached blocks take their ring rows in the graph step itself: past
+    the rings' capacity, the runner grows them and captures again before the replay (the stand-in replay
+    asserts it runs over the captured rings). Eight such sequences, four a step, give the logits of one
+    decoded eagerly (its new token read exact from its ring)."""
+    model = tiny_llama()
+    engine = graph_llm(model, kv_format="q4:recent_tokens=32", **WINDOW).engine
+    cache, graphs, kwarg = engine.cache, engine.runner.graphs, engine.runner.cache_kwarg
+    prompt = window_requests()[0][3][:33]
+
+    def forward(seq_ids, tokens, start):  # an eager step: tokens [num_seqs, n] from position start
+        cache.begin_step(seq_ids, [len(t) for t in tokens])
+        try:
+            ids = torch.tensor([[t for row in tokens for t in row]])
+            positions = torch.tensor([[start + i for row in tokens for i in range(len(row))]])
+            return model(input_ids=ids, position_ids=positions, use_cache=True, **{kwarg: cache}).logits[0]
+        finally:
+            cache.end_forward()
+
+    def shared():  # a new sequence holding the first 32 tokens' blocks, without a ring
+        blocks = cache.block_table(first)[:2]
+        cache.pool.incref(blocks)
+        return cache.add_sequence(prefix_block_ids=blocks)
+
+    with torch.inference_mode():
+        first = cache.add_sequence()
+        forward([first], [prompt[:32]], 0)
+        expected = forward([shared()], [prompt[32:]], 32)[-1]
+        steps = [[SimpleNamespace(seq_id=shared(), token_ids=prompt[:33]) for _ in range(4)] for _ in range(2)]
+        logits = [graphs.run(seqs).clone() for seqs in steps]
+    assert graphs.num_captures == 2 and cache.window.num_rows == 10 and cache.window.scratch_row >= 10
+    rows = torch.cat(logits)  # [8, vocab]: the same inputs before and after the capture, the same logits
+    assert torch.equal(rows, rows[:1].expand_as(rows))
+    # the eager step's matmuls are over one row, the bucket's over four: float32 rounding apart, no more
+    torch.testing.assert_close(rows[0], expected, rtol=0, atol=1e-5)
