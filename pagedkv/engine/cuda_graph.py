@@ -112,7 +112,8 @@ class CUDAGraphRunner:
     def _current_pages_key(self):
         """The page tensors and the window's rings the graphs were captured over."""
         rings = () if self.window is None else (*self.window.keys.values(), *self.window.values.values())
-        return tuple(t.data_ptr() for p in self.cache.pages if p for t in p.values()) + tuple(t.data_ptr() for t in rings)
+        pages = (t for p in self.cache.pages if p for t in p.values())
+        return tuple(t.data_ptr() for t in (*pages, *rings))
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         worst = self.max_blocks * self.cache.block_size  # host-side sizing sees the longest possible context
@@ -312,7 +313,8 @@ class _StepInputs:
         self.flat = torch.zeros(self.table_start + max_bs * self.row_bytes, dtype=torch.uint8, device=device,
                                 pin_memory=pin)
         self.ints = self.flat[:ints_end].view(torch.int64).view(num_ints, max_tokens)
-        self.per_seq = self.flat[ints_end:ints_end + num_per_seq * max_bs * 4].view(torch.int32).view(num_per_seq, max_bs)
+        per_seq_end = ints_end + num_per_seq * max_bs * 4
+        self.per_seq = self.flat[ints_end:per_seq_end].view(torch.int32).view(num_per_seq, max_bs)
         self.seq_lens = self.per_seq[0]
         self.block_table = self.flat[self.table_start:].view(torch.int32).view(max_bs, max_blocks)
         if self.flat.device.type == "cpu":
