@@ -7,6 +7,7 @@ calls are limited in time, or a few formats at a time on a CPU. Each part measur
 every format's increase and KL are against `off` of its own run. The parts must agree on what was
 measured (model, text, dtype, windows, profile length); a format measured twice is taken from the first
 report that has it. Each merged format records the report it came from (`source`) and its device.
+Passkeys are kept only when every part measured them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def merge(reports: list[tuple[str, dict]]) -> dict:
         for label, result in report["formats"].items():
             if label not in merged["formats"]:
                 merged["formats"][label] = {**result, "source": name, "device": report["device"]}
+    if not all("passkey" in r for r in merged["formats"].values()):  # a partial panel would read as misses
+        for r in merged["formats"].values():
+            r.pop("passkey", None)
+        merged["note"] = "passkeys left out: not every part measured them"
     devices = sorted({s["device"] for s in merged["sources"].values()})
     merged["device"] = " + ".join(devices)
     return merged
