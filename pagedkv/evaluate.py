@@ -180,16 +180,15 @@ def profile_scores(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor) ->
     """
     caches = {f: runner.cache(f) for f in fmts}
     steps = {f: score_step(c) if f.kv_format.recent_tokens else PROFILE_CHUNK for f, c in caches.items()}
-    chunk_len = PROFILE_CHUNK
-    if any(chunk_len % step for step in steps.values()):
-        raise ConfigError(f"the context profile steps formats in chunks of {chunk_len} tokens; give every format a "
+    if any(PROFILE_CHUNK % step for step in steps.values()):
+        raise ConfigError(f"the context profile steps formats in chunks of {PROFILE_CHUNK} tokens; give every format a "
                           f"block_size that divides it, not {sorted(set(steps.values()))}")
     targets = ids[1:]
     out = {f: ([], []) for f in fmts}
     start = 0
     while start < targets.shape[0]:
         reference = None
-        chunk = ids[None, start:min(start + chunk_len, targets.shape[0])]
+        chunk = ids[None, start:min(start + PROFILE_CHUNK, targets.shape[0])]
         for f in fmts:
             lp = runner.forward(caches[f], chunk, step=steps[f])  # [n, vocab]
             if reference is None:

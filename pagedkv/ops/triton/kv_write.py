@@ -42,25 +42,22 @@ def write_kv_kernel(
     value = tl.load(value_ptr + t * stride_vt + head * stride_vh + zero[:, None] + offs_d[None, :], mask=d_ok, other=0.0)
     k_row = zero + block * k_strides[0] + offset * k_strides[1] + head * k_strides[2]
     v_row = zero + block * v_strides[0] + offset * v_strides[1] + head * v_strides[2]
-    if KIND == KVQUANT:  # rotate_keys as below: hadamard.rotate(x, signs) = fwht(x * signs) / sqrt(head_dim)
+    if KIND == KVQUANT or KIND == TURBOQUANT:
         ks_row = zero + block * ks_strides[0] + offset * ks_strides[1] + head * ks_strides[2]
         vs_row = zero + block * vs_strides[0] + offset * vs_strides[1] + head * vs_strides[2]
         x = key.to(tl.float32)
-        if ROTATE_KEYS:
+        if ROTATE_KEYS:  # hadamard.rotate(x, signs) = fwht(x * signs) / sqrt(head_dim)
             x = fwht(x * tl.load(key_signs_ptr + offs_d)[None, :], HEAD_DIM, LOG2_HEAD_DIM) / SQRT_HEAD_DIM
-        encode_kvquant(k_ptr, ks_ptr, k_row, ks_row, x, HEAD_DIM, K_BITS)
-        encode_kvquant(v_ptr, vs_ptr, v_row, vs_row, value.to(tl.float32), HEAD_DIM, V_BITS)
-    elif KIND == TURBOQUANT:  # hadamard.rotate(x, signs) = fwht(x * signs) / sqrt(head_dim)
-        ks_row = zero + block * ks_strides[0] + offset * ks_strides[1] + head * ks_strides[2]
-        vs_row = zero + block * vs_strides[0] + offset * vs_strides[1] + head * vs_strides[2]
-        x = key.to(tl.float32)
-        if ROTATE_KEYS:
-            x = fwht(x * tl.load(key_signs_ptr + offs_d)[None, :], HEAD_DIM, LOG2_HEAD_DIM) / SQRT_HEAD_DIM
-        encode_turboquant_keys(k_ptr, ks_ptr, kz_ptr, k_row, ks_row, x, HEAD_DIM, K_BITS)
-        x = fwht(value.to(tl.float32) * tl.load(value_signs_ptr + offs_d)[None, :], HEAD_DIM, LOG2_HEAD_DIM) / SQRT_HEAD_DIM
-        scratch = scratch_ptr + (t * tl.num_programs(1) + head) * HEAD_DIM   # 3-bit codes' trip through memory
-        encode_turboquant_values(v_ptr, vs_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, v_row, vs_row, x, scratch,
-                                 HEAD_DIM, V_BITS, NUM_MULTIPLIERS)
+        if KIND == KVQUANT:
+            encode_kvquant(k_ptr, ks_ptr, k_row, ks_row, x, HEAD_DIM, K_BITS)
+            encode_kvquant(v_ptr, vs_ptr, v_row, vs_row, value.to(tl.float32), HEAD_DIM, V_BITS)
+        else:
+            encode_turboquant_keys(k_ptr, ks_ptr, kz_ptr, k_row, ks_row, x, HEAD_DIM, K_BITS)
+            x = fwht(value.to(tl.float32) * tl.load(value_signs_ptr + offs_d)[None, :], HEAD_DIM,
+                     LOG2_HEAD_DIM) / SQRT_HEAD_DIM
+            scratch = scratch_ptr + (t * tl.num_programs(1) + head) * HEAD_DIM   # 3-bit codes' trip through memory
+            encode_turboquant_values(v_ptr, vs_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, v_row, vs_row, x,
+                                     scratch, HEAD_DIM, V_BITS, NUM_MULTIPLIERS)
     else:
         tl.store(k_ptr + k_row[:, None] + offs_d[None, :], key.to(k_ptr.dtype.element_ty), mask=d_ok)
         tl.store(v_ptr + v_row[:, None] + offs_d[None, :], value.to(v_ptr.dtype.element_ty), mask=d_ok)
@@ -81,9 +78,9 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
         f"slot_mapping must be int64 [{num_input_tokens}], got {slots.dtype} {tuple(slots.shape)}"
     if num_input_tokens == 0:
         return
-    three_bit = view.kind == TURBOQUANT and view.v_bits == 3
-    scratch = torch.empty(num_input_tokens * num_kv_heads * head_dim if three_bit else 1, dtype=torch.int8,
-                          device=key.device)
+    # 3-bit TurboQuant values pass through a scratch row per token and head; other pages read none of it
+    scratch = torch.empty(num_input_tokens * num_kv_heads * head_dim, dtype=torch.int8, device=key.device) \
+        if view.kind == TURBOQUANT and view.v_bits == 3 else view.k
     write_kv_kernel[(num_input_tokens, num_kv_heads)](
         key, value, slots, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
         view.aux("thresholds"), view.aux("codebook"), view.aux("scale_multipliers"), view.aux("key_signs"),
