@@ -166,7 +166,7 @@ def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
             "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
             "shared_bytes": kernel.metadata.shared, "page_tile_buffers": buffers,
             "loop_instructions": len(loop), "per_key_row": round(len(loop) * tiles.num_warps / tiles.tile_n, 1),
-            "top_ops": dict(ops.most_common(8))}
+            "top_ops": dict(ops.most_common(8)), "barriers": ops.get("BAR"), "local_loads": ops.get("LDL", 0)}
 
 
 class _CompileOnly:
@@ -304,7 +304,7 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps({k: r[k] for k in ("format", "tile_n", "transposed", "num_stages", "max_registers", "window",
                                                      "registers", "spill_bytes", "shared_bytes", "loop_instructions",
-                                                     "per_key_row")}),
+                                                     "per_key_row", "barriers")}),
                       flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -313,9 +313,9 @@ def decode_sweep(spec, layers, metas, queries, copies):
 
 
 # warp-split decode kernel configs (`tuning.DecodeTiles`): keys per warp, warps, stages, orientation, register cap
-WARP_SPLIT_CONFIGS = [DecodeTiles(32, 4, 3), DecodeTiles(16, 4, 2, True, 128), DecodeTiles(32, 4, 2, True, 128),
-                      DecodeTiles(16, 4, 1, True, 128), DecodeTiles(16, 4, 1, True, 96), DecodeTiles(16, 4, 1, True, 80),
-                      DecodeTiles(32, 4, 1, True, 128)]
+WARP_SPLIT_CONFIGS = [DecodeTiles(16, 4, 1, True, 128, 4), DecodeTiles(32, 4, 1, True, 128, 4),
+                      DecodeTiles(16, 2, 1, True, 128, 8), DecodeTiles(32, 2, 1, True, 128, 8),
+                      DecodeTiles(16, 1, 1, True, 128, 16), DecodeTiles(32, 1, 1, True, 128, 16)]
 
 
 def tiles_key(t: DecodeTiles) -> str:
@@ -323,11 +323,20 @@ def tiles_key(t: DecodeTiles) -> str:
             f"{f'_r{t.max_registers}' if t.max_registers else ''}")
 
 
+def parse_warp_split_configs(text: str) -> list[DecodeTiles]:
+    """'KEYS:WARPS:REGISTERS,...' -> transposed, unpipelined DecodeTiles (programs per SM from the register cap)."""
+    configs = []
+    for item in text.split(","):
+        keys, warps, regs = map(int, item.split(":"))
+        configs.append(DecodeTiles(keys, warps, 1, True, regs, max(1, 65536 // (32 * warps * regs))))
+    return configs
+
+
 def warp_split_sweep(spec, layers, metas, queries, copies):
     """Time the warp-split decode kernel (`ops/triton/decode.py`) over configs and split counts for one case,
     and the varlen / split-K kernels that served the case before it ("previous_default")."""
     from pagedkv.ops.triton import decode
-    from pagedkv.ops.triton.tuning import plan_attention
+    from pagedkv.ops.triton.tuning import plan_attention, warp_split_tiles
 
     fmt = layers[0][0]
     if not decode.is_supported(fmt):
@@ -342,7 +351,15 @@ def warp_split_sweep(spec, layers, metas, queries, copies):
     out["previous_default"] = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: previous(q, p, f, m)
                                              for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
     for tiles in WARP_SPLIT_CONFIGS:
-        for splits in split_counts:
+        if tiles != warp_split_tiles(fmt):   # every config is checked on the GPU beside its timing
+            k = min(num_seqs, 2)
+            sub = decode_meta(layers[0][2][:k], metas[0].seq_lens_cpu[0])
+            ref = reference.paged_attention(queries[0][:k], layers[0][1], fmt, sub, scale=SCALE)
+            out[f"{tiles_key(tiles)}_rel_err"] = rel_err(
+                decode.paged_attention(queries[0][:k], layers[0][1], fmt, sub, scale=SCALE, tiles=tiles), ref)
+        counts = {4: split_counts, 2: [64, 128] if num_seqs == 1 else [1, 2, 4]}.get(
+            tiles.num_warps, [128, 256] if num_seqs == 1 else [2, 4, 8])
+        for splits in counts:
             key = f"{tiles_key(tiles)}_split{splits}"
             fn = lambda q, p, f, m, sp=splits, t=tiles: decode.paged_attention(  # noqa: E731
                 q, p, f, m, scale=SCALE, num_splits=sp, tiles=t)
@@ -478,11 +495,16 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no prefill context 8192")
     parser.add_argument("--warp-split", action="store_true", help="also time the warp-split decode kernel's configs")
+    parser.add_argument("--warp-split-configs", default=None,
+                        help="with --warp-split, these transposed configs instead: KEYS:WARPS:REGISTERS,...")
     parser.add_argument("--head-major", action="store_true", help="pages stored head-major inside a block (experiment)")
     parser.add_argument("--recent-tokens", type=int, default=0,
                         help="also time decode with a dense recent window of this many tokens (quantized formats)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode,prefill,write")
     args = parser.parse_args()
+    if args.warp_split_configs:
+        global WARP_SPLIT_CONFIGS
+        WARP_SPLIT_CONFIGS = parse_warp_split_configs(args.warp_split_configs)
     formats = [f for f in args.formats.split(";") if f]
     skip = set(filter(None, args.skip.split(",")))
     gen = torch.Generator().manual_seed(0)
@@ -603,7 +625,8 @@ def print_tables(result: dict) -> None:
     if ws:
         print("warp-split decode kernel: the fastest config against the default kernel")
         for r in ws:
-            times = {k: v for k, v in r["warp_split"].items() if isinstance(v, float) and k not in ("rel_err", "previous_default")}
+            times = {k: v for k, v in r["warp_split"].items()
+                     if isinstance(v, float) and not k.endswith("rel_err") and k != "previous_default"}
             best = min(times, key=times.get)
             print(f"  {r['format']:12s} {r['batch']:4d} {r['context']:6d} default {r['ms'] * 1e3:8.1f} us "
                   f"(before: {r['warp_split']['previous_default'] * 1e3:.1f}); {best} "

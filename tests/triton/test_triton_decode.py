@@ -108,3 +108,19 @@ def test_decode_kernel_reads_only_the_formats_it_supports():
     assert not decode.is_supported(fmt("turboquant:k=q5_0,v=q2_0", 128))
 
 
+
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0"])
+def test_transposed_kernel_with_several_warps_per_program_matches_reference(fmt, num_splits):
+    """The default programs are one warp; the kernel also splits a program's keys over warps (steps of
+    WARPS x TILE_N keys, merged at the end)."""
+    hq, hkv, d, bs = (8, 2, 128, 16) if fmt.startswith("turboquant") else (8, 1, 64, 5)
+    case = build_case(11 + num_splits, fmt, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=CTX_LENS, new_lens=NEW_LENS)
+    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5)
+    tiles = dataclasses.replace(warp_split_tiles(case.fmt), num_warps=4, programs_per_sm=4)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5, num_splits=num_splits,
+                                 tiles=tiles)
+    assert rel_err(out, ref) < TOL[torch.float32]

@@ -4,11 +4,13 @@ heads on N (S^T = K Q^T, then O^T = V^T P^T).
 `decode.py` puts the group's heads on the M dimension, padded to 16 rows: with a group of 4 query heads, 12
 of every 16 rows are computed for nothing, in both products, in the softmax and in the accumulators. Here
 the heads fill N, padded to 8 columns, so half as many matrix instructions and softmax elements per key,
-and half the accumulator registers: capped at 128 registers, four programs (16 warps) fit a
-multiprocessor instead of two. The price is P^T, which the second product reads as its B operand: Triton
-moves it through shared memory. Measured on an H200 (`bench/kernels.py --warp-split`): TurboQuant 1.11-1.25x
-and q4 0.96-1.12x faster than `decode.py`; unpipelined with 32 keys per warp, q8 and q6 too, so it is now the
-default for every quantized format (`tuning.warp_split_tiles`).
+and half the accumulator registers: capped at 128 registers, 16 warps fit a multiprocessor instead of 8.
+The price is P^T, which the second product reads as its B operand: Triton moves it through shared memory.
+Measured on an H200 (`bench/kernels.py --warp-split`): TurboQuant 1.11-1.25x and q4 0.96-1.12x faster than
+`decode.py`; unpipelined with 32 keys per warp, q8 and q6 too, so it is the default for every quantized
+format (`tuning.warp_split_tiles`). Those layout conversions synchronise a program's warps (12-18 barriers
+per step), so the default program is a single warp, 16 of them per multiprocessor, split-K filling the GPU;
+WARPS > 1 still works (each warp its own keys, merged at the end).
 
 Grid, splits, formats, conversions and partial states are `decode.py`'s; only the orientation differs.
 """

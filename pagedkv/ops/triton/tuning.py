@@ -141,22 +141,24 @@ def choose_num_splits(num_programs: int, capacity_tokens: int, device: torch.dev
     return splits_for(num_programs, capacity_tokens, num_sms, CTAS_PER_SM["wide" if head_dim > 128 else "dense"])
 
 
-WARP_SPLIT_MIN_TOKENS = 512   # keys per split of the warp-split decode kernel, at least
+WARP_SPLIT_MIN_TOKENS = 128   # keys per split of the warp-split decode kernel, at least
+WARP_SPLIT_MAX_SPLITS = 256
 
 
-def warp_split_splits(num_programs: int, capacity_tokens: int, device: torch.device, programs_per_sm: int = 2) -> int:
+def warp_split_splits(num_programs: int, capacity_tokens: int, device: torch.device, programs_per_sm: int = 16) -> int:
     """Key ranges per program of the warp-split decode kernel (`decode.py`): none while the (query token, KV
     head) programs fill more than half of the resident slots (`programs_per_sm` per multiprocessor), else as
-    many as fill them (measured on an H200, `bench/kernels.py --warp-split`: 4 slots per SM, batch 32 at 4,096
-    tokens, 256 programs: 2 splits 1.2-1.3x faster than none; batch 64, 512 programs: none 0.98-1.04x of 2;
-    batch 1 at 32,768 tokens: 64 splits 1.06-1.26x faster than 32)."""
+    many as fill them. Measured on an H200 with one-warp programs, 16 per SM (`bench/kernels.py --warp-split`,
+    2026-12-01): at every shape the best split count is the one that makes about 2,048 programs (batch 128 at
+    2,048 tokens: 2; batch 64 at 8,192: 4; batch 32 at 4,096: 8; batch 1 at 32,768: 256; TurboQuant at batch 64:
+    512 us against 820 with half as many)."""
     if device.type != "cuda":
         return 1
     num_sms = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
     slots = programs_per_sm * num_sms
     if 2 * num_programs > slots:
         return 1
-    limit = max(1, min(MAX_SPLITS, capacity_tokens // WARP_SPLIT_MIN_TOKENS))
+    limit = max(1, min(WARP_SPLIT_MAX_SPLITS, capacity_tokens // WARP_SPLIT_MIN_TOKENS))
     return max(1, min(limit, slots // max(num_programs, 1)))
 
 
@@ -176,16 +178,20 @@ class DecodeTiles:
 
 def warp_split_tiles(fmt) -> DecodeTiles:
     """The warp-split decode kernel's config per format, the fastest measured on an H200 over batch 1-128
-    (`bench/kernels.py --warp-split`, BENCHMARKS.md): transposed, unpipelined (1 stage), capped at 128 registers
-    so that four programs (16 warps) fit a multiprocessor; 16 keys per warp for TurboQuant, 32 for KV-Quant.
+    (`bench/kernels.py --warp-split`, BENCHMARKS.md): transposed, unpipelined (1 stage), one warp per program,
+    capped at 128 registers so that 16 programs fit a multiprocessor; 16 keys per step for TurboQuant, 32 for
+    KV-Quant.
 
-    Against the configs before (2026-12-01): TurboQuant 1.00-1.16x (Triton's pipeliner gave each page tile one
-    shared-memory buffer, which only delayed the loop), q4 1.12-1.15x, q8 1.02-1.15x, q6 1.00-1.12x (q8 and q6
-    ran in the original orientation, 3 stages). Lower register caps (96, 80: five or six programs) spill
-    and measured 1.1-1.4x slower; prefetching the next step's pages into registers, 1.3-2x slower."""
+    One warp per program (2026-12-01, late), against four that share a program's keys: the layout conversions
+    through shared memory (P^T, the codes) synchronise a program's warps 12-18 times per step, so four warps
+    wait for the slowest of them; one-warp programs run independently. Split to fill the slots
+    (`warp_split_splits`): TurboQuant 1.10-1.16x, q4 1.08-1.17x, q6 1.10-1.11x, q8 1.00-1.16x faster. Two warps
+    per program lie in between. Before that (four warps): Triton's pipeliner gave each page tile one shared-memory
+    buffer, which only delayed the loop (so 1 stage); lower register caps spill and measured 1.1-1.4x slower;
+    prefetching the next step's pages into registers, 1.3-2x slower, and its block ids alone, no faster."""
     if fmt.spec.kind == "turboquant":
-        return DecodeTiles(16, 4, 1, transposed=True, max_registers=128, programs_per_sm=4)
-    return DecodeTiles(32, 4, 1, transposed=True, max_registers=128, programs_per_sm=4)
+        return DecodeTiles(16, 1, 1, transposed=True, max_registers=128, programs_per_sm=16)
+    return DecodeTiles(32, 1, 1, transposed=True, max_registers=128, programs_per_sm=16)
 
 
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
