@@ -141,6 +141,9 @@ class CUDAGraphRunner:
         capture theirs at the same time (the collectives inside the forwards pair up)."""
         self.graphs.clear()
         self.logits.clear()
+        # a new memory pool for each capture (`_capture` makes it): tensors that a capture allocated and something
+        # still holds keep the old pool alive with no graph using it, and PyTorch refuses to capture into it again
+        self.pool = None
         with self._peers("capturing"):
             if self.window is not None:  # rings of a fixed capacity: the largest batch's rows at least, and scratch
                 self.window.reserve(max(self.window.num_rows, self.batch_sizes[-1]))
