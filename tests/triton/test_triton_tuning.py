@@ -129,9 +129,13 @@ def test_warp_split_decode_splits_fill_the_resident_slots(monkeypatch):
 
     monkeypatch.setattr(tuning, "multiprocessor_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    assert tuning.warp_split_splits(512, 8192, cuda, programs_per_sm=4) == 1      # batch 64 x 8 KV heads
-    assert tuning.warp_split_splits(256, 4096, cuda, programs_per_sm=4) == 2      # batch 32
-    assert tuning.warp_split_splits(256, 4096, cuda, programs_per_sm=2) == 1      # two slots per SM: full enough
-    assert tuning.warp_split_splits(8, 32768, cuda, programs_per_sm=4) == 64      # one long sequence
-    assert tuning.warp_split_splits(8, 2048, cuda, programs_per_sm=4) == 4        # at least 512 keys per split
+    # one-warp programs, 16 per SM (the default): about 2,048 programs at every shape
+    assert tuning.warp_split_splits(512, 8192, cuda, programs_per_sm=16) == 4     # batch 64 x 8 KV heads
+    assert tuning.warp_split_splits(256, 4096, cuda, programs_per_sm=16) == 8     # batch 32
+    assert tuning.warp_split_splits(1024, 2048, cuda, programs_per_sm=16) == 2    # batch 128
+    assert tuning.warp_split_splits(2048, 2048, cuda, programs_per_sm=16) == 1    # full already
+    assert tuning.warp_split_splits(8, 32768, cuda, programs_per_sm=16) == 256    # one long sequence
+    assert tuning.warp_split_splits(8, 2048, cuda, programs_per_sm=16) == 16      # at least 128 keys per split
+    assert tuning.warp_split_splits(256, 4096, cuda, programs_per_sm=4) == 2      # four-warp programs, 4 per SM
+    assert tuning.warp_split_splits(512, 8192, cuda, programs_per_sm=4) == 1
     assert tuning.warp_split_splits(8, 32768, torch.device("cpu"), programs_per_sm=4) == 1
