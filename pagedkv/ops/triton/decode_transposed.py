@@ -258,13 +258,16 @@ def decode_kernel_transposed(
     l_i = tl.zeros([WARPS, ROWS], dtype=tl.float32)
     body_hi = kv_hi
     if RING:   # the keys the dense recent window holds first, then their output in the accumulators' channels
-        acc_r, m_i, l_i, body_hi = attend_ring(
-            seq, token, kv_head, head, h_ok, first, kv_hi, m_i, l_i, rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr,
-            ring_first_ptr, stride_rqt, stride_rqh, r_strides, qk_scale, softcap,
-            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, NUM_RING_BLOCKS, USE_SOFTCAP, DOT_PRECISION)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a = ring_accumulators(
-            acc_r, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a, offs_u, rotation_ptr, TQ, NV, V_BITS,
-            HEAD_DIM, DOT_PRECISION, WARPS, True)
+        ring_from = tl.load(ring_first_ptr + seq) * BLOCK_SIZE
+        if tl.maximum(first, ring_from) < kv_hi:   # only the splits that reach into the window (TurboQuant's
+            acc_r, m_i, l_i, _ = attend_ring(      # rotation of the ring's output costs as much as 50 keys)
+                seq, token, kv_head, head, h_ok, first, kv_hi, m_i, l_i, rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr,
+                ring_first_ptr, stride_rqt, stride_rqh, r_strides, qk_scale, softcap,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, NUM_RING_BLOCKS, USE_SOFTCAP, DOT_PRECISION)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a = ring_accumulators(
+                acc_r, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a, offs_u, rotation_ptr, TQ, NV, V_BITS,
+                HEAD_DIM, DOT_PRECISION, WARPS, True)
+        body_hi = tl.minimum(kv_hi, ring_from)
     for start in range(kv_lo, body_hi, STEP):   # the pages' keys
         ok, block, slot = tile_coords(start, pos0, body_hi, first, bt_row, BLOCK_SIZE)
         k_row = block * k_strides[0] + slot * k_strides[1]
