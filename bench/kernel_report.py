@@ -24,7 +24,6 @@ widths and prints how many kernels each compiled: 1 each, or a server compiles a
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
