@@ -320,15 +320,18 @@ WARP_SPLIT_CONFIGS = [DecodeTiles(16, 4, 1, True, 128, 4), DecodeTiles(32, 4, 1,
 
 def tiles_key(t: DecodeTiles) -> str:
     return (f"warp_split_n{t.tile_n}_w{t.num_warps}_s{t.num_stages}{'_t' if t.transposed else ''}"
-            f"{f'_r{t.max_registers}' if t.max_registers else ''}")
+            f"{f'_r{t.max_registers}' if t.max_registers else ''}{'_i8' if t.int8_scores else ''}")
 
 
 def parse_warp_split_configs(text: str) -> list[DecodeTiles]:
-    """'KEYS:WARPS:REGISTERS,...' -> transposed, unpipelined DecodeTiles (programs per SM from the register cap)."""
+    """'KEYS:WARPS:REGISTERS[:i8],...' -> transposed, unpipelined DecodeTiles (programs per SM from the register
+    cap; ':i8' sets `int8_scores`)."""
     configs = []
     for item in text.split(","):
-        keys, warps, regs = map(int, item.split(":"))
-        configs.append(DecodeTiles(keys, warps, 1, True, regs, max(1, 65536 // (32 * warps * regs))))
+        fields = item.split(":")
+        keys, warps, regs = map(int, fields[:3])
+        configs.append(DecodeTiles(keys, warps, 1, True, regs, max(1, 65536 // (32 * warps * regs)),
+                                   int8_scores=fields[3:] == ["i8"]))
     return configs
 
 
@@ -496,7 +499,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no prefill context 8192")
     parser.add_argument("--warp-split", action="store_true", help="also time the warp-split decode kernel's configs")
     parser.add_argument("--warp-split-configs", default=None,
-                        help="with --warp-split, these transposed configs instead: KEYS:WARPS:REGISTERS,...")
+                        help="with --warp-split, these transposed configs instead: KEYS:WARPS:REGISTERS[:i8],...")
     parser.add_argument("--head-major", action="store_true", help="pages stored head-major inside a block (experiment)")
     parser.add_argument("--recent-tokens", type=int, default=0,
                         help="also time decode with a dense recent window of this many tokens (quantized formats)")

@@ -100,6 +100,26 @@ def tq8_group_scores_t(codes, sc, z, qg, qsum, CDTYPE: tl.constexpr, FAST_CVT: t
 
 
 @triton.jit
+def query_int8(qg):
+    """A query channel group [WARPS, C, HR] as int8 codes and one scale per head [WARPS, HR]: q ~ codes * scale,
+    127 levels a side (rounded half away from zero)."""
+    q = qg.to(tl.float32)
+    amax = tl.max(tl.abs(q), axis=1)
+    sc = tl.where(amax > 0, amax / 127.0, 1.0)
+    c = q / sc[:, None, :]
+    c = tl.where(c >= 0, tl.floor(c + 0.5), -tl.floor(0.5 - c))
+    return c.to(tl.int8), sc
+
+
+@triton.jit
+def tq8_int8_group_scores_t(codes, sc, z, qi, qc, qsum):
+    """Scores^T of one group of TurboQuant int8 keys against the int8 query codes qi (scales qc): the product on
+    the int8 matrix units (int32 sums, exact), no key code converted; the query's scale goes on score columns."""
+    d = tl.dot(codes, qi, out_dtype=tl.int32).to(tl.float32) * qc[:, None, :]
+    return group_scores_t(d, sc, z, qsum)
+
+
+@triton.jit
 def tq4_group_scores_t(pairs, sc, z, qe, qo, qsum, CDTYPE: tl.constexpr, FAST_CVT: tl.constexpr,
                        DOT_PRECISION: tl.constexpr):
     """The same for 4-bit keys: the group's even channels (low nibbles) against the query's even channels qe,
@@ -170,7 +190,7 @@ def decode_kernel_transposed(
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
     FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
-    V_BITS: tl.constexpr = 3,
+    V_BITS: tl.constexpr = 3, INT8_QK: tl.constexpr = False,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -210,6 +230,15 @@ def decode_kernel_transposed(
         qs1 = tl.sum(qg1.to(tl.float32), axis=1)
         qs2 = tl.sum(qg2.to(tl.float32), axis=1)
         qs3 = tl.sum(qg3.to(tl.float32), axis=1)
+        if INT8_QK:   # (an experiment, `DecodeTiles.int8_scores`: not a default until timed and its quality measured)
+            qi0, qc0 = query_int8(qg0)
+            qi1, qc1 = query_int8(qg1)
+            qi2, qc2 = query_int8(qg2)
+            qi3, qc3 = query_int8(qg3)
+            qs0 = tl.sum(qi0.to(tl.float32), axis=1) * qc0   # the zero points' sums of the same query
+            qs1 = tl.sum(qi1.to(tl.float32), axis=1) * qc1
+            qs2 = tl.sum(qi2.to(tl.float32), axis=1) * qc2
+            qs3 = tl.sum(qi3.to(tl.float32), axis=1) * qc3
     elif TQ:                 # 4-bit keys: each group's even and odd channels, and the group's sums
         even = 2 * tl.arange(0, 16)
         qe0 = query_t(q_row_t, h_ok, even, WARPS, CDTYPE)
@@ -281,7 +310,12 @@ def decode_kernel_transposed(
         elif KU:
             t = quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok,
                            k_strides, v_strides, ks_strides, vs_strides, offs_u, K_BITS, HEAD_DIM)
-        if TQ and K_BITS == 8:   # kt: key codes per group 0-3, scales 4-7, zero points 8-11
+        if TQ and K_BITS == 8 and INT8_QK:
+            s = tq8_int8_group_scores_t(kt[0], kt[4], kt[8], qi0, qc0, qs0)
+            s += tq8_int8_group_scores_t(kt[1], kt[5], kt[9], qi1, qc1, qs1)
+            s += tq8_int8_group_scores_t(kt[2], kt[6], kt[10], qi2, qc2, qs2)
+            s += tq8_int8_group_scores_t(kt[3], kt[7], kt[11], qi3, qc3, qs3)
+        elif TQ and K_BITS == 8:   # kt: key codes per group 0-3, scales 4-7, zero points 8-11
             s = tq8_group_scores_t(kt[0], kt[4], kt[8], qg0, qs0, CDTYPE, FAST_CVT, DOT_PRECISION)
             s += tq8_group_scores_t(kt[1], kt[5], kt[9], qg1, qs1, CDTYPE, FAST_CVT, DOT_PRECISION)
             s += tq8_group_scores_t(kt[2], kt[6], kt[10], qg2, qs2, CDTYPE, FAST_CVT, DOT_PRECISION)

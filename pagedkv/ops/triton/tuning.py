@@ -174,6 +174,7 @@ class DecodeTiles:
     transposed: bool = False
     max_registers: int | None = None
     programs_per_sm: int = 2
+    int8_scores: bool = False   # an experiment: TurboQuant q8_0 keys against int8 query codes (16-bit queries)
 
 
 def warp_split_tiles(fmt) -> DecodeTiles:
