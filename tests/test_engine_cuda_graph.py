@@ -293,14 +293,15 @@ def test_full_pool_with_a_dense_window_preempts_and_recovers(tensor_driven_kerne
     assert stats["blocks_used"] == 0 and not llm.engine.cache.window.rings
 
 
-def test_verify_steps_with_a_dense_window_replay_the_verify_graph_runner(tensor_driven_kernels):
-    """Verify steps of one drafted token read the window in the decode kernel, so they replay a graph runner too;
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_steps_with_a_dense_window_replay_the_verify_graph_runner(tensor_driven_kernels, k):
+    """Verify steps (k drafted tokens) read the window in the decode kernel, so they replay a graph runner too;
     the eager engine with the same fixed-length drafts gives the tokens (a verify step reads the window of its
     last token, so not those of plain decoding)."""
     model = tiny_llama()
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 7, [3, 1, 4, 1, 5, 9, 2, 6] * 2]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    options = dict(kv_format="q4:recent_tokens=32", speculative="ngram:k=1,adaptive=0", **WINDOW)
+    options = dict(kv_format="q4:recent_tokens=32", speculative=f"ngram:k={k},adaptive=0", **WINDOW)
     eager = LLM(model, enforce_eager=True, max_num_seqs=4, **options)
     eager.engine.speculator.fixed_k = True
     expected = [o.token_ids for o in eager.generate(prompts, params)]
@@ -308,7 +309,7 @@ def test_verify_steps_with_a_dense_window_replay_the_verify_graph_runner(tensor_
     engine = llm.engine
     engine.runner.verify_graphs = verify = EagerReplayRunner(
         model, engine.cache, engine.runner.cache_kwarg, (1, 2, 4),
-        max_blocks_per_seq=engine.cache.blocks_for(engine.max_model_len), query_len=2)
+        max_blocks_per_seq=engine.cache.blocks_for(engine.max_model_len), query_len=k + 1)
     engine.speculator.fixed_k = True
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == expected

@@ -135,15 +135,16 @@ def test_cuda_graph_decode_with_a_dense_window_matches_eager_decode(kv_format):
     assert stats["blocks_used"] == 0
 
 
-def test_cuda_graph_verify_steps_with_a_dense_window_match_eager_verify():
-    """Verify steps of one drafted token read the window in the decode kernel, so they are captured too; the
+@pytest.mark.parametrize("k", [1, 3])
+def test_cuda_graph_verify_steps_with_a_dense_window_match_eager_verify(k):
+    """Verify steps of k drafted tokens read the window in the decode kernel, so they are captured too; the
     eager engine with the same drafts is the reference (a verify step reads the window of its last token)."""
     model = small_llama()
     rng = random.Random(1)
     prompts = [[rng.randrange(1024) for _ in range(n)] * 3 for n in (5, 9, 3, 17, 2, 11)]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 24, 33, 20, 50, 30)]
     options = dict(kv_format="q8:recent_tokens=32", num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128,
-                   speculative="ngram:k=1,adaptive=0")
+                   speculative=f"ngram:k={k},adaptive=0")
     eager = LLM(model, enforce_eager=True, **options)
     eager.engine.speculator.fixed_k = True  # drafts padded to k, as under graphs
     expected = [o.token_ids for o in eager.generate(prompts, params)]
@@ -151,8 +152,10 @@ def test_cuda_graph_verify_steps_with_a_dense_window_match_eager_verify():
     llm = LLM(model, cuda_graph_batch_sizes=(1, 2, 4, 8), **options)
     outputs = llm.generate(prompts, params)
     runner, stats = llm.engine.runner, llm.stats()
-    assert runner.verify_graphs is not None and runner.verify_graphs.query_len == 2
+    assert runner.verify_graphs is not None and runner.verify_graphs.query_len == k + 1
     assert runner.verify_graphs.num_replays > 10 and stats["spec_accepted_tokens"] > 0, stats
+    bailouts = llm.engine.cache.paged_stats()["paged_attention_bailouts_by_phase_reason"]
+    assert not any(key.startswith(("decode:", "verify:")) for key in bailouts), bailouts
     same = sum(a == b for o, e in zip(outputs, expected) for a, b in zip(o.token_ids, e))
     assert same / sum(len(e) for e in expected) > 0.97, [(o.token_ids, e) for o, e in zip(outputs, expected)]
     assert stats["blocks_used"] == 0

@@ -25,7 +25,7 @@ The host places the step's new tokens in the rings (`RecentWindow.place`) as an 
 The rings are captured at a fixed capacity: rows for the largest bucket at least, and a scratch row, the
 last, that no sequence holds. Padding entries write token 0 to the scratch row and read no ring block.
 This needs the kernels to read the window in the step (`ops.triton.reads_window`: decode steps, verify
-steps of one drafted token, over pages the decode kernel reads); otherwise the runner does not capture.
+steps of up to 15 drafted tokens, over pages the decode kernel reads); otherwise the runner does not capture.
 
 A batch of n sequences runs in the smallest bucket >= n; the rows past n are padding (no write,
 `query_len` tokens of context) and their logits are dropped. Graphs are captured at the first decode step, when
@@ -98,7 +98,7 @@ class CUDAGraphRunner:
         from ..ops.triton import reads_window
 
         bs, q = self.batch_sizes[-1], self.query_len
-        return all(reads_window(bs * q, bs, f)[0] for f in formats if f.spec.recent_tokens)
+        return all(reads_window(bs * q, bs, f, q)[0] for f in formats if f.spec.recent_tokens)
 
     def can_run(self, num_seqs: int) -> bool:
         if num_seqs > self.batch_sizes[-1]:

@@ -86,8 +86,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     reference path over their dense copies.
     `window` (a dense recent window, `meta.window` set): this layer's rings, keys and values
     [num_rows, num_ring_blocks, block_size, H, D]; each sequence's blocks from `meta.window.first_block_cpu`
-    on are read from there. The Triton decode kernel reads rings (`triton.reads_window`); other batches with a
-    window run the reference path.
+    on are read from there. The Triton decode kernel reads rings in decode and verify steps
+    (`triton.reads_window`); other batches with a window (prefill) run the reference path.
     """
     start = time.perf_counter()
     backend, reason = choose_backend(query.device, kernels, fmt)
@@ -96,7 +96,9 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     if has_window and backend == "triton":
         from .triton import reads_window
 
-        ok, why = reads_window(query.shape[0], meta.block_table.shape[0], fmt)
+        qsl = meta.query_start_loc_cpu
+        longest = max(b - a for a, b in zip(qsl, qsl[1:])) if query.shape[0] > 2 * (len(qsl) - 1) else None
+        ok, why = reads_window(query.shape[0], meta.block_table.shape[0], fmt, longest)
         if not ok:
             backend, reason = "reference", why
     sequence_kv = None

@@ -141,3 +141,40 @@ def test_decode_steps_over_a_window_run_the_triton_kernel_and_prefill_falls_back
     stats = cache.paged_stats()
     assert stats["paged_attention_bailouts_by_phase_reason"] == {"prefill:recent_tokens": 1}
     assert stats["triton_attention_calls"] == 10 and stats["reference_attention_calls"] == 1
+
+
+@pytest.mark.parametrize("spec", ["q4:recent_tokens=16", "turboquant:recent_tokens=16"])
+def test_verify_steps_over_a_window_run_the_triton_kernel(monkeypatch, spec):
+    """Steps of up to 16 new tokens per sequence (speculative verification) read the window in the decode
+    kernel too, each token up to its own position; the reference path over the same step is the check. A step
+    with a chunk of 17 falls back, as prefill does."""
+    import warnings
+
+    from pagedkv import PagedKVCache, ops
+
+    backend = {"name": "triton"}
+    monkeypatch.setattr(ops, "choose_backend", lambda device, kernels, fmt: (
+        backend["name"], None if backend["name"] == "triton" else "check: the reference path, for comparison"))
+    if DEVICE.type != "cuda":
+        monkeypatch.setattr("pagedkv.ops.triton.write_kv", reference.write_kv)
+    gen = torch.Generator().manual_seed(5)
+    h, d = 2, 128 if spec.startswith("turboquant") else 64
+    cache = PagedKVCache(kv_format=spec, block_size=8, num_blocks=64, device=DEVICE)
+    seqs = [cache.add_sequence(), cache.add_sequence()]
+    for counts in ([20, 29], [3, 4], [1, 5], [16, 2], [17, 1]):
+        meta = cache.begin_step(seqs, counts, device=DEVICE)
+        n = sum(counts)
+        cache.write(0, *(torch.randn(n, h, d, generator=gen).to(DEVICE) for _ in range(2)), meta)
+        q = torch.randn(n, 4 * h, d, generator=gen).to(DEVICE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ops.PagedKVFallbackWarning)
+            out = cache.attention(0, q, scale=0.2, meta=meta)
+            backend["name"] = "reference"
+            want = cache.attention(0, q, scale=0.2, meta=meta)
+            backend["name"] = "triton"
+        cache.end_forward()
+        assert rel_err(out, want) < TOL[torch.float32], counts
+    stats = cache.paged_stats()
+    fallbacks = {k: v for k, v in stats["paged_attention_bailouts_by_phase_reason"].items() if k.endswith(":recent_tokens")}
+    assert sum(fallbacks.values()) == 2, stats     # the first step and the chunk of 17
+    assert stats["triton_attention_calls"] == 3

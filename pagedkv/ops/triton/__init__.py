@@ -71,14 +71,22 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
         query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap, window=window))
 
 
-def reads_window(num_tokens: int, num_seqs: int, fmt) -> tuple[bool, str | None]:
+WINDOW_MAX_NEW_TOKENS = 16   # new tokens per sequence the decode kernel reads a window for: verify steps of 15 drafts
+
+
+def reads_window(num_tokens: int, num_seqs: int, fmt, max_new_tokens: int | None = None) -> tuple[bool, str | None]:
     """Whether the kernels read a dense recent window (`recent_tokens`) for this batch, else why not: the
-    warp-split decode kernel does, for decode-like batches over pages it reads, whatever the split."""
+    warp-split decode kernel does, over pages it reads, for decode-like batches and for batches of at most
+    WINDOW_MAX_NEW_TOKENS new tokens per sequence (`max_new_tokens`: speculative verify steps; one program per
+    query token, each reading its sequence's pages and ring), whatever the split. Longer chunks (prefill) run
+    the reference path."""
     from .decode import is_supported
     from .tuning import is_decode_like
 
-    if not is_decode_like(num_tokens, num_seqs):
-        return False, "recent_tokens: the Triton kernels read the dense recent window in decode steps only"
+    short = max_new_tokens is not None and max_new_tokens <= WINDOW_MAX_NEW_TOKENS
+    if not (is_decode_like(num_tokens, num_seqs) or short):
+        return False, (f"recent_tokens: the Triton kernels read the dense recent window in steps of at most "
+                       f"{WINDOW_MAX_NEW_TOKENS} new tokens per sequence (decode, verify) only")
     if not is_supported(fmt):
         return False, f"recent_tokens: the Triton decode kernel that reads the dense recent window does not read {fmt.spec} pages"
     return True, None
