@@ -20,6 +20,7 @@ programs (measured: 1.6x faster at batch 64, 8,192 tokens).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -190,8 +191,9 @@ def warp_split_tiles(fmt) -> DecodeTiles:
     per program lie in between. Before that (four warps): Triton's pipeliner gave each page tile one shared-memory
     buffer, which only delayed the loop (so 1 stage); lower register caps spill and measured 1.1-1.4x slower;
     prefetching the next step's pages into registers, 1.3-2x slower, and its block ids alone, no faster."""
-    if fmt.spec.kind == "turboquant":
-        return DecodeTiles(16, 1, 1, transposed=True, max_registers=128, programs_per_sm=16)
+    if fmt.spec.kind == "turboquant":   # PAGEDKV_INT8_SCORES=1: the int8 score experiment, for measuring it whole
+        return DecodeTiles(16, 1, 1, transposed=True, max_registers=128, programs_per_sm=16,
+                           int8_scores=os.environ.get("PAGEDKV_INT8_SCORES") == "1")
     return DecodeTiles(32, 1, 1, transposed=True, max_registers=128, programs_per_sm=16)
 
 
