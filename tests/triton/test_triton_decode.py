@@ -136,10 +136,11 @@ def int8_query(q: torch.Tensor) -> torch.Tensor:
     return (codes * sc).flatten(-2).to(q.dtype)
 
 
-@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q8_0,v=q4_0"])
+@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q8_0,v=q4_0", "q8"])
 def test_int8_scores_read_the_query_as_int8_codes(spec):
-    """The int8 score experiment (`DecodeTiles.int8_scores`): TurboQuant's int8 keys against int8 query codes on
-    the int8 matrix units. It equals the reference over the query it quantizes, to float16 rounding."""
+    """The int8 score experiment (`DecodeTiles.int8_scores`): int8 keys (TurboQuant q8_0, KV-Quant q8) against
+    int8 query codes on the int8 matrix units. It equals the reference over the query it quantizes, to float16
+    rounding."""
     case = build_case(11, spec, num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
                       ctx_lens=[90, 33], new_lens=[1, 1], dtype=torch.float16)
     assert not case.fmt.spec.rotate_keys

@@ -220,6 +220,12 @@ def decode_kernel_transposed(
         q1 = query_t(q_row_t, h_ok, 4 * offs_u + 1, WARPS, CDTYPE)
         q2 = query_t(q_row_t, h_ok, 4 * offs_u + 2, WARPS, CDTYPE)
         q3 = query_t(q_row_t, h_ok, 4 * offs_u + 3, WARPS, CDTYPE)
+    if QUANT and K_BITS == 8 and INT8_QK:   # the int8 score experiment over KV-Quant q8 keys (head_dim 128)
+        offs32 = tl.arange(0, 32)
+        qi0, qc0 = query_int8(query_t(q_row_t, h_ok, offs32, WARPS, CDTYPE))
+        qi1, qc1 = query_int8(query_t(q_row_t, h_ok, 32 + offs32, WARPS, CDTYPE))
+        qi2, qc2 = query_int8(query_t(q_row_t, h_ok, 64 + offs32, WARPS, CDTYPE))
+        qi3, qc3 = query_int8(query_t(q_row_t, h_ok, 96 + offs32, WARPS, CDTYPE))
     if TQ and K_BITS == 8:   # the query's channel groups of 32 and their sums (the keys' zero points apply to them)
         offs32 = tl.arange(0, 32)
         qg0 = query_t(q_row_t, h_ok, offs32, WARPS, CDTYPE)
@@ -332,6 +338,12 @@ def decode_kernel_transposed(
             s = tl.dot(k2.to(CDTYPE), q2, s, input_precision=DOT_PRECISION)
             s = tl.dot(k3.to(CDTYPE), q3, s, input_precision=DOT_PRECISION)
             s = s * t[2][:, :, None]
+        elif QUANT and INT8_QK:   # one int8 product per channel group, its query scale on score columns
+            s = tl.dot(load_rows(k_ptr, k_row, offs32, ok), qi0, out_dtype=tl.int32).to(tl.float32) * qc0[:, None, :]
+            s += tl.dot(load_rows(k_ptr + 32, k_row, offs32, ok), qi1, out_dtype=tl.int32).to(tl.float32) * qc1[:, None, :]
+            s += tl.dot(load_rows(k_ptr + 64, k_row, offs32, ok), qi2, out_dtype=tl.int32).to(tl.float32) * qc2[:, None, :]
+            s += tl.dot(load_rows(k_ptr + 96, k_row, offs32, ok), qi3, out_dtype=tl.int32).to(tl.float32) * qc3[:, None, :]
+            s = s * tl.load(ks_ptr + block * ks_strides[0] + slot * ks_strides[1], mask=ok, other=0.0)[:, :, None]
         elif QUANT:
             k = int8_to_f16(load_rows(k_ptr, k_row, offs_c, ok), FAST_CVT).to(CDTYPE)
             s = tl.dot(k, q_a, input_precision=DOT_PRECISION)
