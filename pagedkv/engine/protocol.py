@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .outputs import CompletionOutput, RequestOutput, TokenLogprob
-from .sampling_params import MAX_LOGPROBS, SamplingParams
+from .sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 
 # OpenAI fields this server does not implement, accepted only at the value that means "off" (clients send
@@ -21,26 +21,27 @@ _OFF_VALUES = {"suffix": (None, ""), "tools": (None, []), "tool_choice": (None, 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # ranges as `SamplingParams` checks them, declared here too so that /openapi.json states them
     model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: dict | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     user: str | None = None  # accepted, no effect (OpenAI clients send it for abuse monitoring)
     metadata: dict | None = None  # accepted, no effect
     store: bool | None = None  # accepted, no effect
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (a string) -> bias
     tools: list | None = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: bool | None = None  # only meaningful with tools, which must be absent
@@ -67,7 +68,8 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[Annotated[str, Field(min_length=1)], Annotated[list[str], Field(min_length=1)],
+                  Annotated[list[int], Field(min_length=1)], Annotated[list[list[int]], Field(min_length=1)]]
     max_tokens: int | None = 16  # the OpenAI default for completions
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (0: the token's own only)

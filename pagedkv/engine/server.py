@@ -62,8 +62,11 @@ def build_app(llm, served_model_names: list[str]):
         try:
             req = model_cls.model_validate(body)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err["loc"]) or "body"
+            # of a union's errors (the prompt's forms) the one that is not a mere type mismatch, and the field's
+            # path without pydantic's union tags ("constrained-str", "list[int]")
+            errors = exc.errors()
+            err = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+            where = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or "-" in p))) or "body"
             if err["type"] == "extra_forbidden":
                 raise BadRequest(f"the field {where!r} is not supported by this server; leave it out", param=where,
                                  code="unsupported_field") from None
