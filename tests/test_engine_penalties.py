@@ -102,3 +102,23 @@ def test_samples_keep_their_own_penalty_counts(llm):
 def test_bad_penalties_are_refused(field, value):
     with pytest.raises(ConfigError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_extreme_values_in_range_keep_the_logits_finite_and_sampling_defined():
+    """A repetition penalty of 5e-324 and a temperature of 1e-300 are in range; dividing by them overflowed
+    a logit to inf, the softmax to nan, and torch.multinomial raised inside the engine (found by the server
+    fuzz test). The logits stay finite and a token is sampled."""
+    from pagedkv.engine.sampler import Sampler
+
+    torch.manual_seed(1)
+    seqs = [Seq([1, 3], [], SamplingParams(repetition_penalty=5e-324, temperature=1e-300)),
+            Seq([4], [], SamplingParams(repetition_penalty=5e-324, temperature=1.0))]
+    logits = torch.randn(2, 16) * 3
+    logits[0, 3] = logits[1, 4] = 5.0   # repeated (prompt) tokens with positive logits
+    penalized = apply_penalties(logits, seqs, {EOS})
+    assert torch.isfinite(penalized).all()
+    for s in seqs:
+        s.generator = None
+        s.output_token_ids = []
+    tokens = Sampler({EOS}).sample(logits, seqs)
+    assert tokens.tolist() == [3, 4]   # the penalty made them overwhelmingly likely

@@ -57,6 +57,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list, stop_token_ids: set[int]) 
     repeated = seen | torch.stack([st.prompt_mask for st in states])
     x = torch.where(repeated, torch.where(x > 0, x / rep, x * rep), x)
     x = x - column("frequency_penalty") * counts - column("presence_penalty") * seen.float()
+    big = torch.finfo(logits.dtype).max   # a tiny penalty (5e-324 is in range) must not make a logit infinite
+    x = x.clamp(-big, big)
     for j, (p, st) in enumerate(zip(params, states)):
         if p.logit_bias:
             ids, bias = zip(*p.logit_bias)

@@ -50,7 +50,9 @@ class Sampler:
             p = seq.params
             if p.is_greedy:
                 continue
-            row = apply_top_k_top_p(logits[i].float() / p.temperature, p.top_k, p.top_p)
+            # a tiny temperature may overflow a logit: the largest finite value keeps the softmax defined
+            scaled = (logits[i].float() / p.temperature).clamp(max=torch.finfo(torch.float32).max)
+            row = apply_top_k_top_p(scaled, p.top_k, p.top_p)
             probs = row.softmax(-1)
             if p.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(device=logits.device).manual_seed(p.seed)
