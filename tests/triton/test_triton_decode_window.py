@@ -104,23 +104,21 @@ def test_decode_kernel_over_the_ring_with_16_bit_queries(spec):
     assert rel_err(out, ref) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize("spec", ["q4:recent_tokens=16", "turboquant:recent_tokens=16"])
-def test_decode_steps_over_a_window_run_the_triton_kernel_and_prefill_falls_back(monkeypatch, spec):
-    """Through the cache: prefill with a window falls back (`prefill:recent_tokens`), decode steps, whose ring
-    blocks move on as the sequences cross blocks, run the kernel and attend what `cache.read` shows."""
+def window_steps(spec: str, seed: int):
+    """A cache over `spec` pages holding two sequences, and step(counts, also=None): one step of random keys,
+    values and queries (4 query heads per KV head) through `cache.attention` on layer 0, fallback warnings
+    silenced; `also(q, meta)` runs before the step ends. Returns (cache, seqs, step); step returns
+    (meta, q, out, what `also` returned)."""
     import warnings
 
     from pagedkv import PagedKVCache, ops
 
-    if DEVICE.type != "cuda":   # the kernels under the interpreter; the writes as the reference does them
-        monkeypatch.setattr(ops, "choose_backend", lambda device, kernels, fmt: ("triton", None))
-        monkeypatch.setattr("pagedkv.ops.triton.write_kv", reference.write_kv)
-    gen = torch.Generator().manual_seed(4)
+    gen = torch.Generator().manual_seed(seed)
     h, d = 2, 128 if spec.startswith("turboquant") else 64
     cache = PagedKVCache(kv_format=spec, block_size=8, num_blocks=64, device=DEVICE)
     seqs = [cache.add_sequence(), cache.add_sequence()]
 
-    def step(counts):
+    def step(counts, also=None):
         meta = cache.begin_step(seqs, counts, device=DEVICE)
         n = sum(counts)
         cache.write(0, *(torch.randn(n, h, d, generator=gen).to(DEVICE) for _ in range(2)), meta)
@@ -128,12 +126,27 @@ def test_decode_steps_over_a_window_run_the_triton_kernel_and_prefill_falls_back
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ops.PagedKVFallbackWarning)
             out = cache.attention(0, q, scale=0.2, meta=meta)
+            extra = also(q, meta) if also else None
         cache.end_forward()
-        return meta, q, out
+        return meta, q, out, extra
+
+    return cache, seqs, step
+
+
+@pytest.mark.parametrize("spec", ["q4:recent_tokens=16", "turboquant:recent_tokens=16"])
+def test_decode_steps_over_a_window_run_the_triton_kernel_and_prefill_falls_back(monkeypatch, spec):
+    """Through the cache: prefill with a window falls back (`prefill:recent_tokens`), decode steps, whose ring
+    blocks move on as the sequences cross blocks, run the kernel and attend what `cache.read` shows."""
+    from pagedkv import ops
+
+    if DEVICE.type != "cuda":   # the kernels under the interpreter; the writes as the reference does them
+        monkeypatch.setattr(ops, "choose_backend", lambda device, kernels, fmt: ("triton", None))
+        monkeypatch.setattr("pagedkv.ops.triton.write_kv", reference.write_kv)
+    cache, seqs, step = window_steps(spec, 4)
 
     step([20, 29])
     for _ in range(10):
-        meta, q, out = step([1, 1])
+        meta, q, out, _ = step([1, 1])
         assert meta.window.first_block_cpu != [0, 0]
         for i, s in enumerate(seqs):
             want = reference.attend(q[i:i + 1], *cache.read(s, 0), scale=0.2, sliding_window=None, softcap=None)
@@ -148,31 +161,24 @@ def test_verify_steps_over_a_window_run_the_triton_kernel(monkeypatch, spec):
     """Steps of up to 16 new tokens per sequence (speculative verification) read the window in the decode
     kernel too, each token up to its own position; the reference path over the same step is the check. A step
     with a chunk of 17 falls back, as prefill does."""
-    import warnings
-
-    from pagedkv import PagedKVCache, ops
+    from pagedkv import ops
 
     backend = {"name": "triton"}
     monkeypatch.setattr(ops, "choose_backend", lambda device, kernels, fmt: (
         backend["name"], None if backend["name"] == "triton" else "check: the reference path, for comparison"))
     if DEVICE.type != "cuda":
         monkeypatch.setattr("pagedkv.ops.triton.write_kv", reference.write_kv)
-    gen = torch.Generator().manual_seed(5)
-    h, d = 2, 128 if spec.startswith("turboquant") else 64
-    cache = PagedKVCache(kv_format=spec, block_size=8, num_blocks=64, device=DEVICE)
-    seqs = [cache.add_sequence(), cache.add_sequence()]
-    for counts in ([20, 29], [3, 4], [1, 5], [16, 2], [17, 1]):
-        meta = cache.begin_step(seqs, counts, device=DEVICE)
-        n = sum(counts)
-        cache.write(0, *(torch.randn(n, h, d, generator=gen).to(DEVICE) for _ in range(2)), meta)
-        q = torch.randn(n, 4 * h, d, generator=gen).to(DEVICE)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ops.PagedKVFallbackWarning)
-            out = cache.attention(0, q, scale=0.2, meta=meta)
-            backend["name"] = "reference"
-            want = cache.attention(0, q, scale=0.2, meta=meta)
+    cache, seqs, step = window_steps(spec, 5)
+
+    def on_reference(q, meta):
+        backend["name"] = "reference"
+        try:
+            return cache.attention(0, q, scale=0.2, meta=meta)
+        finally:
             backend["name"] = "triton"
-        cache.end_forward()
+
+    for counts in ([20, 29], [3, 4], [1, 5], [16, 2], [17, 1]):
+        _, _, out, want = step(counts, on_reference)
         assert rel_err(out, want) < TOL[torch.float32], counts
     stats = cache.paged_stats()
     fallbacks = {k: v for k, v in stats["paged_attention_bailouts_by_phase_reason"].items() if k.endswith(":recent_tokens")}
