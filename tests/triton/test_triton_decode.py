@@ -126,27 +126,3 @@ def test_transposed_kernel_with_several_warps_per_program_matches_reference(fmt,
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
-def int8_query(q: torch.Tensor) -> torch.Tensor:
-    """What the int8 score path reads of a query: per head and 32-channel group, 127 levels a side of its
-    largest magnitude, rounded half away from zero."""
-    g = q.float().unflatten(-1, (-1, 32))
-    amax = g.abs().amax(-1, keepdim=True)
-    sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    codes = torch.sign(g) * torch.floor(g.abs() / sc + 0.5)
-    return (codes * sc).flatten(-2).to(q.dtype)
-
-
-@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q8_0,v=q4_0", "q8"])
-def test_int8_scores_read_the_query_as_int8_codes(spec):
-    """The int8 score experiment (`DecodeTiles.int8_scores`): int8 keys (TurboQuant q8_0, KV-Quant q8) against
-    int8 query codes on the int8 matrix units. It equals the reference over the query it quantizes, to float16
-    rounding."""
-    case = build_case(11, spec, num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
-                      ctx_lens=[90, 33], new_lens=[1, 1], dtype=torch.float16)
-    assert not case.fmt.spec.rotate_keys
-    tiles = dataclasses.replace(warp_split_tiles(case.fmt), int8_scores=True)
-    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.1, num_splits=2, tiles=tiles)
-    exact = reference.paged_attention(int8_query(case.query), case.pages, case.fmt, case.meta, scale=0.1)
-    assert rel_err(out, exact) < TOL[torch.float16]
-    plain = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.1)
-    assert rel_err(out, plain) > rel_err(out, exact)   # the query's quantization is what differs

@@ -385,9 +385,6 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     if tiles.transposed:   # the group's heads on the N dimension: 8 columns at least
         kernel, rows = decode_kernel_transposed, max(8, triton.next_power_of_2(group))
         extra["V_BITS"] = view.v_bits if view.kind == TURBOQUANT else 3
-        if tiles.int8_scores and view.k_bits == 8 and query.dtype != torch.float32 and (
-                view.kind == TURBOQUANT or (view.kind == KVQUANT and head_dim == 128)):
-            extra["INT8_QK"] = True
     else:                  # the group's heads on the M dimension: 16 rows at least
         kernel, rows = decode_kernel, max(16, triton.next_power_of_2(group))
     registers = {"maxnreg": tiles.max_registers} if tiles.max_registers else {}

@@ -44,15 +44,34 @@ def tile_coords(start, pos0, kv_hi, first, bt_row, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def load_groups(ptr, row, ok, W: tl.constexpr):
+    """The four W-byte channel groups of the rows at ptr + row [WARPS, TILE_N]: one load of the rows, cut into
+    groups in registers. Loaded a group at a time, each load is followed by its layout conversion through shared
+    memory, which waits for it: four memory round trips in a row instead of one (TurboQuant q8_0 keys 1.10-1.15x
+    slower on an H200)."""
+    c02, c13 = tl.split(tl.reshape(tl.permute(tl.reshape(load_rows(ptr, row, tl.arange(0, 4 * W), ok),
+                                                         [ok.shape[0], ok.shape[1], 2, 2, W]), (0, 1, 4, 2, 3)),
+                                   [ok.shape[0], ok.shape[1], W, 2, 2]))
+    c0, c2 = tl.split(c02)
+    c1, c3 = tl.split(c13)
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def tq_key_tile(k_ptr, ks_ptr, kz_ptr, block, slot, ok, k_strides, ks_strides, K_BITS: tl.constexpr):
     """One step of TurboQuant keys as loaded, nothing converted: the codes of the four channel groups (q8_0: 32
     int8 per group; q4_0: 16 bytes per group, channels 2j and 2j + 1 in byte j), their scales, their zero points."""
     k_row = block * k_strides[0] + slot * k_strides[1]
     s_row = block * ks_strides[0] + slot * ks_strides[1]
-    W: tl.constexpr = 32 if K_BITS == 8 else 16
-    offs = tl.arange(0, W)
-    return (load_rows(k_ptr, k_row, offs, ok), load_rows(k_ptr + W, k_row, offs, ok),
-            load_rows(k_ptr + 2 * W, k_row, offs, ok), load_rows(k_ptr + 3 * W, k_row, offs, ok),
+    if K_BITS == 8:
+        c0, c1, c2, c3 = load_groups(k_ptr, k_row, ok, 32)
+    else:   # (one load for q4_0 keys, or for 4-bit values, measured 1.01-1.08x slower: byte permutes in registers)
+        offs = tl.arange(0, 16)
+        c0 = load_rows(k_ptr, k_row, offs, ok)
+        c1 = load_rows(k_ptr + 16, k_row, offs, ok)
+        c2 = load_rows(k_ptr + 32, k_row, offs, ok)
+        c3 = load_rows(k_ptr + 48, k_row, offs, ok)
+    return (c0, c1, c2, c3,
             tl.load(ks_ptr + s_row, mask=ok, other=0.0), tl.load(ks_ptr + s_row + 1, mask=ok, other=0.0),
             tl.load(ks_ptr + s_row + 2, mask=ok, other=0.0), tl.load(ks_ptr + s_row + 3, mask=ok, other=0.0),
             tl.load(kz_ptr + s_row, mask=ok, other=0.0), tl.load(kz_ptr + s_row + 1, mask=ok, other=0.0),
@@ -96,26 +115,6 @@ def tq8_group_scores_t(codes, sc, z, qg, qsum, CDTYPE: tl.constexpr, FAST_CVT: t
                        DOT_PRECISION: tl.constexpr):
     """Scores^T [WARPS, TILE_N, HR] of one channel group of TurboQuant int8 keys, from loaded codes, scales, zeros."""
     d = tl.dot(int8_to_f16(codes, FAST_CVT).to(CDTYPE), qg, input_precision=DOT_PRECISION)
-    return group_scores_t(d, sc, z, qsum)
-
-
-@triton.jit
-def query_int8(qg):
-    """A query channel group [WARPS, C, HR] as int8 codes and one scale per head [WARPS, HR]: q ~ codes * scale,
-    127 levels a side (rounded half away from zero)."""
-    q = qg.to(tl.float32)
-    amax = tl.max(tl.abs(q), axis=1)
-    sc = tl.where(amax > 0, amax / 127.0, 1.0)
-    c = q / sc[:, None, :]
-    c = tl.where(c >= 0, tl.floor(c + 0.5), -tl.floor(0.5 - c))
-    return c.to(tl.int8), sc
-
-
-@triton.jit
-def tq8_int8_group_scores_t(codes, sc, z, qi, qc, qsum):
-    """Scores^T of one group of TurboQuant int8 keys against the int8 query codes qi (scales qc): the product on
-    the int8 matrix units (int32 sums, exact), no key code converted; the query's scale goes on score columns."""
-    d = tl.dot(codes, qi, out_dtype=tl.int32).to(tl.float32) * qc[:, None, :]
     return group_scores_t(d, sc, z, qsum)
 
 
@@ -190,7 +189,7 @@ def decode_kernel_transposed(
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
     FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
-    V_BITS: tl.constexpr = 3, INT8_QK: tl.constexpr = False,
+    V_BITS: tl.constexpr = 3,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -220,12 +219,6 @@ def decode_kernel_transposed(
         q1 = query_t(q_row_t, h_ok, 4 * offs_u + 1, WARPS, CDTYPE)
         q2 = query_t(q_row_t, h_ok, 4 * offs_u + 2, WARPS, CDTYPE)
         q3 = query_t(q_row_t, h_ok, 4 * offs_u + 3, WARPS, CDTYPE)
-    if QUANT and K_BITS == 8 and INT8_QK:   # the int8 score experiment over KV-Quant q8 keys (head_dim 128)
-        offs32 = tl.arange(0, 32)
-        qi0, qc0 = query_int8(query_t(q_row_t, h_ok, offs32, WARPS, CDTYPE))
-        qi1, qc1 = query_int8(query_t(q_row_t, h_ok, 32 + offs32, WARPS, CDTYPE))
-        qi2, qc2 = query_int8(query_t(q_row_t, h_ok, 64 + offs32, WARPS, CDTYPE))
-        qi3, qc3 = query_int8(query_t(q_row_t, h_ok, 96 + offs32, WARPS, CDTYPE))
     if TQ and K_BITS == 8:   # the query's channel groups of 32 and their sums (the keys' zero points apply to them)
         offs32 = tl.arange(0, 32)
         qg0 = query_t(q_row_t, h_ok, offs32, WARPS, CDTYPE)
@@ -236,15 +229,6 @@ def decode_kernel_transposed(
         qs1 = tl.sum(qg1.to(tl.float32), axis=1)
         qs2 = tl.sum(qg2.to(tl.float32), axis=1)
         qs3 = tl.sum(qg3.to(tl.float32), axis=1)
-        if INT8_QK:   # (an experiment, `DecodeTiles.int8_scores`: not a default until timed and its quality measured)
-            qi0, qc0 = query_int8(qg0)
-            qi1, qc1 = query_int8(qg1)
-            qi2, qc2 = query_int8(qg2)
-            qi3, qc3 = query_int8(qg3)
-            qs0 = tl.sum(qi0.to(tl.float32), axis=1) * qc0   # the zero points' sums of the same query
-            qs1 = tl.sum(qi1.to(tl.float32), axis=1) * qc1
-            qs2 = tl.sum(qi2.to(tl.float32), axis=1) * qc2
-            qs3 = tl.sum(qi3.to(tl.float32), axis=1) * qc3
     elif TQ:                 # 4-bit keys: each group's even and odd channels, and the group's sums
         even = 2 * tl.arange(0, 16)
         qe0 = query_t(q_row_t, h_ok, even, WARPS, CDTYPE)
@@ -316,12 +300,7 @@ def decode_kernel_transposed(
         elif KU:
             t = quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok,
                            k_strides, v_strides, ks_strides, vs_strides, offs_u, K_BITS, HEAD_DIM)
-        if TQ and K_BITS == 8 and INT8_QK:
-            s = tq8_int8_group_scores_t(kt[0], kt[4], kt[8], qi0, qc0, qs0)
-            s += tq8_int8_group_scores_t(kt[1], kt[5], kt[9], qi1, qc1, qs1)
-            s += tq8_int8_group_scores_t(kt[2], kt[6], kt[10], qi2, qc2, qs2)
-            s += tq8_int8_group_scores_t(kt[3], kt[7], kt[11], qi3, qc3, qs3)
-        elif TQ and K_BITS == 8:   # kt: key codes per group 0-3, scales 4-7, zero points 8-11
+        if TQ and K_BITS == 8:   # kt: key codes per group 0-3, scales 4-7, zero points 8-11
             s = tq8_group_scores_t(kt[0], kt[4], kt[8], qg0, qs0, CDTYPE, FAST_CVT, DOT_PRECISION)
             s += tq8_group_scores_t(kt[1], kt[5], kt[9], qg1, qs1, CDTYPE, FAST_CVT, DOT_PRECISION)
             s += tq8_group_scores_t(kt[2], kt[6], kt[10], qg2, qs2, CDTYPE, FAST_CVT, DOT_PRECISION)
@@ -338,12 +317,6 @@ def decode_kernel_transposed(
             s = tl.dot(k2.to(CDTYPE), q2, s, input_precision=DOT_PRECISION)
             s = tl.dot(k3.to(CDTYPE), q3, s, input_precision=DOT_PRECISION)
             s = s * t[2][:, :, None]
-        elif QUANT and INT8_QK:   # one int8 product per channel group, its query scale on score columns
-            s = tl.dot(load_rows(k_ptr, k_row, offs32, ok), qi0, out_dtype=tl.int32).to(tl.float32) * qc0[:, None, :]
-            s += tl.dot(load_rows(k_ptr + 32, k_row, offs32, ok), qi1, out_dtype=tl.int32).to(tl.float32) * qc1[:, None, :]
-            s += tl.dot(load_rows(k_ptr + 64, k_row, offs32, ok), qi2, out_dtype=tl.int32).to(tl.float32) * qc2[:, None, :]
-            s += tl.dot(load_rows(k_ptr + 96, k_row, offs32, ok), qi3, out_dtype=tl.int32).to(tl.float32) * qc3[:, None, :]
-            s = s * tl.load(ks_ptr + block * ks_strides[0] + slot * ks_strides[1], mask=ok, other=0.0)[:, :, None]
         elif QUANT:
             k = int8_to_f16(load_rows(k_ptr, k_row, offs_c, ok), FAST_CVT).to(CDTYPE)
             s = tl.dot(k, q_a, input_precision=DOT_PRECISION)

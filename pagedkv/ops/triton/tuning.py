@@ -20,7 +20,6 @@ programs (measured: 1.6x faster at batch 64, 8,192 tokens).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +174,6 @@ class DecodeTiles:
     transposed: bool = False
     max_registers: int | None = None
     programs_per_sm: int = 2
-    int8_scores: bool = False   # an experiment: int8 keys (TurboQuant q8_0, KV-Quant q8) against int8 query codes
 
 
 def warp_split_tiles(fmt) -> DecodeTiles:
@@ -191,10 +189,9 @@ def warp_split_tiles(fmt) -> DecodeTiles:
     per program lie in between. Before that (four warps): Triton's pipeliner gave each page tile one shared-memory
     buffer, which only delayed the loop (so 1 stage); lower register caps spill and measured 1.1-1.4x slower;
     prefetching the next step's pages into registers, 1.3-2x slower, and its block ids alone, no faster."""
-    int8 = os.environ.get("PAGEDKV_INT8_SCORES") == "1"   # the int8 score experiment, for measuring it whole
     if fmt.spec.kind == "turboquant":
-        return DecodeTiles(16, 1, 1, transposed=True, max_registers=128, programs_per_sm=16, int8_scores=int8)
-    return DecodeTiles(32, 1, 1, transposed=True, max_registers=128, programs_per_sm=16, int8_scores=int8)
+        return DecodeTiles(16, 1, 1, transposed=True, max_registers=128, programs_per_sm=16)
+    return DecodeTiles(32, 1, 1, transposed=True, max_registers=128, programs_per_sm=16)
 
 
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
