@@ -126,3 +126,18 @@ def test_transposed_kernel_with_several_warps_per_program_matches_reference(fmt,
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+
+
+def test_turboquant_scale_pages_must_be_aligned():
+    """The transposed kernel reads a slot's four group scales as one 8-byte word: scale pages whose slots are not
+    8-byte aligned are refused with a clear error instead of a misaligned read on the GPU."""
+    case = build_case(5, "turboquant", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
+                      ctx_lens=[20], new_lens=[1])
+    pages = dict(case.pages)
+    wide = torch.zeros(*pages["v_scale"].shape[:-1], 5, dtype=pages["v_scale"].dtype, device=pages["v_scale"].device)
+    wide[..., 1:] = pages["v_scale"]
+    pages["v_scale"] = wide[..., 1:]                  # same values, 10-byte slots
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        decode.paged_attention(case.query, pages, case.fmt, case.meta, scale=0.1, tiles=warp_split_tiles(case.fmt))
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.1, tiles=warp_split_tiles(case.fmt))
+    assert torch.isfinite(out).all()

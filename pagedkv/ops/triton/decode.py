@@ -385,6 +385,12 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     if tiles.transposed:   # the group's heads on the N dimension: 8 columns at least
         kernel, rows = decode_kernel_transposed, max(8, triton.next_power_of_2(group))
         extra["V_BITS"] = view.v_bits if view.kind == TURBOQUANT else 3
+        if view.kind == TURBOQUANT:   # the kernel reads a slot's four group scales in one 8-byte load
+            for t in (view.k_scale, view.k_zero, view.v_scale):
+                if t.data_ptr() % 8 or any(st % 4 for st in t.stride()[:3]):
+                    raise ValueError("TurboQuant decode reads each slot's four fp16 group scales as one 8-byte word: "
+                                     "scale pages must be 8-byte aligned per slot (as `allocate_pages` makes them), "
+                                     f"got data_ptr % 8 = {t.data_ptr() % 8}, strides {tuple(t.stride())}")
     else:                  # the group's heads on the M dimension: 16 rows at least
         kernel, rows = decode_kernel, max(16, triton.next_power_of_2(group))
     registers = {"maxnreg": tiles.max_registers} if tiles.max_registers else {}
