@@ -187,7 +187,7 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
     """Compile the write, attention (decode and prefill tiles), split-K, warp-split decode (formats it reads)
     and reduce kernels of one format."""
     from pagedkv.ops.metadata import AttentionMetadata
-    from pagedkv.ops.triton import decode, kv_write, split_k
+    from pagedkv.ops.triton import decode, dense_prefill, kv_write, split_k
     from pagedkv.ops.triton.tuning import split_tiles
 
     cuda = torch.device("cuda")
@@ -210,6 +210,8 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
         if decode.is_supported(fmt):
             for num_splits in (1, 4):
                 decode.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=num_splits)
+        if fmt.spec.kind != "dense" and not head_dim & (head_dim - 1):   # prefill through dense scratch pages
+            dense_prefill.paged_attention(q, pages, fmt, meta, scale=0.1)
 
 
 def count_variants(spec: str) -> dict:

@@ -36,7 +36,7 @@ from pagedkv.formats import make_format  # noqa: E402
 from pagedkv.ops import reference  # noqa: E402
 from pagedkv.ops import triton as triton_ops  # noqa: E402
 from pagedkv.ops.metadata import AttentionMetadata  # noqa: E402
-from pagedkv.ops.triton import attention, split_k  # noqa: E402
+from pagedkv.ops.triton import attention, dense_prefill, split_k  # noqa: E402
 from pagedkv.ops.triton.tuning import DecodeTiles, TileConfig  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -401,7 +401,7 @@ def sdpa_prefill(q, k, v, context):
     return best[0], best[1], results, candidates[best[1]]()
 
 
-def bench_prefill(formats, gen, sweep=False) -> list[dict]:
+def bench_prefill(formats, gen, sweep=False, dense=False) -> list[dict]:
     rows = []
     for context in PREFILL_CONTEXTS:
         total = context + PREFILL_CHUNK
@@ -434,6 +434,13 @@ def bench_prefill(formats, gen, sweep=False) -> list[dict]:
                             query, pages, fmt, meta, scale=SCALE, tiles=t)], replays=5)
                     except Exception as e:  # noqa: BLE001
                         row["sweep"][key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+            if dense and spec != "off":   # the same through dense scratch pages (`dense_prefill.py`), side by side
+                dense_out = dense_prefill.paged_attention(query, pages, fmt, meta, scale=SCALE)
+                row["dense_prefill_err"] = rel_err(dense_out, reference.paged_attention(query, pages, fmt, meta, scale=SCALE))
+                row["dense_prefill_ms"] = time_per_call(
+                    [lambda: dense_prefill.paged_attention(query, pages, fmt, meta, scale=SCALE)], replays=10)
+                print(f"  {spec + ' (dense scratch)':28s} {row['dense_prefill_ms']:8.3f} ms  x{sdpa_ms / row['dense_prefill_ms']:.2f}"
+                      f" vs sdpa  err {row['dense_prefill_err']:.1e}", flush=True)
             rows.append(row)
             print(f"  {spec:28s} {ms:8.3f} ms  {row['tflops']:6.0f} TFLOP/s  x{row['speedup_vs_sdpa']:.2f} vs sdpa"
                   f"  err {err:.1e}", flush=True)
@@ -493,6 +500,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no prefill context 8192")
     parser.add_argument("--warp-split", action="store_true", help="also time the warp-split decode kernel's configs")
+    parser.add_argument("--dense-prefill", action="store_true",
+                        help="also time prefill over quantized pages through dense scratch pages (`dense_prefill.py`)")
     parser.add_argument("--warp-split-configs", default=None,
                         help="with --warp-split, these transposed configs instead: KEYS:WARPS:REGISTERS,...")
     parser.add_argument("--head-major", action="store_true", help="pages stored head-major inside a block (experiment)")
@@ -521,7 +530,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     parts = [("decode", lambda: bench_decode(formats, shapes, gen, decode_sweep if args.sweep else None, args.warp_split,
                                                           args.recent_tokens)),
-             ("prefill", lambda: bench_prefill(formats, gen, sweep=args.sweep)),
+             ("prefill", lambda: bench_prefill(formats, gen, sweep=args.sweep, dense=args.dense_prefill)),
              ("write", lambda: bench_writes(formats, gen))]
     for name, run in parts:
         result[name] = [] if name in skip else run()

@@ -116,6 +116,11 @@ def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap,
                                        warp_split_tiles(fmt).programs_per_sm)
         return decode.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
                                       softcap=softcap, num_splits=num_splits, window=window)
+    from . import dense_prefill, tuning
+
+    if tuning.DENSE_PREFILL and dense_prefill.applies(num_tokens, fmt, meta):
+        return dense_prefill.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
+                                             softcap=softcap)
     group = num_q_heads // fmt.num_kv_heads
     num_splits, tiles = plan_attention(num_tokens, meta.block_table.shape[0], group, head_dim, fmt, capacity,
                                        query.device)

@@ -38,6 +38,12 @@ def is_decode_like(num_tokens: int, num_seqs: int) -> bool:
     return num_tokens <= 2 * num_seqs
 
 
+# Prefill over quantized pages through dense scratch pages (`dense_prefill.py`: the context dequantized once,
+# then the dense kernel) instead of the fused kernels. Off until timed on a GPU against them (`python
+# bench/kernels.py --dense-prefill`); set it to take the path wherever `dense_prefill.applies`.
+DENSE_PREFILL = False
+
+
 def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, device: torch.device,
                  pages: str = "dense") -> TileConfig:
     """`pages`: `page_class` of the format."""

@@ -1,0 +1,161 @@
+"""Prefill over quantized pages as over dense ones: the context a batch reads is dequantized once into dense
+scratch pages, then the varlen kernel for dense pages runs over them.
+
+The fused kernels convert a key and value tile every time a query block reads it: a 2,048-token chunk over 8K
+tokens of context converts each context tile once per query block of its sequence (16-32 times), and measured
+1.7-2.8x `off`'s prefill time on an H200. Here each block is converted once (one program per block and KV head,
+with the fused kernels' own `codecs.load_keys` / `load_values`) into the queries' dtype, and the dense kernel
+runs at `off`'s speed over it. Keys and values are rebuilt in the queries' dtype (bfloat16 keeps 8 mantissa
+bits, as `off`'s own pages do); rotated keys are met by rotating the query, TurboQuant's values (stored in a
+rotated domain) by one product with the inverse rotation at the end.
+
+Scratch: every context block of the batch's sequences, keys and values, in the queries' dtype (a 2,048-token
+chunk over 8K tokens of context at 8 KV heads x 128: 42 MB), so only batches whose blocks stay within
+`MAX_TOKENS` take this path; the plan (which block goes where) is built from host lists, once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...config import KVFormat
+from ...formats import make_format
+from ...formats.base import PageFormat
+from ..metadata import AttentionMetadata
+from .codecs import KVQUANT, load_keys, load_token_scales, load_values
+from .page_view import page_view, stride3, value_codebook
+
+MAX_TOKENS = 131072          # context tokens (all sequences) a batch may dequantize: 512 MB at 8 x 128 bf16
+MIN_TOKENS_PER_SEQ = 64      # new tokens per sequence below which the fused kernels convert less
+
+
+def applies(num_tokens: int, fmt: PageFormat, meta: AttentionMetadata) -> bool:
+    """Whether a batch of `num_tokens` new tokens takes this path: quantized pages without a dense recent
+    window, power-of-two head_dim, at least MIN_TOKENS_PER_SEQ new tokens per sequence on average, and at most
+    MAX_TOKENS context tokens to dequantize."""
+    if fmt.spec.kind == "dense" or meta.window is not None or fmt.head_dim & (fmt.head_dim - 1):
+        return False
+    num_seqs = len(meta.seq_lens_cpu)
+    return num_tokens >= MIN_TOKENS_PER_SEQ * num_seqs and scratch_blocks(meta) * meta.block_size <= MAX_TOKENS
+
+
+def scratch_blocks(meta: AttentionMetadata) -> int:
+    bs = meta.block_size
+    return sum((n + bs - 1) // bs for n in meta.seq_lens_cpu)
+
+
+@triton.jit
+def dequantize_kernel(
+    k_out, v_out, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr,
+    block_table_ptr, rows_ptr, stride_bt, k_strides, v_strides, ks_strides, vs_strides, o_strides,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_PAD: tl.constexpr,
+    KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+):
+    """Scratch block r (program 0) of KV head `head` (program 1) <- block table entry rows[r] = (seq, j)."""
+    r = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.load(rows_ptr + 2 * r)
+    j = tl.load(rows_ptr + 2 * r + 1)
+    block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + j).to(tl.int64)
+    slot = tl.arange(0, BLOCK_SIZE_PAD)
+    ok = slot < BLOCK_SIZE
+    blocks = tl.zeros([BLOCK_SIZE_PAD], dtype=tl.int64) + block
+    DTYPE: tl.constexpr = k_out.dtype.element_ty
+    k_ptr += head * k_strides[2]
+    v_ptr += head * v_strides[2]
+    ks_ptr += head * ks_strides[2]
+    kz_ptr += head * ks_strides[2]
+    vs_ptr += head * vs_strides[2]
+    page_k = (k_strides[0], k_strides[1])
+    page_s = (ks_strides[0], ks_strides[1])
+    k = load_keys(k_ptr, ks_ptr, kz_ptr, blocks, slot, ok, page_k, page_s, HEAD_DIM, HEAD_DIM, KIND, K_BITS, DTYPE)
+    v = load_values(v_ptr, vs_ptr, codebook_ptr, blocks, slot, ok, (v_strides[0], v_strides[1]),
+                    (vs_strides[0], vs_strides[1]), HEAD_DIM, HEAD_DIM, KIND, V_BITS, DTYPE)
+    if KIND == KVQUANT:   # integer codes: one scale per slot
+        k = k.to(tl.float32) * load_token_scales(ks_ptr, blocks, slot, ok, page_s)[:, None]
+        v = v.to(tl.float32) * load_token_scales(vs_ptr, blocks, slot, ok, (vs_strides[0], vs_strides[1]))[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)
+    out = r.to(tl.int64) * o_strides[0] + slot.to(tl.int64)[:, None] * o_strides[1] + head * o_strides[2] + offs_d[None, :]
+    tl.store(k_out + out, k.to(DTYPE), mask=ok[:, None])
+    tl.store(v_out + out, v.to(DTYPE), mask=ok[:, None])
+
+
+class Plan:
+    """Where each sequence's context blocks go in the scratch: `rows` [num_blocks, 2] int32 (sequence, column of
+    its block table) per scratch block, and the scratch's own block table [num_seqs, max_blocks] int32."""
+
+    def __init__(self, meta: AttentionMetadata):
+        bs = meta.block_size
+        counts = [(n + bs - 1) // bs for n in meta.seq_lens_cpu]
+        rows, table, start = [], [], 0
+        width = max(counts, default=0) or 1
+        for seq, n in enumerate(counts):
+            rows += [(seq, j) for j in range(n)]
+            table.append(list(range(start, start + n)) + [0] * (width - n))
+            start += n
+        device = meta.block_table.device
+        self.num_blocks = start
+        self.rows = torch.tensor(rows or [(0, 0)], dtype=torch.int32).to(device, non_blocking=True)
+        self.table = torch.tensor(table, dtype=torch.int32).to(device, non_blocking=True)
+
+
+_plans: dict[int, tuple[AttentionMetadata, Plan]] = {}   # id(meta) -> (meta, its plan): one step's, kept while used
+_dense_formats: dict[tuple, PageFormat] = {}
+
+
+def plan_of(meta: AttentionMetadata) -> Plan:
+    """The step's plan, built by the first layer and reused by the others (one entry: the current step's)."""
+    hit = _plans.get(id(meta))
+    if hit is not None and hit[0] is meta:
+        return hit[1]
+    plan = Plan(meta)
+    _plans.clear()
+    _plans[id(meta)] = (meta, plan)
+    return plan
+
+
+def dequantize(pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata, dtype: torch.dtype,
+               plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context blocks of the batch's sequences as dense scratch pages (keys, values), each
+    [plan.num_blocks, block_size, num_kv_heads, head_dim] in `dtype`, in the order of `plan`."""
+    plan = plan or plan_of(meta)
+    view = page_view(fmt, pages)
+    shape = (max(plan.num_blocks, 1), meta.block_size, view.num_kv_heads, view.head_dim)
+    k_out = torch.empty(shape, dtype=dtype, device=view.k.device)
+    v_out = torch.empty(shape, dtype=dtype, device=view.k.device)
+    if plan.num_blocks:
+        dequantize_kernel[(plan.num_blocks, view.num_kv_heads)](
+            k_out, v_out, view.k, view.v, view.k_scale, view.k_zero, view.v_scale, value_codebook(view, dtype),
+            meta.block_table, plan.rows, meta.block_table.stride(0),
+            stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale), stride3(k_out),
+            HEAD_DIM=view.head_dim, BLOCK_SIZE=meta.block_size, BLOCK_SIZE_PAD=triton.next_power_of_2(meta.block_size),
+            KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits)
+    return k_out, v_out
+
+
+def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
+                    *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                    tiles=None) -> torch.Tensor:
+    """Same contract as `attention.paged_attention`, through dense scratch pages."""
+    from . import attention
+
+    plan = plan_of(meta)
+    k, v = dequantize(pages, fmt, meta, query.dtype, plan)
+    key = (fmt.num_kv_heads, fmt.head_dim, query.dtype, query.device)
+    dense = _dense_formats.get(key)
+    if dense is None:
+        dense = _dense_formats[key] = make_format(KVFormat.parse("off"), fmt.num_kv_heads, fmt.head_dim, query.dtype,
+                                                  query.device)
+    view = page_view(fmt, pages)
+    q = query
+    if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R), R orthogonal
+        q = (query.float() @ view.q_rotation).to(query.dtype)
+    dense_meta = AttentionMetadata(plan.table, meta.seq_lens, meta.query_start_loc, meta.slot_mapping, meta.token_index,
+                                   meta.seq_lens_cpu, meta.query_start_loc_cpu, meta.block_size)
+    out = attention.paged_attention(q, {"k": k, "v": v}, dense, dense_meta, scale=scale,
+                                    sliding_window=sliding_window, softcap=softcap, tiles=tiles)
+    if view.rotate_out:    # values were decoded in their rotated domain
+        out = (out.float() @ view.out_rotation).to(query.dtype)
+    return out
