@@ -24,6 +24,7 @@ widths and prints how many kernels each compiled: 1 each, or a server compiles a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -187,6 +188,7 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
     """Compile the write, attention (decode and prefill tiles), split-K, warp-split decode (formats it reads)
     and reduce kernels of one format."""
     from pagedkv.ops.metadata import AttentionMetadata
+    from pagedkv.ops.metadata import WindowPlan
     from pagedkv.ops.triton import decode, dense_prefill, kv_write, split_k
     from pagedkv.ops.triton.tuning import split_tiles
 
@@ -210,8 +212,13 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
         if decode.is_supported(fmt):
             for num_splits in (1, 4):
                 decode.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=num_splits)
-        if fmt.spec.kind != "dense" and not head_dim & (head_dim - 1):   # prefill through dense scratch pages
-            dense_prefill.paged_attention(q, pages, fmt, meta, scale=0.1)
+        if fmt.spec.kind != "dense" and not head_dim & (head_dim - 1):   # prefill through dense scratch pages,
+            dense_prefill.paged_attention(q, pages, fmt, meta, scale=0.1)   # without and with a dense window
+            rings = tuple(torch.empty(seqs, 2, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
+            per_seq = torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
+            empty = torch.empty(0, dtype=torch.int64)
+            windowed = dataclasses.replace(meta, window=WindowPlan(empty, empty, per_seq[0], per_seq[1], [0, 1], [2, 1], 2))
+            dense_prefill.paged_attention(q, pages, fmt, windowed, scale=0.1, window=rings)
 
 
 def count_variants(spec: str) -> dict:

@@ -72,6 +72,12 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
         counters.cache_write_time_s += time.perf_counter() - start
 
 
+def _dense_prefill(num_tokens: int, fmt: PageFormat, meta: AttentionMetadata) -> bool:
+    from .triton import dense_prefill, tuning
+
+    return tuning.DENSE_PREFILL and dense_prefill.applies(num_tokens, fmt, meta)
+
+
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
                     kernels: str = "auto", counters: OpCounters | None = None,
@@ -87,7 +93,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     `window` (a dense recent window, `meta.window` set): this layer's rings, keys and values
     [num_rows, num_ring_blocks, block_size, H, D]; each sequence's blocks from `meta.window.first_block_cpu`
     on are read from there. The Triton decode kernel reads rings in decode and verify steps
-    (`triton.reads_window`); other batches with a window (prefill) run the reference path.
+    (`triton.reads_window`); other batches with a window (prefill) run the reference path, or with
+    `triton.tuning.DENSE_PREFILL` the dense-scratch prefill (`triton.dense_prefill`), which reads them too.
     """
     start = time.perf_counter()
     backend, reason = choose_backend(query.device, kernels, fmt)
@@ -99,7 +106,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         qsl = meta.query_start_loc_cpu
         longest = max(b - a for a, b in zip(qsl, qsl[1:])) if query.shape[0] > 2 * (len(qsl) - 1) else None
         ok, why = reads_window(query.shape[0], meta.block_table.shape[0], fmt, longest)
-        if not ok:
+        if not ok and not _dense_prefill(query.shape[0], fmt, meta):
             backend, reason = "reference", why
     sequence_kv = None
     if mirror is not None and meta.seq_ids is not None:

@@ -77,3 +77,53 @@ def test_dispatch_takes_the_path_when_enabled(monkeypatch):
     assert calls == [1]
     ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("spec,head_dim", [("q8", 64), ("q4:rotate_keys", 64), ("turboquant", 128),
+                                           ("turboquant:k=q4_0,v=q4_0,rotate_keys", 128)])
+def test_dense_prefill_reads_the_dense_recent_window(spec, head_dim):
+    """With a window, each sequence's blocks from its first ring block on come from its ring (exact keys and
+    values, taken into the pages' attention domain), the ones before from the pages: as the reference path."""
+    from test_triton_decode_window import window_case, window_reference
+
+    case, rings = window_case(spec, 8, 2, head_dim, seed=7)
+    ref = window_reference(case, rings, scale=0.2)
+    out = dense_prefill.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.2, window=rings)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_prefill_with_a_window_takes_the_path_instead_of_the_reference(monkeypatch):
+    """A prefill step over a dense recent window, which the decode kernel does not read, runs the reference path;
+    with `tuning.DENSE_PREFILL` it runs through dense scratch pages, rings included."""
+    import dataclasses
+
+    from pagedkv import ops
+    from pagedkv.ops.metadata import WindowPlan
+
+    bs, ring_blocks = 16, 6
+    case = build_case(8, "q4", num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=bs, ctx_lens=[40, 0],
+                      new_lens=[64, 70])
+    first = [3, 1]                                 # sequence 0: blocks 3-6 from its ring; sequence 1: blocks 1-4
+    rows = [1, 0]
+    shape = (2, ring_blocks, bs, 2, 64)
+    rings = (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+    start = 0
+    for row, f, length in zip(rows, first, case.meta.seq_lens_cpu):
+        for pos in range(f * bs, length):
+            rings[0][row, pos // bs % ring_blocks, pos % bs] = case.keys[start + pos]
+            rings[1][row, pos // bs % ring_blocks, pos % bs] = case.values[start + pos]
+        start += length
+    per_seq = torch.tensor([rows, first], dtype=torch.int32)
+    empty = torch.empty(0, dtype=torch.int64)
+    meta = dataclasses.replace(case.meta, window=WindowPlan(empty, empty, per_seq[0], per_seq[1], rows, first, ring_blocks))
+    expected = reference.paged_attention(
+        case.query, case.pages, case.fmt, meta, scale=0.125,
+        sequence_kv=lambda i: reference.window_kv(case.pages, case.fmt, meta, i, rings))
+    calls = []
+    real = dense_prefill.paged_attention
+    monkeypatch.setattr(dense_prefill, "paged_attention", lambda *a, **kw: calls.append(kw["window"]) or real(*a, **kw))
+    monkeypatch.setattr(triton_ops, "supports", lambda device, fmt: (True, None))
+    monkeypatch.setattr(tuning, "DENSE_PREFILL", True)
+    out = ops.paged_attention(case.query, case.pages, case.fmt, meta, scale=0.125, window=rings)
+    assert len(calls) == 1 and calls[0] is rings
+    assert rel_err(out, expected) < 1e-5

@@ -60,7 +60,8 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
 
     Decode-like batches over KV-Quant pages and the TurboQuant pages it reads run the warp-split decode
     kernel (`decode.py`); other batches the varlen kernel, or split-K when the (query block, KV head)
-    programs would not fill the GPU. Every choice is made from shapes alone.
+    programs would not fill the GPU; with `tuning.DENSE_PREFILL`, prefill batches over quantized pages run
+    through dense scratch pages (`dense_prefill.py`). Every choice is made from shapes alone.
     `window`: the layer's dense recent window (rings of keys and values, `decode.paged_attention`), for batches
     `reads_window` accepts: the warp-split decode kernel reads it beside the pages.
     """
@@ -107,7 +108,12 @@ def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap,
     from . import attention, split_k
     from .tuning import plan_attention, warp_split_splits, warp_split_tiles
 
+    from . import dense_prefill, tuning
+
     num_tokens, num_q_heads, head_dim = query.shape
+    if tuning.DENSE_PREFILL and dense_prefill.applies(num_tokens, fmt, meta):
+        return dense_prefill.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
+                                             softcap=softcap, window=window)
     capacity = meta.block_table.shape[1] * meta.block_size
     if window is not None or uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):
         from . import decode
@@ -116,11 +122,6 @@ def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap,
                                        warp_split_tiles(fmt).programs_per_sm)
         return decode.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
                                       softcap=softcap, num_splits=num_splits, window=window)
-    from . import dense_prefill, tuning
-
-    if tuning.DENSE_PREFILL and dense_prefill.applies(num_tokens, fmt, meta):
-        return dense_prefill.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
-                                             softcap=softcap)
     group = num_q_heads // fmt.num_kv_heads
     num_splits, tiles = plan_attention(num_tokens, meta.block_table.shape[0], group, head_dim, fmt, capacity,
                                        query.device)

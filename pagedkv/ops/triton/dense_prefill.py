@@ -32,10 +32,10 @@ MIN_TOKENS_PER_SEQ = 64      # new tokens per sequence below which the fused ker
 
 
 def applies(num_tokens: int, fmt: PageFormat, meta: AttentionMetadata) -> bool:
-    """Whether a batch of `num_tokens` new tokens takes this path: quantized pages without a dense recent
-    window, power-of-two head_dim, at least MIN_TOKENS_PER_SEQ new tokens per sequence on average, and at most
-    MAX_TOKENS context tokens to dequantize."""
-    if fmt.spec.kind == "dense" or meta.window is not None or fmt.head_dim & (fmt.head_dim - 1):
+    """Whether a batch of `num_tokens` new tokens takes this path: quantized pages (with or without a dense
+    recent window), power-of-two head_dim, at least MIN_TOKENS_PER_SEQ new tokens per sequence on average, and
+    at most MAX_TOKENS context tokens to dequantize."""
+    if fmt.spec.kind == "dense" or fmt.head_dim & (fmt.head_dim - 1):
         return False
     num_seqs = len(meta.seq_lens_cpu)
     return num_tokens >= MIN_TOKENS_PER_SEQ * num_seqs and scratch_blocks(meta) * meta.block_size <= MAX_TOKENS
@@ -48,36 +48,57 @@ def scratch_blocks(meta: AttentionMetadata) -> int:
 
 @triton.jit
 def dequantize_kernel(
-    k_out, v_out, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr,
+    k_out, v_out, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, q_rotation_ptr, out_rotation_ptr,
     block_table_ptr, rows_ptr, stride_bt, k_strides, v_strides, ks_strides, vs_strides, o_strides,
+    rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr, r_strides,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_PAD: tl.constexpr,
     KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr, ROTATE_Q: tl.constexpr, ROTATE_OUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Scratch block r (program 0) of KV head `head` (program 1) <- block table entry rows[r] = (seq, j)."""
+    """Scratch block r (program 0) of KV head `head` (program 1) <- block table entry rows[r] = (seq, j): from
+    the pages, or with RING from the sequence's dense recent window when j is at or past its first ring block
+    (exact keys and values, taken into the pages' attention domain: k R for rotated keys, v R_v for TurboQuant
+    values, the rotations `page_view` keeps)."""
     r = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     seq = tl.load(rows_ptr + 2 * r)
     j = tl.load(rows_ptr + 2 * r + 1)
-    block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + j).to(tl.int64)
     slot = tl.arange(0, BLOCK_SIZE_PAD)
     ok = slot < BLOCK_SIZE
-    blocks = tl.zeros([BLOCK_SIZE_PAD], dtype=tl.int64) + block
-    DTYPE: tl.constexpr = k_out.dtype.element_ty
-    k_ptr += head * k_strides[2]
-    v_ptr += head * v_strides[2]
-    ks_ptr += head * ks_strides[2]
-    kz_ptr += head * ks_strides[2]
-    vs_ptr += head * vs_strides[2]
-    page_k = (k_strides[0], k_strides[1])
-    page_s = (ks_strides[0], ks_strides[1])
-    k = load_keys(k_ptr, ks_ptr, kz_ptr, blocks, slot, ok, page_k, page_s, HEAD_DIM, HEAD_DIM, KIND, K_BITS, DTYPE)
-    v = load_values(v_ptr, vs_ptr, codebook_ptr, blocks, slot, ok, (v_strides[0], v_strides[1]),
-                    (vs_strides[0], vs_strides[1]), HEAD_DIM, HEAD_DIM, KIND, V_BITS, DTYPE)
-    if KIND == KVQUANT:   # integer codes: one scale per slot
-        k = k.to(tl.float32) * load_token_scales(ks_ptr, blocks, slot, ok, page_s)[:, None]
-        v = v.to(tl.float32) * load_token_scales(vs_ptr, blocks, slot, ok, (vs_strides[0], vs_strides[1]))[:, None]
     offs_d = tl.arange(0, HEAD_DIM)
+    DTYPE: tl.constexpr = k_out.dtype.element_ty
     out = r.to(tl.int64) * o_strides[0] + slot.to(tl.int64)[:, None] * o_strides[1] + head * o_strides[2] + offs_d[None, :]
+    from_ring = False
+    if RING:
+        from_ring = j >= tl.load(ring_first_ptr + seq)
+    if from_ring:
+        ring_block = tl.load(ring_rows_ptr + seq).to(tl.int64) * NUM_RING_BLOCKS + j % NUM_RING_BLOCKS
+        at = ring_block * r_strides[0] + slot.to(tl.int64)[:, None] * r_strides[1] + head * r_strides[2] + offs_d[None, :]
+        k = tl.load(rk_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(rv_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+        square = offs_d[:, None] * HEAD_DIM + offs_d[None, :]
+        if ROTATE_Q:     # keys as the pages hold them: k R (q_rotation: q_rot = q R)
+            k = tl.dot(k, tl.load(q_rotation_ptr + square), input_precision=DOT_PRECISION)
+        if ROTATE_OUT:   # values in their rotated domain: v R_v, R_v the transpose of out_rotation
+            v = tl.dot(v, tl.trans(tl.load(out_rotation_ptr + square)), input_precision=DOT_PRECISION)
+    else:
+        block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + j).to(tl.int64)
+        blocks = tl.zeros([BLOCK_SIZE_PAD], dtype=tl.int64) + block
+        k_ptr += head * k_strides[2]
+        v_ptr += head * v_strides[2]
+        ks_ptr += head * ks_strides[2]
+        kz_ptr += head * ks_strides[2]
+        vs_ptr += head * vs_strides[2]
+        page_k = (k_strides[0], k_strides[1])
+        page_s = (ks_strides[0], ks_strides[1])
+        k = load_keys(k_ptr, ks_ptr, kz_ptr, blocks, slot, ok, page_k, page_s, HEAD_DIM, HEAD_DIM, KIND, K_BITS,
+                      DTYPE).to(tl.float32)
+        v = load_values(v_ptr, vs_ptr, codebook_ptr, blocks, slot, ok, (v_strides[0], v_strides[1]),
+                        (vs_strides[0], vs_strides[1]), HEAD_DIM, HEAD_DIM, KIND, V_BITS, DTYPE).to(tl.float32)
+        if KIND == KVQUANT:   # integer codes: one scale per slot
+            k = k * load_token_scales(ks_ptr, blocks, slot, ok, page_s)[:, None]
+            v = v * load_token_scales(vs_ptr, blocks, slot, ok, (vs_strides[0], vs_strides[1]))[:, None]
     tl.store(k_out + out, k.to(DTYPE), mask=ok[:, None])
     tl.store(v_out + out, v.to(DTYPE), mask=ok[:, None])
 
@@ -117,32 +138,47 @@ def plan_of(meta: AttentionMetadata) -> Plan:
 
 
 def dequantize(pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata, dtype: torch.dtype,
-               plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               plan: Plan | None = None, window: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The context blocks of the batch's sequences as dense scratch pages (keys, values), each
-    [plan.num_blocks, block_size, num_kv_heads, head_dim] in `dtype`, in the order of `plan`."""
+    [plan.num_blocks, block_size, num_kv_heads, head_dim] in `dtype`, in the order of `plan`, in the pages'
+    attention domain; with `window` (a dense recent window's rings, `meta.window` its plan), each sequence's
+    blocks from its first ring block on come from its ring."""
     plan = plan or plan_of(meta)
     view = page_view(fmt, pages)
     shape = (max(plan.num_blocks, 1), meta.block_size, view.num_kv_heads, view.head_dim)
     k_out = torch.empty(shape, dtype=dtype, device=view.k.device)
     v_out = torch.empty(shape, dtype=dtype, device=view.k.device)
+    if window is not None:
+        assert meta.window is not None, "reading a dense recent window needs the step's plan of it (meta.window)"
+        rk, rv = (r.flatten(0, 1) for r in window)   # [num_rows * num_ring_blocks, block_size, H, D]
+        ring = (rk, rv, meta.window.rows, meta.window.first_block, stride3(rk))
+        num_ring_blocks = meta.window.num_ring_blocks
+    else:
+        ring = (view.k, view.k, meta.seq_lens, meta.seq_lens, (0, 0, 0))
+        num_ring_blocks = 1
     if plan.num_blocks:
         dequantize_kernel[(plan.num_blocks, view.num_kv_heads)](
             k_out, v_out, view.k, view.v, view.k_scale, view.k_zero, view.v_scale, value_codebook(view, dtype),
-            meta.block_table, plan.rows, meta.block_table.stride(0),
-            stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale), stride3(k_out),
-            HEAD_DIM=view.head_dim, BLOCK_SIZE=meta.block_size, BLOCK_SIZE_PAD=triton.next_power_of_2(meta.block_size),
-            KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits)
+            view.aux("q_rotation"), view.aux("out_rotation"), meta.block_table, plan.rows, meta.block_table.stride(0),
+            stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale), stride3(k_out), *ring,
+            HEAD_DIM=view.head_dim, BLOCK_SIZE=meta.block_size,
+            BLOCK_SIZE_PAD=max(16, triton.next_power_of_2(meta.block_size)),
+            KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, RING=window is not None,
+            NUM_RING_BLOCKS=num_ring_blocks, ROTATE_Q=view.rotate_keys, ROTATE_OUT=view.rotate_out,
+            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
     return k_out, v_out
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    tiles=None) -> torch.Tensor:
-    """Same contract as `attention.paged_attention`, through dense scratch pages."""
+                    tiles=None, window: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Same contract as `attention.paged_attention`, through dense scratch pages; `window`: the layer's dense
+    recent window, read as `decode.paged_attention` reads it."""
     from . import attention
 
     plan = plan_of(meta)
-    k, v = dequantize(pages, fmt, meta, query.dtype, plan)
+    k, v = dequantize(pages, fmt, meta, query.dtype, plan, window)
     key = (fmt.num_kv_heads, fmt.head_dim, query.dtype, query.device)
     dense = _dense_formats.get(key)
     if dense is None:
