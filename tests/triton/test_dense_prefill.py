@@ -54,16 +54,21 @@ def test_dequantize_writes_each_block_of_each_sequence_once():
     assert plan.table[0, :7].tolist() == list(range(7)) and plan.table[1, 0] == 7   # 107 tokens: 7 blocks, then 64
 
 
-def test_when_the_path_applies(monkeypatch):
-    case = build_case(5, "q8", num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, ctx_lens=[100, 10],
-                      new_lens=[64, 64])
-    assert dense_prefill.applies(128, case.fmt, case.meta)
-    assert not dense_prefill.applies(2, case.fmt, case.meta)                 # decode-like: the fused kernels
-    monkeypatch.setattr(dense_prefill, "MAX_TOKENS", 100)
-    assert not dense_prefill.applies(128, case.fmt, case.meta)               # scratch over its budget
-    dense = build_case(5, "off", num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, ctx_lens=[100, 10],
-                       new_lens=[64, 64])
-    assert not dense_prefill.applies(128, dense.fmt, dense.meta)             # dense pages need no conversion
+def test_which_part_of_a_batch_takes_the_path(monkeypatch):
+    def start(new_lens, spec="q8"):
+        case = build_case(5, spec, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                          ctx_lens=[100] * len(new_lens), new_lens=new_lens)
+        return dense_prefill.prefill_start(case.fmt, case.meta)
+
+    assert start([64, 70]) == 0                  # prefill chunks only
+    assert start([1, 2, 64, 70]) == 2            # decodes first, then chunks (the scheduler's order)
+    assert start([1, 1]) is None                 # decodes only: the decode kernels
+    assert start([64, 1, 70]) is None            # a decode after a chunk: not split
+    assert start([1, 80, 8]) is None             # chunks of 44 tokens on average: the fused kernels convert less
+    assert start([64, 70], "off") is None        # dense pages need no conversion
+    monkeypatch.setattr(dense_prefill, "MAX_TOKENS", 200)
+    assert start([64, 70]) is None               # scratch over its budget
+    assert start([1, 1, 64]) == 2                # the chunk's own context is within it
 
 
 def test_dispatch_takes_the_path_when_enabled(monkeypatch):
@@ -75,6 +80,26 @@ def test_dispatch_takes_the_path_when_enabled(monkeypatch):
     monkeypatch.setattr(tuning, "DENSE_PREFILL", True)
     out = triton_ops.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
     assert calls == [1]
+    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_a_mixed_batch_splits_into_its_decodes_and_its_chunks(monkeypatch):
+    """Decodes then prefill chunks in one step (continuous batching): the decodes run the decode kernel as a batch
+    of their own, the chunks go through dense scratch pages; together equal to the reference."""
+    from pagedkv.ops.triton import decode
+
+    case = build_case(9, "q4", num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, ctx_lens=[50, 9, 33, 0],
+                      new_lens=[1, 1, 70, 66])
+    seen = {"dense": [], "decode": []}
+    real_dense, real_decode = dense_prefill.paged_attention, decode.paged_attention
+    monkeypatch.setattr(dense_prefill, "paged_attention",
+                        lambda q, *a, **kw: seen["dense"].append(q.shape[0]) or real_dense(q, *a, **kw))
+    monkeypatch.setattr(decode, "paged_attention",
+                        lambda q, *a, **kw: seen["decode"].append(q.shape[0]) or real_decode(q, *a, **kw))
+    monkeypatch.setattr(tuning, "DENSE_PREFILL", True)
+    out = triton_ops.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
+    assert seen == {"dense": [136], "decode": [2]}
     ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
     assert rel_err(out, ref) < 1e-5
 
@@ -92,9 +117,11 @@ def test_dense_prefill_reads_the_dense_recent_window(spec, head_dim):
     assert rel_err(out, ref) < 1e-5
 
 
-def test_prefill_with_a_window_takes_the_path_instead_of_the_reference(monkeypatch):
+@pytest.mark.parametrize("new_lens,first", [([64, 70], [3, 1]), ([1, 70], [1, 1])], ids=["chunks", "decode_and_chunk"])
+def test_prefill_with_a_window_takes_the_path_instead_of_the_reference(monkeypatch, new_lens, first):
     """A prefill step over a dense recent window, which the decode kernel does not read, runs the reference path;
-    with `tuning.DENSE_PREFILL` it runs through dense scratch pages, rings included."""
+    with `tuning.DENSE_PREFILL` it runs through dense scratch pages, rings included (and a decode before the
+    chunk through the decode kernel, its ring too)."""
     import dataclasses
 
     from pagedkv import ops
@@ -102,8 +129,7 @@ def test_prefill_with_a_window_takes_the_path_instead_of_the_reference(monkeypat
 
     bs, ring_blocks = 16, 6
     case = build_case(8, "q4", num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=bs, ctx_lens=[40, 0],
-                      new_lens=[64, 70])
-    first = [3, 1]                                 # sequence 0: blocks 3-6 from its ring; sequence 1: blocks 1-4
+                      new_lens=new_lens)
     rows = [1, 0]
     shape = (2, ring_blocks, bs, 2, 64)
     rings = (torch.full(shape, float("nan")), torch.full(shape, float("nan")))

@@ -111,9 +111,17 @@ def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap,
     from . import dense_prefill, tuning
 
     num_tokens, num_q_heads, head_dim = query.shape
-    if tuning.DENSE_PREFILL and dense_prefill.applies(num_tokens, fmt, meta):
-        return dense_prefill.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
-                                             softcap=softcap, window=window)
+    start = dense_prefill.prefill_start(fmt, meta) if tuning.DENSE_PREFILL else None
+    if start is not None:   # prefill chunks through dense scratch pages, the decodes before them as a batch alone
+        options = dict(scale=scale, sliding_window=sliding_window, softcap=softcap, window=window)
+        if start == 0:
+            return dense_prefill.paged_attention(query, pages, fmt, meta, **options)
+        split = meta.query_start_loc_cpu[start]
+        decodes, chunks = dense_prefill.parts(meta, start)
+        out = torch.empty_like(query)
+        out[:split] = _paged_attention(query[:split], pages, fmt, decodes, **options)
+        out[split:] = dense_prefill.paged_attention(query[split:], pages, fmt, chunks, **options)
+        return out
     capacity = meta.block_table.shape[1] * meta.block_size
     if window is not None or uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):
         from . import decode

@@ -9,8 +9,12 @@ runs at `off`'s speed over it. Keys and values are rebuilt in the queries' dtype
 bits, as `off`'s own pages do); rotated keys are met by rotating the query, TurboQuant's values (stored in a
 rotated domain) by one product with the inverse rotation at the end.
 
-Scratch: every context block of the batch's sequences, keys and values, in the queries' dtype (a 2,048-token
-chunk over 8K tokens of context at 8 KV heads x 128: 42 MB), so only batches whose blocks stay within
+A step of continuous batching holds decodes, then prefill chunks (`engine/scheduler.py`): the decodes run the
+decode kernels as a batch of their own, the chunks this path (`prefill_start`, `parts`). A dense recent window
+(`recent_tokens`) is read too: each sequence's blocks from its first ring block on come from its ring.
+
+Scratch: every context block of the chunks' sequences, keys and values, in the queries' dtype (a 2,048-token
+chunk over 8K tokens of context at 8 KV heads x 128: 42 MB), so only chunks whose blocks stay within
 `MAX_TOKENS` take this path; the plan (which block goes where) is built from host lists, once per step.
 """
 
@@ -23,7 +27,7 @@ import triton.language as tl
 from ...config import KVFormat
 from ...formats import make_format
 from ...formats.base import PageFormat
-from ..metadata import AttentionMetadata
+from ..metadata import AttentionMetadata, WindowPlan
 from .codecs import KVQUANT, load_keys, load_token_scales, load_values
 from .page_view import page_view, stride3, value_codebook
 
@@ -31,19 +35,43 @@ MAX_TOKENS = 131072          # context tokens (all sequences) a batch may dequan
 MIN_TOKENS_PER_SEQ = 64      # new tokens per sequence below which the fused kernels convert less
 
 
-def applies(num_tokens: int, fmt: PageFormat, meta: AttentionMetadata) -> bool:
-    """Whether a batch of `num_tokens` new tokens takes this path: quantized pages (with or without a dense
-    recent window), power-of-two head_dim, at least MIN_TOKENS_PER_SEQ new tokens per sequence on average, and
-    at most MAX_TOKENS context tokens to dequantize."""
+def prefill_start(fmt: PageFormat, meta: AttentionMetadata) -> int | None:
+    """The first sequence of the batch's part that takes this path, or None. A batch is decodes (at most two new
+    tokens each: the decode kernels read them) then prefill chunks, as the engine's scheduler orders them; the
+    chunks take this path over quantized pages (with or without a dense recent window) at power-of-two head_dim,
+    with at least MIN_TOKENS_PER_SEQ new tokens per sequence on average and at most MAX_TOKENS context tokens
+    to dequantize."""
     if fmt.spec.kind == "dense" or fmt.head_dim & (fmt.head_dim - 1):
-        return False
-    num_seqs = len(meta.seq_lens_cpu)
-    return num_tokens >= MIN_TOKENS_PER_SEQ * num_seqs and scratch_blocks(meta) * meta.block_size <= MAX_TOKENS
-
-
-def scratch_blocks(meta: AttentionMetadata) -> int:
+        return None
+    qsl = meta.query_start_loc_cpu
+    new = [b - a for a, b in zip(qsl, qsl[1:])]
+    start = 0
+    while start < len(new) and new[start] <= 2:
+        start += 1
+    if start == len(new) or min(new[start:]) <= 2:
+        return None
     bs = meta.block_size
-    return sum((n + bs - 1) // bs for n in meta.seq_lens_cpu)
+    blocks = sum((n + bs - 1) // bs for n in meta.seq_lens_cpu[start:])
+    if qsl[-1] - qsl[start] < MIN_TOKENS_PER_SEQ * (len(new) - start) or blocks * bs > MAX_TOKENS:
+        return None
+    return start
+
+
+def applies(fmt: PageFormat, meta: AttentionMetadata) -> bool:
+    """Whether the batch, or its prefill part, takes this path (`prefill_start`)."""
+    return prefill_start(fmt, meta) is not None
+
+
+def part(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadata:
+    """The metadata of sequences lo..hi-1 of a batch (their queries: query_start_loc_cpu[lo]..[hi])."""
+    qsl = meta.query_start_loc_cpu
+    window = meta.window
+    if window is not None:
+        window = WindowPlan(window.token_index, window.slot_mapping, window.rows[lo:hi], window.first_block[lo:hi],
+                            window.rows_cpu[lo:hi], window.first_block_cpu[lo:hi], window.num_ring_blocks)
+    return AttentionMetadata(meta.block_table[lo:hi], meta.seq_lens[lo:hi], meta.query_start_loc[lo:hi + 1] - qsl[lo],
+                             meta.slot_mapping, None, meta.seq_lens_cpu[lo:hi], [x - qsl[lo] for x in qsl[lo:hi + 1]],
+                             meta.block_size, phase_hint=meta.phase_hint, window=window)
 
 
 @triton.jit
@@ -123,6 +151,20 @@ class Plan:
 
 
 _plans: dict[int, tuple[AttentionMetadata, Plan]] = {}   # id(meta) -> (meta, its plan): one step's, kept while used
+_parts: dict[int, tuple[AttentionMetadata, int, tuple]] = {}   # id(meta) -> (meta, start, its two parts): the same
+
+
+def parts(meta: AttentionMetadata, start: int) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """The step's decodes (sequences before `start`) and prefill chunks as two batches, made by the first layer
+    and reused by the others (so is the chunks' plan)."""
+    hit = _parts.get(id(meta))
+    if hit is not None and hit[0] is meta and hit[1] == start:
+        return hit[2]
+    n = len(meta.seq_lens_cpu)
+    split = (part(meta, 0, start), part(meta, start, n))
+    _parts.clear()
+    _parts[id(meta)] = (meta, start, split)
+    return split
 _dense_formats: dict[tuple, PageFormat] = {}
 
 
