@@ -595,6 +595,15 @@ def markdown(result: dict) -> str:
     for r in result["prefill"]:
         lines.append(f"| {r['format']} | {r['context']} | {r['chunk']} | {r['ms']:.3f} | {r['sdpa_ms']:.3f} | "
                      f"{r['speedup_vs_sdpa']:.2f} | {r['tflops']:.0f} |")
+    dense = [r for r in result["prefill"] if "dense_prefill_ms" in r]
+    if dense:   # `--dense-prefill`: the same chunks through dense scratch pages
+        off = {r["context"]: r["ms"] for r in result["prefill"] if r["format"] == "off"}
+        lines += ["", "| format | context | fused (ms) | dense scratch (ms) | fused / dense | dense / off's time |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in dense:
+            ratio = f"{r['dense_prefill_ms'] / off[r['context']]:.2f}" if r["context"] in off else ""
+            lines.append(f"| {r['format']} | {r['context']} | {r['ms']:.3f} | {r['dense_prefill_ms']:.3f} | "
+                         f"{r['ms'] / r['dense_prefill_ms']:.2f} | {ratio} |")
     lines += ["", "| format | write_kv, 64 decode tokens (us) | ns/token | 2,048-token chunk (us) | ns/token |",
               "| --- | --- | --- | --- | --- |"]
     by = {(r["format"], r["phase"]): r for r in result["write"]}
