@@ -61,10 +61,13 @@ def load_groups(ptr, row, ok, W: tl.constexpr):
 def load_f16x4(ptr, row, ok):
     """The four float16 at ptr + row [WARPS, TILE_N] (8-byte aligned rows) in one 8-byte load per row."""
     x = tl.load((ptr + row).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
-    lo = x.to(tl.int32)
-    hi = (x >> 32).to(tl.int32)
-    return ((lo & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True), (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True),
-            (hi & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True), (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True))
+    return half_of(x, 0), half_of(x, 16), half_of(x >> 32, 0), half_of(x >> 32, 16)
+
+
+@triton.jit
+def half_of(word, SHIFT: tl.constexpr):
+    """The float16 in bits SHIFT..SHIFT+15 of an integer."""
+    return ((word.to(tl.int32) >> SHIFT) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit

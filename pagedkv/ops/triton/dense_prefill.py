@@ -96,13 +96,14 @@ def dequantize_kernel(
     ok = slot < BLOCK_SIZE
     offs_d = tl.arange(0, HEAD_DIM)
     DTYPE: tl.constexpr = k_out.dtype.element_ty
-    out = r.to(tl.int64) * o_strides[0] + slot.to(tl.int64)[:, None] * o_strides[1] + head * o_strides[2] + offs_d[None, :]
+    rows = slot.to(tl.int64)[:, None]
+    out = r.to(tl.int64) * o_strides[0] + rows * o_strides[1] + head * o_strides[2] + offs_d[None, :]
     from_ring = False
     if RING:
         from_ring = j >= tl.load(ring_first_ptr + seq)
     if from_ring:
         ring_block = tl.load(ring_rows_ptr + seq).to(tl.int64) * NUM_RING_BLOCKS + j % NUM_RING_BLOCKS
-        at = ring_block * r_strides[0] + slot.to(tl.int64)[:, None] * r_strides[1] + head * r_strides[2] + offs_d[None, :]
+        at = ring_block * r_strides[0] + rows * r_strides[1] + head * r_strides[2] + offs_d[None, :]
         k = tl.load(rk_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(rv_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
         square = offs_d[:, None] * HEAD_DIM + offs_d[None, :]
