@@ -419,8 +419,8 @@ def bench_prefill(formats, gen, sweep=False, dense=False) -> list[dict]:
             fmt, pages, table = paged_layer(spec, keys, values, 1, total, gen)
             meta = decode_meta(table, total, PREFILL_CHUNK)
             out = triton_ops.paged_attention(query, pages, fmt, meta, scale=SCALE)
-            err = rel_err(out, sdpa_out) if spec == "off" else rel_err(
-                out, reference.paged_attention(query, pages, fmt, meta, scale=SCALE))
+            ref = sdpa_out if spec == "off" else reference.paged_attention(query, pages, fmt, meta, scale=SCALE)
+            err = rel_err(out, ref)
             ms = time_per_call([lambda: triton_ops.paged_attention(query, pages, fmt, meta, scale=SCALE)], replays=10)
             row = {"format": spec, "context": context, "chunk": PREFILL_CHUNK, "ms": ms, "sdpa_ms": sdpa_ms,
                    "sdpa_kind": sdpa_kind, "sdpa_all_ms": sdpa_all, "speedup_vs_sdpa": sdpa_ms / ms,
@@ -434,11 +434,12 @@ def bench_prefill(formats, gen, sweep=False, dense=False) -> list[dict]:
                             query, pages, fmt, meta, scale=SCALE, tiles=t)], replays=5)
                     except Exception as e:  # noqa: BLE001
                         row["sweep"][key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-            if dense and spec != "off":   # the same through dense scratch pages (`dense_prefill.py`), side by side
-                dense_out = dense_prefill.paged_attention(query, pages, fmt, meta, scale=SCALE)
-                row["dense_prefill_err"] = rel_err(dense_out, reference.paged_attention(query, pages, fmt, meta, scale=SCALE))
+            if dense and spec != "off":   # the same through dense scratch pages (`dense_prefill.py`), side by side;
+                plan = dense_prefill.Plan(meta)   # a step's plan is made once for all its layers
+                dense_out = dense_prefill.paged_attention(query, pages, fmt, meta, scale=SCALE, plan=plan)
+                row["dense_prefill_err"] = rel_err(dense_out, ref)
                 row["dense_prefill_ms"] = time_per_call(
-                    [lambda: dense_prefill.paged_attention(query, pages, fmt, meta, scale=SCALE)], replays=10)
+                    [lambda: dense_prefill.paged_attention(query, pages, fmt, meta, scale=SCALE, plan=plan)], replays=10)
                 print(f"  {spec + ' (dense scratch)':28s} {row['dense_prefill_ms']:8.3f} ms  x{sdpa_ms / row['dense_prefill_ms']:.2f}"
                       f" vs sdpa  err {row['dense_prefill_err']:.1e}", flush=True)
             rows.append(row)

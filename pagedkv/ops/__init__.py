@@ -72,12 +72,6 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
         counters.cache_write_time_s += time.perf_counter() - start
 
 
-def _dense_prefill(fmt: PageFormat, meta: AttentionMetadata) -> bool:
-    from .triton import dense_prefill, tuning
-
-    return tuning.DENSE_PREFILL and dense_prefill.applies(fmt, meta)
-
-
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
                     kernels: str = "auto", counters: OpCounters | None = None,
@@ -105,8 +99,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
 
         qsl = meta.query_start_loc_cpu
         longest = max(b - a for a, b in zip(qsl, qsl[1:])) if query.shape[0] > 2 * (len(qsl) - 1) else None
-        ok, why = reads_window(query.shape[0], meta.block_table.shape[0], fmt, longest)
-        if not ok and not _dense_prefill(fmt, meta):
+        ok, why = reads_window(query.shape[0], meta.block_table.shape[0], fmt, longest, meta)
+        if not ok:
             backend, reason = "reference", why
     sequence_kv = None
     if mirror is not None and meta.seq_ids is not None:

@@ -58,7 +58,8 @@ def test_which_part_of_a_batch_takes_the_path(monkeypatch):
     def start(new_lens, spec="q8"):
         case = build_case(5, spec, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                           ctx_lens=[100] * len(new_lens), new_lens=new_lens)
-        return dense_prefill.prefill_start(case.fmt, case.meta)
+        step = dense_prefill.step_of(case.fmt, case.meta)
+        return None if step is None else step.start
 
     assert start([64, 70]) == 0                  # prefill chunks only
     assert start([1, 2, 64, 70]) == 2            # decodes first, then chunks (the scheduler's order)
@@ -122,34 +123,31 @@ def test_prefill_with_a_window_takes_the_path_instead_of_the_reference(monkeypat
     """A prefill step over a dense recent window, which the decode kernel does not read, runs the reference path;
     with `tuning.DENSE_PREFILL` it runs through dense scratch pages, rings included (and a decode before the
     chunk through the decode kernel, its ring too)."""
-    import dataclasses
-
     from pagedkv import ops
-    from pagedkv.ops.metadata import WindowPlan
+    from test_triton_decode_window import window_case, window_reference
 
-    bs, ring_blocks = 16, 6
-    case = build_case(8, "q4", num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=bs, ctx_lens=[40, 0],
-                      new_lens=new_lens)
-    rows = [1, 0]
-    shape = (2, ring_blocks, bs, 2, 64)
-    rings = (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
-    start = 0
-    for row, f, length in zip(rows, first, case.meta.seq_lens_cpu):
-        for pos in range(f * bs, length):
-            rings[0][row, pos // bs % ring_blocks, pos % bs] = case.keys[start + pos]
-            rings[1][row, pos // bs % ring_blocks, pos % bs] = case.values[start + pos]
-        start += length
-    per_seq = torch.tensor([rows, first], dtype=torch.int32)
-    empty = torch.empty(0, dtype=torch.int64)
-    meta = dataclasses.replace(case.meta, window=WindowPlan(empty, empty, per_seq[0], per_seq[1], rows, first, ring_blocks))
-    expected = reference.paged_attention(
-        case.query, case.pages, case.fmt, meta, scale=0.125,
-        sequence_kv=lambda i: reference.window_kv(case.pages, case.fmt, meta, i, rings))
+    case, rings = window_case("q4", 8, 2, 64, seed=8, ctx_lens=[40, 0], new_lens=new_lens, first_blocks=first,
+                              num_ring_blocks=6)
+    expected = window_reference(case, rings, scale=0.125)
     calls = []
     real = dense_prefill.paged_attention
     monkeypatch.setattr(dense_prefill, "paged_attention", lambda *a, **kw: calls.append(kw["window"]) or real(*a, **kw))
     monkeypatch.setattr(triton_ops, "supports", lambda device, fmt: (True, None))
     monkeypatch.setattr(tuning, "DENSE_PREFILL", True)
-    out = ops.paged_attention(case.query, case.pages, case.fmt, meta, scale=0.125, window=rings)
+    out = ops.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125, window=rings)
     assert len(calls) == 1 and calls[0] is rings
     assert rel_err(out, expected) < 1e-5
+
+
+def test_a_window_splits_a_step_only_where_the_decode_kernel_reads_it():
+    """With a dense recent window, the decodes before the chunks must go to the decode kernel, which reads the
+    window only over the pages it reads (TurboQuant at head_dim 128): otherwise the step is not split."""
+    from test_triton_decode_window import window_case
+
+    lens = dict(ctx_lens=[40, 0], new_lens=[1, 70], first_blocks=[1, 1], num_ring_blocks=6)
+    q4, _ = window_case("q4", 4, 2, 64, **lens)
+    tq64, _ = window_case("turboquant", 4, 2, 64, **lens)
+    assert dense_prefill.step_of(q4.fmt, q4.meta).start == 1
+    assert dense_prefill.step_of(tq64.fmt, tq64.meta) is None
+    chunks_only, _ = window_case("turboquant", 4, 2, 64, **dict(lens, new_lens=[64, 70]))
+    assert dense_prefill.step_of(chunks_only.fmt, chunks_only.meta).start == 0

@@ -25,26 +25,27 @@ FIRST_BLOCKS = [10, 1, 3, 2, 0]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
-def window_case(spec, num_q_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
+def window_case(spec, num_q_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0, ctx_lens=CTX_LENS,
+                new_lens=NEW_LENS, first_blocks=FIRST_BLOCKS, num_ring_blocks=NUM_RING_BLOCKS):
     """A batch (`triton_cases.build_case`) with its rings: rows shuffled, slots it does not read NaN."""
     case = build_case(seed, spec, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                      block_size=BS, ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
-    num_seqs = len(CTX_LENS)
+                      block_size=BS, ctx_lens=ctx_lens, new_lens=new_lens, dtype=dtype)
+    num_seqs = len(ctx_lens)
     rows = torch.randperm(num_seqs + 2, generator=torch.Generator().manual_seed(seed))[:num_seqs].tolist()
-    shape = (num_seqs + 2, NUM_RING_BLOCKS, BS, num_kv_heads, head_dim)
+    shape = (num_seqs + 2, num_ring_blocks, BS, num_kv_heads, head_dim)
     rings = (torch.full(shape, float("nan"), dtype=dtype, device=DEVICE),
              torch.full(shape, float("nan"), dtype=dtype, device=DEVICE))
     start = 0
-    for row, first, length in zip(rows, FIRST_BLOCKS, case.meta.seq_lens_cpu):
-        assert -(-length // BS) - first <= NUM_RING_BLOCKS
+    for row, first, length in zip(rows, first_blocks, case.meta.seq_lens_cpu):
+        assert -(-length // BS) - first <= num_ring_blocks
         for pos in range(first * BS, length):
-            rings[0][row, pos // BS % NUM_RING_BLOCKS, pos % BS] = case.keys[start + pos]
-            rings[1][row, pos // BS % NUM_RING_BLOCKS, pos % BS] = case.values[start + pos]
+            rings[0][row, pos // BS % num_ring_blocks, pos % BS] = case.keys[start + pos]
+            rings[1][row, pos // BS % num_ring_blocks, pos % BS] = case.values[start + pos]
         start += length
-    per_seq = torch.tensor([rows, FIRST_BLOCKS], dtype=torch.int32, device=DEVICE)
+    per_seq = torch.tensor([rows, first_blocks], dtype=torch.int32, device=DEVICE)
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    meta = dataclasses.replace(case.meta, window=WindowPlan(empty, empty, per_seq[0], per_seq[1], rows, FIRST_BLOCKS,
-                                                            NUM_RING_BLOCKS))
+    meta = dataclasses.replace(case.meta, window=WindowPlan(empty, empty, per_seq[0], per_seq[1], rows, first_blocks,
+                                                            num_ring_blocks))
     return dataclasses.replace(case, meta=meta), rings
 
 

@@ -75,15 +75,19 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
 WINDOW_MAX_NEW_TOKENS = 16   # new tokens per sequence the decode kernel reads a window for: verify steps of 15 drafts
 
 
-def reads_window(num_tokens: int, num_seqs: int, fmt, max_new_tokens: int | None = None) -> tuple[bool, str | None]:
+def reads_window(num_tokens: int, num_seqs: int, fmt, max_new_tokens: int | None = None,
+                 meta=None) -> tuple[bool, str | None]:
     """Whether the kernels read a dense recent window (`recent_tokens`) for this batch, else why not: the
     warp-split decode kernel does, over pages it reads, for decode-like batches and for batches of at most
     WINDOW_MAX_NEW_TOKENS new tokens per sequence (`max_new_tokens`: speculative verify steps; one program per
-    query token, each reading its sequence's pages and ring), whatever the split. Longer chunks (prefill) run
-    the reference path."""
+    query token, each reading its sequence's pages and ring), whatever the split; with `tuning.DENSE_PREFILL`,
+    the dense-scratch prefill does for the steps it takes (`meta`: the step's metadata). Other longer chunks
+    (prefill) run the reference path."""
     from .decode import is_supported
     from .tuning import is_decode_like
 
+    if meta is not None and _dense_prefill_step(fmt, meta) is not None:
+        return True, None
     short = max_new_tokens is not None and max_new_tokens <= WINDOW_MAX_NEW_TOKENS
     if not (is_decode_like(num_tokens, num_seqs) or short):
         return False, (f"recent_tokens: the Triton kernels read the dense recent window in steps of at most "
@@ -104,23 +108,27 @@ def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
     return is_decode_like(num_tokens, num_seqs) and page_class(fmt) != "dense" and is_supported(fmt)
 
 
-def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):
-    from . import attention, split_k
-    from .tuning import plan_attention, warp_split_splits, warp_split_tiles
-
+def _dense_prefill_step(fmt, meta):
+    """The step's split for the dense-scratch prefill (`dense_prefill.step_of`) when `tuning.DENSE_PREFILL`."""
     from . import dense_prefill, tuning
 
+    return dense_prefill.step_of(fmt, meta) if tuning.DENSE_PREFILL else None
+
+
+def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):
+    from . import attention, dense_prefill, split_k
+    from .tuning import plan_attention, warp_split_splits, warp_split_tiles
+
     num_tokens, num_q_heads, head_dim = query.shape
-    start = dense_prefill.prefill_start(fmt, meta) if tuning.DENSE_PREFILL else None
-    if start is not None:   # prefill chunks through dense scratch pages, the decodes before them as a batch alone
+    step = _dense_prefill_step(fmt, meta)
+    if step is not None:   # prefill chunks through dense scratch pages, the decodes before them as a batch alone
         options = dict(scale=scale, sliding_window=sliding_window, softcap=softcap, window=window)
-        if start == 0:
-            return dense_prefill.paged_attention(query, pages, fmt, meta, **options)
-        split = meta.query_start_loc_cpu[start]
-        decodes, chunks = dense_prefill.parts(meta, start)
+        if step.decodes is None:
+            return dense_prefill.paged_attention(query, pages, fmt, meta, plan=step.plan, **options)
+        split = meta.query_start_loc_cpu[step.start]
         out = torch.empty_like(query)
-        out[:split] = _paged_attention(query[:split], pages, fmt, decodes, **options)
-        out[split:] = dense_prefill.paged_attention(query[split:], pages, fmt, chunks, **options)
+        out[:split] = _paged_attention(query[:split], pages, fmt, step.decodes, **options)
+        out[split:] = dense_prefill.paged_attention(query[split:], pages, fmt, step.chunks, plan=step.plan, **options)
         return out
     capacity = meta.block_table.shape[1] * meta.block_size
     if window is not None or uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):

@@ -10,7 +10,7 @@ bits, as `off`'s own pages do); rotated keys are met by rotating the query, Turb
 rotated domain) by one product with the inverse rotation at the end.
 
 A step of continuous batching holds decodes, then prefill chunks (`engine/scheduler.py`): the decodes run the
-decode kernels as a batch of their own, the chunks this path (`prefill_start`, `parts`). A dense recent window
+decode kernels as a batch of their own, the chunks this path (`step_of`). A dense recent window
 (`recent_tokens`) is read too: each sequence's blocks from its first ring block on come from its ring.
 
 Scratch: every context block of the chunks' sequences, keys and values, in the queries' dtype (a 2,048-token
@@ -19,6 +19,9 @@ chunk over 8K tokens of context at 8 KV heads x 128: 42 MB), so only chunks whos
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,14 +38,10 @@ MAX_TOKENS = 131072          # context tokens (all sequences) a batch may dequan
 MIN_TOKENS_PER_SEQ = 64      # new tokens per sequence below which the fused kernels convert less
 
 
-def prefill_start(fmt: PageFormat, meta: AttentionMetadata) -> int | None:
-    """The first sequence of the batch's part that takes this path, or None. A batch is decodes (at most two new
-    tokens each: the decode kernels read them) then prefill chunks, as the engine's scheduler orders them; the
-    chunks take this path over quantized pages (with or without a dense recent window) at power-of-two head_dim,
-    with at least MIN_TOKENS_PER_SEQ new tokens per sequence on average and at most MAX_TOKENS context tokens
-    to dequantize."""
-    if fmt.spec.kind == "dense" or fmt.head_dim & (fmt.head_dim - 1):
-        return None
+def chunk_start(meta: AttentionMetadata) -> int | None:
+    """The first sequence of the batch's prefill chunks when they take this path, else None. A batch is decodes
+    (at most two new tokens each) then chunks, as the engine's scheduler orders them; the chunks need at least
+    MIN_TOKENS_PER_SEQ new tokens per sequence on average and at most MAX_TOKENS context tokens to dequantize."""
     qsl = meta.query_start_loc_cpu
     new = [b - a for a, b in zip(qsl, qsl[1:])]
     start = 0
@@ -55,11 +54,6 @@ def prefill_start(fmt: PageFormat, meta: AttentionMetadata) -> int | None:
     if qsl[-1] - qsl[start] < MIN_TOKENS_PER_SEQ * (len(new) - start) or blocks * bs > MAX_TOKENS:
         return None
     return start
-
-
-def applies(fmt: PageFormat, meta: AttentionMetadata) -> bool:
-    """Whether the batch, or its prefill part, takes this path (`prefill_start`)."""
-    return prefill_start(fmt, meta) is not None
 
 
 def part(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadata:
@@ -151,33 +145,47 @@ class Plan:
         self.table = torch.tensor(table, dtype=torch.int32).to(device, non_blocking=True)
 
 
-_plans: dict[int, tuple[AttentionMetadata, Plan]] = {}   # id(meta) -> (meta, its plan): one step's, kept while used
-_parts: dict[int, tuple[AttentionMetadata, int, tuple]] = {}   # id(meta) -> (meta, start, its two parts): the same
+@dataclass
+class Step:
+    """How a step's batch splits: the decodes before `start` (their metadata, None when there are none) and the
+    chunks from it (their metadata and scratch plan)."""
+    start: int
+    decodes: AttentionMetadata | None
+    chunks: AttentionMetadata
+    plan: Plan
 
 
-def parts(meta: AttentionMetadata, start: int) -> tuple[AttentionMetadata, AttentionMetadata]:
-    """The step's decodes (sequences before `start`) and prefill chunks as two batches, made by the first layer
-    and reused by the others (so is the chunks' plan)."""
-    hit = _parts.get(id(meta))
-    if hit is not None and hit[0] is meta and hit[1] == start:
-        return hit[2]
-    n = len(meta.seq_lens_cpu)
-    split = (part(meta, 0, start), part(meta, start, n))
-    _parts.clear()
-    _parts[id(meta)] = (meta, start, split)
-    return split
-_dense_formats: dict[tuple, PageFormat] = {}
+_step: tuple[AttentionMetadata, Step | None] | None = None   # the current step's metadata and its split
 
 
-def plan_of(meta: AttentionMetadata) -> Plan:
-    """The step's plan, built by the first layer and reused by the others (one entry: the current step's)."""
-    hit = _plans.get(id(meta))
-    if hit is not None and hit[0] is meta:
-        return hit[1]
-    plan = Plan(meta)
-    _plans.clear()
-    _plans[id(meta)] = (meta, plan)
-    return plan
+def step_of(fmt: PageFormat, meta: AttentionMetadata) -> Step | None:
+    """The step's split when its chunks take this path, else None: quantized pages at power-of-two head_dim,
+    `chunk_start`, and with a dense recent window decodes only where the decode kernel reads the window. Made by
+    the first layer of a step, reused by the others."""
+    global _step
+    if fmt.spec.kind == "dense" or fmt.head_dim & (fmt.head_dim - 1):
+        return None
+    if _step is None or _step[0] is not meta:
+        start = chunk_start(meta)
+        step = None
+        if start == 0:
+            step = Step(0, None, meta, Plan(meta))
+        elif start is not None:
+            chunks = part(meta, start, len(meta.seq_lens_cpu))
+            step = Step(start, part(meta, 0, start), chunks, Plan(chunks))
+        _step = (meta, step)
+    step = _step[1]
+    if step is not None and step.decodes is not None and meta.window is not None:
+        from .decode import is_supported
+
+        if not is_supported(fmt):
+            return None
+    return step
+
+
+@functools.lru_cache(maxsize=None)
+def dense_format(num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> PageFormat:
+    return make_format(KVFormat.parse("off"), num_kv_heads, head_dim, dtype, device)
 
 
 def dequantize(pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata, dtype: torch.dtype,
@@ -187,7 +195,7 @@ def dequantize(pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionM
     [plan.num_blocks, block_size, num_kv_heads, head_dim] in `dtype`, in the order of `plan`, in the pages'
     attention domain; with `window` (a dense recent window's rings, `meta.window` its plan), each sequence's
     blocks from its first ring block on come from its ring."""
-    plan = plan or plan_of(meta)
+    plan = plan or Plan(meta)
     view = page_view(fmt, pages)
     shape = (max(plan.num_blocks, 1), meta.block_size, view.num_kv_heads, view.head_dim)
     k_out = torch.empty(shape, dtype=dtype, device=view.k.device)
@@ -215,26 +223,19 @@ def dequantize(pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionM
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    tiles=None, window: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    tiles=None, window: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    plan: Plan | None = None) -> torch.Tensor:
     """Same contract as `attention.paged_attention`, through dense scratch pages; `window`: the layer's dense
-    recent window, read as `decode.paged_attention` reads it."""
+    recent window, read as `decode.paged_attention` reads it; `plan`: the step's (`step_of`), else made here.
+    The scratch holds the pages' attention domain: the query goes in through `fmt.attention_query`, the output
+    comes back through `fmt.attention_output`, as in the reference path."""
     from . import attention
 
-    plan = plan_of(meta)
+    plan = plan or Plan(meta)
     k, v = dequantize(pages, fmt, meta, query.dtype, plan, window)
-    key = (fmt.num_kv_heads, fmt.head_dim, query.dtype, query.device)
-    dense = _dense_formats.get(key)
-    if dense is None:
-        dense = _dense_formats[key] = make_format(KVFormat.parse("off"), fmt.num_kv_heads, fmt.head_dim, query.dtype,
-                                                  query.device)
-    view = page_view(fmt, pages)
-    q = query
-    if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R), R orthogonal
-        q = (query.float() @ view.q_rotation).to(query.dtype)
     dense_meta = AttentionMetadata(plan.table, meta.seq_lens, meta.query_start_loc, meta.slot_mapping, meta.token_index,
                                    meta.seq_lens_cpu, meta.query_start_loc_cpu, meta.block_size)
-    out = attention.paged_attention(q, {"k": k, "v": v}, dense, dense_meta, scale=scale,
-                                    sliding_window=sliding_window, softcap=softcap, tiles=tiles)
-    if view.rotate_out:    # values were decoded in their rotated domain
-        out = (out.float() @ view.out_rotation).to(query.dtype)
-    return out
+    out = attention.paged_attention(fmt.attention_query(query).to(query.dtype), {"k": k, "v": v},
+                                    dense_format(fmt.num_kv_heads, fmt.head_dim, query.dtype, query.device),
+                                    dense_meta, scale=scale, sliding_window=sliding_window, softcap=softcap, tiles=tiles)
+    return fmt.attention_output(out).to(query.dtype)

@@ -40,7 +40,7 @@ def is_decode_like(num_tokens: int, num_seqs: int) -> bool:
 
 # Prefill over quantized pages through dense scratch pages (`dense_prefill.py`: the context dequantized once,
 # then the dense kernel) instead of the fused kernels. Off until timed on a GPU against them (`python
-# bench/kernels.py --dense-prefill`); set it to take the path wherever `dense_prefill.applies`.
+# bench/kernels.py --dense-prefill`); set it to take the path wherever `dense_prefill.step_of` splits a step.
 DENSE_PREFILL = False
 
 
