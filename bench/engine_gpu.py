@@ -335,13 +335,14 @@ def main(argv=None) -> int:
     p.add_argument("--admission-lookahead-tokens", type=int, nargs="+", default=[1024], metavar="N",
                    help="the engine's admission lookahead in the same-memory run; several values run side by side "
                         "(0: admit on free blocks alone)")
-    p.add_argument("--dense-prefill", action="store_true",
-                   help="prefill chunks over quantized pages through dense scratch pages (`tuning.DENSE_PREFILL`)")
+    p.add_argument("--fused-prefill", action="store_true",
+                   help="prefill chunks over quantized pages through the fused kernels (`tuning.DENSE_PREFILL = False`) "
+                        "instead of dense scratch pages")
     args = p.parse_args(argv)
-    if args.dense_prefill:
+    if args.fused_prefill:
         from pagedkv.ops.triton import tuning
 
-        tuning.DENSE_PREFILL = True
+        tuning.DENSE_PREFILL = False
     if args.replot:
         results = json.loads(Path(args.replot).read_text())
         draw = plot_same_memory if "same_memory" in results else plot

@@ -5,7 +5,7 @@
 # code says whether any did.
 #
 #   OUT=/some/dir bash bench/h200_run.sh kernels   # the write GPU tests, kernel tables (plain and with a window of 128;
-#                                                  # prefill also through dense scratch pages)
+#                                                  # prefill also through the fused kernels)
 #   OUT=/some/dir bash bench/h200_run.sh tests     # the decode, window and CUDA graph GPU tests (long: they compile)
 #   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
 set -u
@@ -23,7 +23,7 @@ case "${1:-kernels}" in
 kernels)
     run 120 python -m pytest -q -rf tests/triton/test_triton_write.py -k "turboquant or q4"
     run 300 python bench/kernels.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --recent-tokens 128 \
-        --skip write --dense-prefill --out "$OUT/kernels"
+        --skip write --fused-prefill --out "$OUT/kernels"
     ;;
 tests)
     run 560 python -m pytest -q -rf tests/triton/test_triton_decode_window.py tests/test_recent_window.py \

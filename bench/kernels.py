@@ -36,7 +36,7 @@ from pagedkv.formats import make_format  # noqa: E402
 from pagedkv.ops import reference  # noqa: E402
 from pagedkv.ops import triton as triton_ops  # noqa: E402
 from pagedkv.ops.metadata import AttentionMetadata  # noqa: E402
-from pagedkv.ops.triton import attention, dense_prefill, split_k  # noqa: E402
+from pagedkv.ops.triton import attention, split_k, tuning  # noqa: E402
 from pagedkv.ops.triton.tuning import DecodeTiles, TileConfig  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -401,8 +401,9 @@ def sdpa_prefill(q, k, v, context):
     return best[0], best[1], results, candidates[best[1]]()
 
 
-def bench_prefill(formats, gen, sweep=False, dense=False) -> list[dict]:
+def bench_prefill(formats, gen, sweep=False, fused=False) -> list[dict]:
     rows = []
+    dense_default = tuning.DENSE_PREFILL
     for context in PREFILL_CONTEXTS:
         total = context + PREFILL_CHUNK
         keys = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
@@ -434,14 +435,17 @@ def bench_prefill(formats, gen, sweep=False, dense=False) -> list[dict]:
                             query, pages, fmt, meta, scale=SCALE, tiles=t)], replays=5)
                     except Exception as e:  # noqa: BLE001
                         row["sweep"][key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-            if dense and spec != "off":   # the same through dense scratch pages (`dense_prefill.py`), side by side;
-                plan = dense_prefill.Plan(meta)   # a step's plan is made once for all its layers
-                dense_out = dense_prefill.paged_attention(query, pages, fmt, meta, scale=SCALE, plan=plan)
-                row["dense_prefill_err"] = rel_err(dense_out, ref)
-                row["dense_prefill_ms"] = time_per_call(
-                    [lambda: dense_prefill.paged_attention(query, pages, fmt, meta, scale=SCALE, plan=plan)], replays=10)
-                print(f"  {spec + ' (dense scratch)':28s} {row['dense_prefill_ms']:8.3f} ms  x{sdpa_ms / row['dense_prefill_ms']:.2f}"
-                      f" vs sdpa  err {row['dense_prefill_err']:.1e}", flush=True)
+            if fused and spec != "off":   # the fused kernels (`tuning.DENSE_PREFILL = False`), side by side
+                tuning.DENSE_PREFILL = False
+                try:
+                    fused_out = triton_ops.paged_attention(query, pages, fmt, meta, scale=SCALE)
+                    row["fused_prefill_err"] = rel_err(fused_out, ref)
+                    row["fused_prefill_ms"] = time_per_call(
+                        [lambda: triton_ops.paged_attention(query, pages, fmt, meta, scale=SCALE)], replays=10)
+                finally:
+                    tuning.DENSE_PREFILL = dense_default
+                print(f"  {spec + ' (fused)':28s} {row['fused_prefill_ms']:8.3f} ms  x{sdpa_ms / row['fused_prefill_ms']:.2f}"
+                      f" vs sdpa  err {row['fused_prefill_err']:.1e}", flush=True)
             rows.append(row)
             print(f"  {spec:28s} {ms:8.3f} ms  {row['tflops']:6.0f} TFLOP/s  x{row['speedup_vs_sdpa']:.2f} vs sdpa"
                   f"  err {err:.1e}", flush=True)
@@ -501,8 +505,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no prefill context 8192")
     parser.add_argument("--warp-split", action="store_true", help="also time the warp-split decode kernel's configs")
-    parser.add_argument("--dense-prefill", action="store_true",
-                        help="also time prefill over quantized pages through dense scratch pages (`dense_prefill.py`)")
+    parser.add_argument("--fused-prefill", action="store_true",
+                        help="also time prefill over quantized pages through the fused kernels (`tuning.DENSE_PREFILL = "
+                             "False`) beside the default, dense scratch pages")
     parser.add_argument("--warp-split-configs", default=None,
                         help="with --warp-split, these transposed configs instead: KEYS:WARPS:REGISTERS,...")
     parser.add_argument("--head-major", action="store_true", help="pages stored head-major inside a block (experiment)")
@@ -531,7 +536,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     parts = [("decode", lambda: bench_decode(formats, shapes, gen, decode_sweep if args.sweep else None, args.warp_split,
                                                           args.recent_tokens)),
-             ("prefill", lambda: bench_prefill(formats, gen, sweep=args.sweep, dense=args.dense_prefill)),
+             ("prefill", lambda: bench_prefill(formats, gen, sweep=args.sweep, fused=args.fused_prefill)),
              ("write", lambda: bench_writes(formats, gen))]
     for name, run in parts:
         result[name] = [] if name in skip else run()
@@ -596,15 +601,15 @@ def markdown(result: dict) -> str:
     for r in result["prefill"]:
         lines.append(f"| {r['format']} | {r['context']} | {r['chunk']} | {r['ms']:.3f} | {r['sdpa_ms']:.3f} | "
                      f"{r['speedup_vs_sdpa']:.2f} | {r['tflops']:.0f} |")
-    dense = [r for r in result["prefill"] if "dense_prefill_ms" in r]
-    if dense:   # `--dense-prefill`: the same chunks through dense scratch pages
+    fused = [r for r in result["prefill"] if "fused_prefill_ms" in r]
+    if fused:   # `--fused-prefill`: the same chunks through the fused kernels
         off = {r["context"]: r["ms"] for r in result["prefill"] if r["format"] == "off"}
-        lines += ["", "| format | context | fused (ms) | dense scratch (ms) | fused / dense | dense / off's time |",
+        lines += ["", "| format | context | default (ms) | fused (ms) | fused / default | default / off's time |",
                   "| --- | --- | --- | --- | --- | --- |"]
-        for r in dense:
-            ratio = f"{r['dense_prefill_ms'] / off[r['context']]:.2f}" if r["context"] in off else ""
-            lines.append(f"| {r['format']} | {r['context']} | {r['ms']:.3f} | {r['dense_prefill_ms']:.3f} | "
-                         f"{r['ms'] / r['dense_prefill_ms']:.2f} | {ratio} |")
+        for r in fused:
+            ratio = f"{r['ms'] / off[r['context']]:.2f}" if r["context"] in off else ""
+            lines.append(f"| {r['format']} | {r['context']} | {r['ms']:.3f} | {r['fused_prefill_ms']:.3f} | "
+                         f"{r['fused_prefill_ms'] / r['ms']:.2f} | {ratio} |")
     lines += ["", "| format | write_kv, 64 decode tokens (us) | ns/token | 2,048-token chunk (us) | ns/token |",
               "| --- | --- | --- | --- | --- |"]
     by = {(r["format"], r["phase"]): r for r in result["write"]}

@@ -118,7 +118,8 @@ def test_dense_prefill_reads_the_dense_recent_window(spec, head_dim):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("new_lens,first", [([64, 70], [3, 1]), ([1, 70], [1, 1])], ids=["chunks", "decode_and_chunk"])
+@pytest.mark.parametrize("new_lens,first", [([64, 70], [3, 1]), ([1, 70], [1, 1]), ([70, 1], [1, 0]), ([1, 20], [1, 1])],
+                         ids=["chunks", "decode_and_chunk", "chunk_then_decode", "short_chunk"])
 def test_prefill_with_a_window_takes_the_path_instead_of_the_reference(monkeypatch, new_lens, first):
     """A prefill step over a dense recent window, which the decode kernel does not read, runs the reference path;
     with `tuning.DENSE_PREFILL` it runs through dense scratch pages, rings included (and a decode before the
@@ -140,14 +141,22 @@ def test_prefill_with_a_window_takes_the_path_instead_of_the_reference(monkeypat
 
 
 def test_a_window_splits_a_step_only_where_the_decode_kernel_reads_it():
-    """With a dense recent window, the decodes before the chunks must go to the decode kernel, which reads the
-    window only over the pages it reads (TurboQuant at head_dim 128): otherwise the step is not split."""
+    """With a dense recent window the fused kernels cannot serve a chunk: the decodes before the chunks go to the
+    decode kernel where it reads the window over these pages (not TurboQuant at head_dim 64: the step goes
+    whole), chunks of any length take the path, steps the decode kernel reads whole (decodes, short verify
+    steps) stay there, and a step that does not split in order goes whole."""
     from test_triton_decode_window import window_case
 
-    lens = dict(ctx_lens=[40, 0], new_lens=[1, 70], first_blocks=[1, 1], num_ring_blocks=6)
-    q4, _ = window_case("q4", 4, 2, 64, **lens)
-    tq64, _ = window_case("turboquant", 4, 2, 64, **lens)
-    assert dense_prefill.step_of(q4.fmt, q4.meta).start == 1
-    assert dense_prefill.step_of(tq64.fmt, tq64.meta) is None
-    chunks_only, _ = window_case("turboquant", 4, 2, 64, **dict(lens, new_lens=[64, 70]))
-    assert dense_prefill.step_of(chunks_only.fmt, chunks_only.meta).start == 0
+    def start(spec, head_dim=64, **change):
+        lens = dict(dict(ctx_lens=[40, 0], new_lens=[1, 70], first_blocks=[1, 1], num_ring_blocks=6), **change)
+        case, _ = window_case(spec, 4, 2, head_dim, **lens)
+        step = dense_prefill.step_of(case.fmt, case.meta)
+        return None if step is None else (step.start, step.decodes is None)
+
+    assert start("q4") == (1, False)
+    assert start("turboquant") == (0, True)                            # the decode kernel does not read these pages
+    assert start("turboquant", new_lens=[64, 70]) == (0, True)
+    assert start("q4", new_lens=[1, 20]) == (1, False)                 # a short chunk: still not the fused kernels
+    assert start("q4", new_lens=[4, 4], first_blocks=[1, 0]) is None   # a verify step: the decode kernel reads it
+    assert start("q4", new_lens=[1, 1], first_blocks=[1, 0]) is None   # decodes
+    assert start("q4", new_lens=[70, 1], first_blocks=[1, 0]) == (0, True)   # a decode after a chunk: whole

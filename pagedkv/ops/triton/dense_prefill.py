@@ -38,10 +38,10 @@ MAX_TOKENS = 131072          # context tokens (all sequences) a batch may dequan
 MIN_TOKENS_PER_SEQ = 64      # new tokens per sequence below which the fused kernels convert less
 
 
-def chunk_start(meta: AttentionMetadata) -> int | None:
+def chunk_start(meta: AttentionMetadata, min_tokens: int = MIN_TOKENS_PER_SEQ) -> int | None:
     """The first sequence of the batch's prefill chunks when they take this path, else None. A batch is decodes
     (at most two new tokens each) then chunks, as the engine's scheduler orders them; the chunks need at least
-    MIN_TOKENS_PER_SEQ new tokens per sequence on average and at most MAX_TOKENS context tokens to dequantize."""
+    `min_tokens` new tokens per sequence on average and at most MAX_TOKENS context tokens to dequantize."""
     qsl = meta.query_start_loc_cpu
     new = [b - a for a, b in zip(qsl, qsl[1:])]
     start = 0
@@ -49,10 +49,34 @@ def chunk_start(meta: AttentionMetadata) -> int | None:
         start += 1
     if start == len(new) or min(new[start:]) <= 2:
         return None
-    bs = meta.block_size
-    blocks = sum((n + bs - 1) // bs for n in meta.seq_lens_cpu[start:])
-    if qsl[-1] - qsl[start] < MIN_TOKENS_PER_SEQ * (len(new) - start) or blocks * bs > MAX_TOKENS:
+    if qsl[-1] - qsl[start] < min_tokens * (len(new) - start) or not fits(meta, start):
         return None
+    return start
+
+
+def fits(meta: AttentionMetadata, start: int) -> bool:
+    """Whether the context of sequences start.. is at most MAX_TOKENS tokens of scratch."""
+    bs = meta.block_size
+    return sum((n + bs - 1) // bs for n in meta.seq_lens_cpu[start:]) * bs <= MAX_TOKENS
+
+
+def windowed_start(fmt: PageFormat, meta: AttentionMetadata) -> int | None:
+    """`chunk_start` for a step with a dense recent window, where the fused kernels cannot go (they do not read
+    it): steps the decode kernel reads whole (decode-like, or verify steps of at most WINDOW_MAX_NEW_TOKENS new
+    tokens per sequence) stay there unless their chunks are long (`chunk_start`); the chunks of others take this
+    path whatever their length, the decodes before them the decode kernel; a batch that does not split so (a
+    short chunk among decodes, a format the decode kernel does not read) takes it whole."""
+    from . import WINDOW_MAX_NEW_TOKENS
+    from .decode import is_supported
+    from .tuning import is_decode_like
+
+    qsl = meta.query_start_loc_cpu
+    longest = max(b - a for a, b in zip(qsl, qsl[1:]))
+    if is_supported(fmt) and (is_decode_like(qsl[-1], len(qsl) - 1) or longest <= WINDOW_MAX_NEW_TOKENS):
+        return chunk_start(meta)
+    start = chunk_start(meta, min_tokens=0) if is_supported(fmt) else None
+    if start is None and fits(meta, 0):
+        start = 0
     return start
 
 
@@ -155,32 +179,26 @@ class Step:
     plan: Plan
 
 
-_step: tuple[AttentionMetadata, Step | None] | None = None   # the current step's metadata and its split
+_step: tuple | None = None   # the current step's metadata, format and split
 
 
 def step_of(fmt: PageFormat, meta: AttentionMetadata) -> Step | None:
     """The step's split when its chunks take this path, else None: quantized pages at power-of-two head_dim,
-    `chunk_start`, and with a dense recent window decodes only where the decode kernel reads the window. Made by
-    the first layer of a step, reused by the others."""
+    `chunk_start`, or with a dense recent window `windowed_start`. Made by the first layer of a step, reused by
+    the others."""
     global _step
     if fmt.spec.kind == "dense" or fmt.head_dim & (fmt.head_dim - 1):
         return None
-    if _step is None or _step[0] is not meta:
-        start = chunk_start(meta)
+    if _step is None or _step[0] is not meta or _step[1] != fmt.spec:
+        start = chunk_start(meta) if meta.window is None else windowed_start(fmt, meta)
         step = None
         if start == 0:
             step = Step(0, None, meta, Plan(meta))
         elif start is not None:
             chunks = part(meta, start, len(meta.seq_lens_cpu))
             step = Step(start, part(meta, 0, start), chunks, Plan(chunks))
-        _step = (meta, step)
-    step = _step[1]
-    if step is not None and step.decodes is not None and meta.window is not None:
-        from .decode import is_supported
-
-        if not is_supported(fmt):
-            return None
-    return step
+        _step = (meta, fmt.spec, step)
+    return _step[2]
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,13 +247,24 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     recent window, read as `decode.paged_attention` reads it; `plan`: the step's (`step_of`), else made here.
     The scratch holds the pages' attention domain: the query goes in through `fmt.attention_query`, the output
     comes back through `fmt.attention_output`, as in the reference path."""
-    from . import attention
+    from . import attention, launch_fitting
+    from .tuning import choose_tiles
 
     plan = plan or Plan(meta)
     k, v = dequantize(pages, fmt, meta, query.dtype, plan, window)
     dense_meta = AttentionMetadata(plan.table, meta.seq_lens, meta.query_start_loc, meta.slot_mapping, meta.token_index,
                                    meta.seq_lens_cpu, meta.query_start_loc_cpu, meta.block_size)
-    out = attention.paged_attention(fmt.attention_query(query).to(query.dtype), {"k": k, "v": v},
-                                    dense_format(fmt.num_kv_heads, fmt.head_dim, query.dtype, query.device),
-                                    dense_meta, scale=scale, sliding_window=sliding_window, softcap=softcap, tiles=tiles)
+    dense = dense_format(fmt.num_kv_heads, fmt.head_dim, query.dtype, query.device)
+    q = fmt.attention_query(query).to(query.dtype)
+    group = query.shape[1] // fmt.num_kv_heads
+
+    def launch(t):
+        return attention.paged_attention(q, {"k": k, "v": v}, dense, dense_meta, scale=scale,
+                                         sliding_window=sliding_window, softcap=softcap, tiles=t)
+
+    if tiles is not None:
+        return fmt.attention_output(launch(tiles)).to(query.dtype)
+    tiles = choose_tiles(query.shape[0], meta.block_table.shape[0], group, fmt.head_dim, query.device)
+    # float32 tiles may not fit shared memory: smaller ones, as the other kernels step down
+    out = launch_fitting(launch, tiles, group, ("dense-prefill", query.device, query.dtype, dense.spec, fmt.head_dim))
     return fmt.attention_output(out).to(query.dtype)
