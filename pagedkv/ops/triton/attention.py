@@ -116,10 +116,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    tiles: TileConfig | None = None) -> torch.Tensor:
+                    tiles: TileConfig | None = None, rotations: PageView | None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`: query [num_tokens, num_q_heads, head_dim] ->
-    [num_tokens, num_q_heads, head_dim] in query.dtype. `tiles` overrides the tile shape (benchmarks)."""
+    [num_tokens, num_q_heads, head_dim] in query.dtype. `tiles` overrides the tile shape (benchmarks).
+    `rotations`: the query and output rotations of another format's pages (`dense_prefill`: dense pages holding
+    that format's attention domain), applied in registers."""
     view = page_view(fmt, pages)
+    rot = rotations or view
     check_inputs(query, view, meta)
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = meta.block_table.shape[0]
@@ -132,7 +135,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         return out
     grid = (num_tokens // block_q + num_seqs, view.num_kv_heads)
     paged_attention_kernel[grid](
-        out, query, *launch_args(view, query.dtype),
+        out, query, *launch_args(view, query.dtype)[:-2], rot.aux("q_rotation"), rot.aux("out_rotation"),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
@@ -140,7 +143,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size,
         BLOCK_M=tiles.block_m, BLOCK_Q=block_q, TILE_N=tiles.tile_n,
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window),
-        KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_Q=view.rotate_keys, ROTATE_OUT=view.rotate_out,
+        KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_Q=rot.rotate_keys, ROTATE_OUT=rot.rotate_out,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

@@ -245,8 +245,9 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
                     plan: Plan | None = None) -> torch.Tensor:
     """Same contract as `attention.paged_attention`, through dense scratch pages; `window`: the layer's dense
     recent window, read as `decode.paged_attention` reads it; `plan`: the step's (`step_of`), else made here.
-    The scratch holds the pages' attention domain: the query goes in through `fmt.attention_query`, the output
-    comes back through `fmt.attention_output`, as in the reference path."""
+    The scratch holds the pages' attention domain: the dense kernel rotates the query into it and the output
+    back out of it in registers, with the format's own rotations (the reference path's `fmt.attention_query` /
+    `fmt.attention_output`)."""
     from . import attention, launch_fitting
     from .tuning import choose_tiles
 
@@ -255,16 +256,15 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     dense_meta = AttentionMetadata(plan.table, meta.seq_lens, meta.query_start_loc, meta.slot_mapping, meta.token_index,
                                    meta.seq_lens_cpu, meta.query_start_loc_cpu, meta.block_size)
     dense = dense_format(fmt.num_kv_heads, fmt.head_dim, query.dtype, query.device)
-    q = fmt.attention_query(query).to(query.dtype)
     group = query.shape[1] // fmt.num_kv_heads
+    rotations = page_view(fmt, pages)   # the query into the keys' domain, the output out of the values', in registers
 
     def launch(t):
-        return attention.paged_attention(q, {"k": k, "v": v}, dense, dense_meta, scale=scale,
-                                         sliding_window=sliding_window, softcap=softcap, tiles=t)
+        return attention.paged_attention(query, {"k": k, "v": v}, dense, dense_meta, scale=scale,
+                                         sliding_window=sliding_window, softcap=softcap, tiles=t, rotations=rotations)
 
     if tiles is not None:
-        return fmt.attention_output(launch(tiles)).to(query.dtype)
+        return launch(tiles)
     tiles = choose_tiles(query.shape[0], meta.block_table.shape[0], group, fmt.head_dim, query.device)
     # float32 tiles may not fit shared memory: smaller ones, as the other kernels step down
-    out = launch_fitting(launch, tiles, group, ("dense-prefill", query.device, query.dtype, dense.spec, fmt.head_dim))
-    return fmt.attention_output(out).to(query.dtype)
+    return launch_fitting(launch, tiles, group, ("dense-prefill", query.device, query.dtype, dense.spec, fmt.head_dim))
