@@ -323,6 +323,9 @@ def tiles_key(t: DecodeTiles) -> str:
             f"{f'_r{t.max_registers}' if t.max_registers else ''}")
 
 
+WARP_SPLIT_COUNTS: dict[int, list[int]] = {}   # batch -> split counts to time (`--warp-split-counts`)
+
+
 def parse_warp_split_configs(text: str) -> list[DecodeTiles]:
     """'KEYS:WARPS:REGISTERS,...' -> transposed, unpipelined DecodeTiles (programs per SM from the register cap)."""
     configs = []
@@ -358,7 +361,7 @@ def warp_split_sweep(spec, layers, metas, queries, copies):
         if tiles != warp_split_tiles(fmt):   # every config is checked on the GPU beside its timing
             out[f"{tiles_key(tiles)}_rel_err"] = rel_err(
                 decode.paged_attention(queries[0][:k], layers[0][1], fmt, sub, scale=SCALE, tiles=tiles), ref)
-        counts = {4: split_counts, 2: [64, 128] if num_seqs == 1 else [1, 2, 4]}.get(
+        counts = WARP_SPLIT_COUNTS.get(num_seqs) or {4: split_counts, 2: [64, 128] if num_seqs == 1 else [1, 2, 4]}.get(
             tiles.num_warps, [128, 256] if num_seqs == 1 else [2, 4, 8])
         for splits in counts:
             key = f"{tiles_key(tiles)}_split{splits}"
@@ -510,11 +513,16 @@ def main() -> None:
                              "False`) beside the default, dense scratch pages")
     parser.add_argument("--warp-split-configs", default=None,
                         help="with --warp-split, these transposed configs instead: KEYS:WARPS:REGISTERS,...")
+    parser.add_argument("--warp-split-counts", default=None,
+                        help="with --warp-split, the split counts to time per batch: BATCH:N,N;BATCH:N,...")
     parser.add_argument("--head-major", action="store_true", help="pages stored head-major inside a block (experiment)")
     parser.add_argument("--recent-tokens", type=int, default=0,
                         help="also time decode with a dense recent window of this many tokens (quantized formats)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode,prefill,write")
     args = parser.parse_args()
+    for item in filter(None, (args.warp_split_counts or "").split(";")):
+        batch, counts = item.split(":")
+        WARP_SPLIT_COUNTS[int(batch)] = [int(n) for n in counts.split(",")]
     if args.warp_split_configs:
         global WARP_SPLIT_CONFIGS
         WARP_SPLIT_CONFIGS = parse_warp_split_configs(args.warp_split_configs)
