@@ -128,6 +128,19 @@ def test_transposed_kernel_with_several_warps_per_program_matches_reference(fmt,
 
 
 
+@pytest.mark.parametrize("scales", [1, 2])
+@pytest.mark.parametrize("fmt", ["q6", "q4"])
+def test_key_and_value_scales_in_one_load_match_reference(fmt, scales):
+    """`DecodeTiles.scales` 1 and 2 (q4 / q6 on the transposed kernel): a step's key and value scales in one load
+    through a pair of pointers into both scale pages, before or after the pages' loads."""
+    case = build_case(31, fmt, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=5, ctx_lens=CTX_LENS,
+                      new_lens=NEW_LENS)
+    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
+    tiles = dataclasses.replace(warp_split_tiles(case.fmt), scales=scales)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125, num_splits=3, tiles=tiles)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
 def test_turboquant_scale_pages_must_be_aligned():
     """The transposed kernel reads a slot's four group scales as one 8-byte word: scale pages whose slots are not
     8-byte aligned are refused with a clear error instead of a misaligned read on the GPU."""

@@ -141,15 +141,23 @@ def tq4_group_scores_t(pairs, sc, z, qe, qo, qsum, CDTYPE: tl.constexpr, FAST_CV
 
 @triton.jit
 def quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok, k_strides, v_strides, ks_strides, vs_strides,
-               offs_u, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+               offs_u, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALES: tl.constexpr = 0):
     """One step of q4 / q6 pages as loaded: key units (q6: and their 2-bit plane bytes), key scales, value units
-    (and plane bytes), value scales."""
+    (and plane bytes), value scales. SCALES (`DecodeTiles.scales`, an experiment not yet timed): 0, a load for
+    each scale tensor, each converted through shared memory before the next load goes out (sm_90 SASS: block ids,
+    key scales, value scales, keys, values, five memory round trips per step); 1, both scales in one [.., 2] load
+    first (four); 2, the same after the pages' loads (four, the scales' last)."""
     k_row = block * k_strides[0] + slot * k_strides[1]
     v_row = block * v_strides[0] + slot * v_strides[1]
-    ks = tl.load(ks_ptr + block * ks_strides[0] + slot * ks_strides[1], mask=ok, other=0.0)
-    vs = tl.load(vs_ptr + block * vs_strides[0] + slot * vs_strides[1], mask=ok, other=0.0)
+    if SCALES == 0:
+        ks = tl.load(ks_ptr + block * ks_strides[0] + slot * ks_strides[1], mask=ok, other=0.0)
+        vs = tl.load(vs_ptr + block * vs_strides[0] + slot * vs_strides[1], mask=ok, other=0.0)
+    elif SCALES == 1:
+        ks, vs = scale_pair(ks_ptr, vs_ptr, block, slot, ok, ks_strides, vs_strides)
     ku = load_rows(k_ptr.to(tl.pointer_type(tl.int16)), k_row // 2, offs_u, ok)
     vu = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)
+    if SCALES == 2:
+        ks, vs = scale_pair(ks_ptr, vs_ptr, block, slot, ok, ks_strides, vs_strides)
     if BITS == 6:
         kh = load_rows(k_ptr + HEAD_DIM // 2, k_row, offs_u, ok)
         vh = load_rows(v_ptr + HEAD_DIM // 2, v_row, offs_u, ok)
@@ -157,6 +165,15 @@ def quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok, k_strides, v_strid
         kh = ku
         vh = vu
     return ku, kh, ks, vu, vh, vs
+
+
+@triton.jit
+def scale_pair(ks_ptr, vs_ptr, block, slot, ok, ks_strides, vs_strides):
+    """A step's key and value scales in one load: a [.., 2] tensor of pointers into both scale pages."""
+    ks_at = (ks_ptr + block * ks_strides[0] + slot * ks_strides[1])[:, :, None]
+    vs_at = (vs_ptr + block * vs_strides[0] + slot * vs_strides[1])[:, :, None]
+    pair = tl.load(tl.where(tl.arange(0, 2)[None, None, :] == 0, ks_at, vs_at), mask=ok[:, :, None], other=0.0)
+    return tl.split(pair)
 
 
 @triton.jit
@@ -199,7 +216,7 @@ def decode_kernel_transposed(
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
     FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
-    V_BITS: tl.constexpr = 3,
+    V_BITS: tl.constexpr = 3, SCALES: tl.constexpr = 0,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -309,7 +326,7 @@ def decode_kernel_transposed(
                 vt = tq4_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides)
         elif KU:
             t = quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok,
-                           k_strides, v_strides, ks_strides, vs_strides, offs_u, K_BITS, HEAD_DIM)
+                           k_strides, v_strides, ks_strides, vs_strides, offs_u, K_BITS, HEAD_DIM, SCALES)
         if TQ and K_BITS == 8:   # kt: key codes per group 0-3, scales 4-7, zero points 8-11
             s = tq8_group_scores_t(kt[0], kt[4], kt[8], qg0, qs0, CDTYPE, FAST_CVT, DOT_PRECISION)
             s += tq8_group_scores_t(kt[1], kt[5], kt[9], qg1, qs1, CDTYPE, FAST_CVT, DOT_PRECISION)
