@@ -144,8 +144,12 @@ def test_attention_reads_the_window_exact_and_the_rest_from_the_pages(kv_format,
 
 
 def test_triton_requested_falls_back_to_the_reference_path_with_a_reason(monkeypatch):
+    """Without the dense-scratch prefill (`tuning.DENSE_PREFILL`, which reads the window: tests/triton), a
+    prefill chunk over a window runs the reference path."""
     from pagedkv import ops
+    from pagedkv.ops.triton import tuning
 
+    monkeypatch.setattr(tuning, "DENSE_PREFILL", False)
     cache = window_cache(recent=16)
     s = cache.add_sequence()
     meta = cache.begin_step([s], [20])
@@ -158,10 +162,13 @@ def test_triton_requested_falls_back_to_the_reference_path_with_a_reason(monkeyp
 
 
 def test_decode_over_pages_the_decode_kernel_does_not_read_falls_back_with_a_reason(monkeypatch):
-    """TurboQuant at head_dim 64: the decode kernel, which reads the window, reads it at 128 only."""
+    """TurboQuant at head_dim 64: the decode kernel, which reads the window, reads it at 128 only (and without
+    `tuning.DENSE_PREFILL`, which would take these steps through dense scratch pages: tests/triton)."""
     from pagedkv import ops
     from pagedkv.ops import reference
+    from pagedkv.ops.triton import tuning
 
+    monkeypatch.setattr(tuning, "DENSE_PREFILL", False)
     cache = window_cache(recent=16)
     s = cache.add_sequence()
     monkeypatch.setattr(ops, "choose_backend", lambda device, kernels, fmt: ("triton", None))

@@ -87,8 +87,9 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     `window` (a dense recent window, `meta.window` set): this layer's rings, keys and values
     [num_rows, num_ring_blocks, block_size, H, D]; each sequence's blocks from `meta.window.first_block_cpu`
     on are read from there. The Triton decode kernel reads rings in decode and verify steps
-    (`triton.reads_window`); other batches with a window (prefill) run the reference path, or with
-    `triton.tuning.DENSE_PREFILL` the dense-scratch prefill (`triton.dense_prefill`), which reads them too.
+    (`triton.reads_window`); other batches with a window (prefill) the dense-scratch prefill
+    (`triton.dense_prefill`), which reads them too, or the reference path when that is off
+    (`triton.tuning.DENSE_PREFILL`) or the step's context is over its scratch budget.
     """
     start = time.perf_counter()
     backend, reason = choose_backend(query.device, kernels, fmt)

@@ -143,8 +143,8 @@ def test_prefill_with_a_window_takes_the_path_instead_of_the_reference(monkeypat
 def test_a_window_splits_a_step_only_where_the_decode_kernel_reads_it():
     """With a dense recent window the fused kernels cannot serve a chunk: the decodes before the chunks go to the
     decode kernel where it reads the window over these pages (not TurboQuant at head_dim 64: the step goes
-    whole), chunks of any length take the path, steps the decode kernel reads whole (decodes, short verify
-    steps) stay there, and a step that does not split in order goes whole."""
+    whole, even a decode step), chunks of any length take the path, steps the decode kernel reads whole (decodes,
+    short verify steps) stay there, and a step that does not split in order goes whole."""
     from test_triton_decode_window import window_case
 
     def start(spec, head_dim=64, **change):
@@ -155,6 +155,7 @@ def test_a_window_splits_a_step_only_where_the_decode_kernel_reads_it():
 
     assert start("q4") == (1, False)
     assert start("turboquant") == (0, True)                            # the decode kernel does not read these pages
+    assert start("turboquant", new_lens=[1, 1], first_blocks=[1, 0]) == (0, True)   # nor their decode steps
     assert start("turboquant", new_lens=[64, 70]) == (0, True)
     assert start("q4", new_lens=[1, 20]) == (1, False)                 # a short chunk: still not the fused kernels
     assert start("q4", new_lens=[4, 4], first_blocks=[1, 0]) is None   # a verify step: the decode kernel reads it

@@ -82,7 +82,7 @@ def reads_window(num_tokens: int, num_seqs: int, fmt, max_new_tokens: int | None
     WINDOW_MAX_NEW_TOKENS new tokens per sequence (`max_new_tokens`: speculative verify steps; one program per
     query token, each reading its sequence's pages and ring), whatever the split; with `tuning.DENSE_PREFILL`,
     the dense-scratch prefill does for the steps it takes (`meta`: the step's metadata). Other longer chunks
-    (prefill) run the reference path."""
+    (prefill with it off, or over its scratch budget) run the reference path."""
     from .decode import is_supported
     from .tuning import is_decode_like
 
@@ -91,7 +91,8 @@ def reads_window(num_tokens: int, num_seqs: int, fmt, max_new_tokens: int | None
     short = max_new_tokens is not None and max_new_tokens <= WINDOW_MAX_NEW_TOKENS
     if not (is_decode_like(num_tokens, num_seqs) or short):
         return False, (f"recent_tokens: the Triton kernels read the dense recent window in steps of at most "
-                       f"{WINDOW_MAX_NEW_TOKENS} new tokens per sequence (decode, verify) only")
+                       f"{WINDOW_MAX_NEW_TOKENS} new tokens per sequence (decode, verify), and in prefill steps "
+                       "through dense scratch pages (`tuning.DENSE_PREFILL`) within their scratch budget")
     if not is_supported(fmt):
         return False, f"recent_tokens: the Triton decode kernel that reads the dense recent window does not read {fmt.spec} pages"
     return True, None

@@ -6,12 +6,14 @@ tokens of context converts each context tile once per query block of its sequenc
 1.7-2.8x `off`'s prefill time on an H200. Here each block is converted once (one program per block and KV head,
 with the fused kernels' own `codecs.load_keys` / `load_values`) into the queries' dtype, and the dense kernel
 runs at `off`'s speed over it. Keys and values are rebuilt in the queries' dtype (bfloat16 keeps 8 mantissa
-bits, as `off`'s own pages do); rotated keys are met by rotating the query, TurboQuant's values (stored in a
-rotated domain) by one product with the inverse rotation at the end.
+bits, as `off`'s own pages do); the dense kernel rotates the query into the keys' domain (rotated keys) and
+the output out of the values' (TurboQuant) in registers.
 
 A step of continuous batching holds decodes, then prefill chunks (`engine/scheduler.py`): the decodes run the
 decode kernels as a batch of their own, the chunks this path (`step_of`). A dense recent window
-(`recent_tokens`) is read too: each sequence's blocks from its first ring block on come from its ring.
+(`recent_tokens`) is read too: each sequence's blocks from its first ring block on come from its ring. The
+fused kernels do not read rings, so a step with a window takes this path for chunks of any length, or whole
+when it does not split into decodes the decode kernel reads then chunks (`windowed_start`).
 
 Scratch: every context block of the chunks' sequences, keys and values, in the queries' dtype (a 2,048-token
 chunk over 8K tokens of context at 8 KV heads x 128: 42 MB), so only chunks whose blocks stay within
