@@ -65,7 +65,7 @@ def test_tiles_step_down_until_they_fit_the_gpu_and_the_fit_is_remembered():
     import pytest
     from triton.runtime.errors import OutOfResources
 
-    from pagedkv.ops.triton import _fitted, launch_fitting
+    from pagedkv.ops.triton.tuning import _fitted, launch_fitting
     from pagedkv.ops.triton.tuning import TileConfig
 
     def smem(t):  # a stand-in for the kernels' shared memory, bytes
@@ -95,7 +95,7 @@ def test_tiles_that_can_shrink_no_further_raise():
     import pytest
     from triton.runtime.errors import OutOfResources
 
-    from pagedkv.ops.triton import _fitted, launch_fitting
+    from pagedkv.ops.triton.tuning import _fitted, launch_fitting
     from pagedkv.ops.triton.tuning import TileConfig
 
     def launch(t):

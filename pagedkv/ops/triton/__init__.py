@@ -72,9 +72,6 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
         query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap, window=window))
 
 
-WINDOW_MAX_NEW_TOKENS = 16   # new tokens per sequence the decode kernel reads a window for: verify steps of 15 drafts
-
-
 def reads_window(num_tokens: int, num_seqs: int, fmt, max_new_tokens: int | None = None,
                  meta=None) -> tuple[bool, str | None]:
     """Whether the kernels read a dense recent window (`recent_tokens`) for this batch, else why not: the
@@ -84,7 +81,7 @@ def reads_window(num_tokens: int, num_seqs: int, fmt, max_new_tokens: int | None
     the dense-scratch prefill does for the steps it takes (`meta`: the step's metadata). Other longer chunks
     (prefill with it off, or over its scratch budget) run the reference path."""
     from .decode import is_supported
-    from .tuning import is_decode_like
+    from .tuning import WINDOW_MAX_NEW_TOKENS, is_decode_like
 
     if meta is not None and _dense_prefill_step(fmt, meta) is not None:
         return True, None
@@ -118,7 +115,7 @@ def _dense_prefill_step(fmt, meta):
 
 def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):
     from . import attention, dense_prefill, split_k
-    from .tuning import plan_attention, warp_split_splits, warp_split_tiles
+    from .tuning import launch_fitting, plan_attention, warp_split_splits, warp_split_tiles
 
     num_tokens, num_q_heads, head_dim = query.shape
     step = _dense_prefill_step(fmt, meta)
@@ -153,32 +150,3 @@ def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap,
     return launch_fitting(launch, tiles, group, (kernel, query.device, query.dtype, fmt.spec, head_dim))
 
 
-_fitted: dict[tuple, object] = {}   # (kernel, device, dtype, format, head_dim, chosen tiles) -> tiles that fit
-
-
-def launch_fitting(launch, tiles, group: int, key: tuple):
-    """launch(tiles), stepping down to smaller tiles (`tuning.smaller_tiles`) while the GPU's shared memory
-    is too small for them; what fits is remembered per device and config, so later calls (and CUDA-graph
-    captures after a first eager call) launch it directly."""
-    import warnings
-
-    from triton.runtime.errors import OutOfResources
-
-    from .tuning import smaller_tiles
-
-    key = (*key, tiles)
-    fitted = _fitted.get(key, tiles)
-    while True:
-        try:
-            out = launch(fitted)
-        except OutOfResources as exc:
-            smaller = smaller_tiles(fitted, max(16, group))
-            if smaller is None:
-                raise
-            if key not in _fitted:
-                warnings.warn(f"pagedkv: {key[0]} attention tiles {tiles} need more than this GPU has ({exc}); "
-                              "using smaller tiles", RuntimeWarning, stacklevel=3)
-            _fitted[key] = fitted = smaller
-            continue
-        _fitted.setdefault(key, fitted)
-        return out

@@ -68,9 +68,8 @@ def windowed_start(fmt: PageFormat, meta: AttentionMetadata) -> int | None:
     tokens per sequence) stay there unless their chunks are long (`chunk_start`); the chunks of others take this
     path whatever their length, the decodes before them the decode kernel; a batch that does not split so (a
     short chunk among decodes, a format the decode kernel does not read) takes it whole."""
-    from . import WINDOW_MAX_NEW_TOKENS
     from .decode import is_supported
-    from .tuning import is_decode_like
+    from .tuning import WINDOW_MAX_NEW_TOKENS, is_decode_like
 
     qsl = meta.query_start_loc_cpu
     longest = max(b - a for a, b in zip(qsl, qsl[1:]))
@@ -250,8 +249,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     The scratch holds the pages' attention domain: the dense kernel rotates the query into it and the output
     back out of it in registers, with the format's own rotations (the reference path's `fmt.attention_query` /
     `fmt.attention_output`)."""
-    from . import attention, launch_fitting
-    from .tuning import choose_tiles
+    from . import attention
+    from .tuning import choose_tiles, launch_fitting
 
     plan = plan or Plan(meta)
     k, v = dequantize(pages, fmt, meta, query.dtype, plan, window)

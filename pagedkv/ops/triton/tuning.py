@@ -218,3 +218,35 @@ def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fm
     if num_splits > 1:
         tiles = split_tiles(group, head_dim, pages, num_splits)
     return num_splits, tiles
+
+
+WINDOW_MAX_NEW_TOKENS = 16   # new tokens per sequence the decode kernel reads a window for: verify steps of 15 drafts
+
+
+_fitted: dict[tuple, object] = {}   # (kernel, device, dtype, format, head_dim, chosen tiles) -> tiles that fit
+
+
+def launch_fitting(launch, tiles, group: int, key: tuple):
+    """launch(tiles), stepping down to smaller tiles (`tuning.smaller_tiles`) while the GPU's shared memory
+    is too small for them; what fits is remembered per device and config, so later calls (and CUDA-graph
+    captures after a first eager call) launch it directly."""
+    import warnings
+
+    from triton.runtime.errors import OutOfResources
+
+    key = (*key, tiles)
+    fitted = _fitted.get(key, tiles)
+    while True:
+        try:
+            out = launch(fitted)
+        except OutOfResources as exc:
+            smaller = smaller_tiles(fitted, max(16, group))
+            if smaller is None:
+                raise
+            if key not in _fitted:
+                warnings.warn(f"pagedkv: {key[0]} attention tiles {tiles} need more than this GPU has ({exc}); "
+                              "using smaller tiles", RuntimeWarning, stacklevel=3)
+            _fitted[key] = fitted = smaller
+            continue
+        _fitted.setdefault(key, fitted)
+        return out
