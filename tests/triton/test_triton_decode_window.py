@@ -135,9 +135,10 @@ def window_steps(spec: str, seed: int):
 
 
 @pytest.mark.parametrize("spec", ["q4:recent_tokens=16", "turboquant:recent_tokens=16"])
-def test_decode_steps_over_a_window_run_the_triton_kernel_and_prefill_falls_back(monkeypatch, spec):
-    """Through the cache: prefill with a window falls back (`prefill:recent_tokens`), decode steps, whose ring
-    blocks move on as the sequences cross blocks, run the kernel and attend what `cache.read` shows."""
+def test_decode_steps_over_a_window_run_the_triton_kernel_and_prefill_dense_scratch(monkeypatch, spec):
+    """Through the cache: prefill with a window runs through dense scratch pages (`dense_prefill`, its own tests
+    check its output), decode steps, whose ring blocks move on as the sequences cross blocks, run the kernel and
+    attend what `cache.read` shows; nothing falls back to the reference path."""
     from pagedkv import ops
 
     if DEVICE.type != "cuda":   # the kernels under the interpreter; the writes as the reference does them
@@ -153,15 +154,15 @@ def test_decode_steps_over_a_window_run_the_triton_kernel_and_prefill_falls_back
             want = reference.attend(q[i:i + 1], *cache.read(s, 0), scale=0.2, sliding_window=None, softcap=None)
             assert rel_err(out[i:i + 1], want) < TOL[torch.float32]
     stats = cache.paged_stats()
-    assert stats["paged_attention_bailouts_by_phase_reason"] == {"prefill:recent_tokens": 1}
-    assert stats["triton_attention_calls"] == 10 and stats["reference_attention_calls"] == 1
+    assert stats["paged_attention_bailouts_by_phase_reason"] == {}
+    assert stats["triton_attention_calls"] == 11 and stats["reference_attention_calls"] == 0
 
 
 @pytest.mark.parametrize("spec", ["q4:recent_tokens=16", "turboquant:recent_tokens=16"])
 def test_verify_steps_over_a_window_run_the_triton_kernel(monkeypatch, spec):
     """Steps of up to 16 new tokens per sequence (speculative verification) read the window in the decode
-    kernel too, each token up to its own position; the reference path over the same step is the check. A step
-    with a chunk of 17 falls back, as prefill does."""
+    kernel too, each token up to its own position; the reference path over the same step is the check. The
+    first step and one with a chunk of 17 go through dense scratch pages, as prefill does."""
     from pagedkv import ops
 
     backend = {"name": "triton"}
@@ -183,5 +184,5 @@ def test_verify_steps_over_a_window_run_the_triton_kernel(monkeypatch, spec):
         assert rel_err(out, want) < TOL[torch.float32], counts
     stats = cache.paged_stats()
     fallbacks = {k: v for k, v in stats["paged_attention_bailouts_by_phase_reason"].items() if k.endswith(":recent_tokens")}
-    assert sum(fallbacks.values()) == 2, stats     # the first step and the chunk of 17
-    assert stats["triton_attention_calls"] == 3
+    assert fallbacks == {}, stats
+    assert stats["triton_attention_calls"] == 5    # the reference calls are the check's own
