@@ -105,6 +105,20 @@ def test_a_mixed_batch_splits_into_its_decodes_and_its_chunks(monkeypatch):
     assert rel_err(out, ref) < 1e-5
 
 
+def test_a_steps_layers_share_its_split_and_plan(monkeypatch):
+    """The first layer of a mixed step splits it and plans the scratch; the other layers reuse both (the decodes'
+    part must not replace the step's record)."""
+    case = build_case(9, "q4", num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, ctx_lens=[50, 9, 33, 0],
+                      new_lens=[1, 1, 70, 66])
+    plans = []
+    real = dense_prefill.Plan.__init__
+    monkeypatch.setattr(dense_prefill.Plan, "__init__", lambda self, meta: plans.append(meta) or real(self, meta))
+    monkeypatch.setattr(tuning, "DENSE_PREFILL", True)
+    outs = [triton_ops.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125) for _ in range(3)]
+    assert len(plans) == 1
+    assert torch.equal(outs[0], outs[2])
+
+
 @pytest.mark.parametrize("spec,head_dim", [("q8", 64), ("q4:rotate_keys", 64), ("turboquant", 128),
                                            ("turboquant:k=q4_0,v=q4_0,rotate_keys", 128)])
 def test_dense_prefill_reads_the_dense_recent_window(spec, head_dim):

@@ -81,9 +81,10 @@ def reads_window(num_tokens: int, num_seqs: int, fmt, max_new_tokens: int | None
     the dense-scratch prefill does for the steps it takes (`meta`: the step's metadata). Other longer chunks
     (prefill with it off, or over its scratch budget) run the reference path."""
     from .decode import is_supported
+    from .dense_prefill import step_of
     from .tuning import WINDOW_MAX_NEW_TOKENS, is_decode_like
 
-    if meta is not None and _dense_prefill_step(fmt, meta) is not None:
+    if meta is not None and step_of(fmt, meta) is not None:
         return True, None
     short = max_new_tokens is not None and max_new_tokens <= WINDOW_MAX_NEW_TOKENS
     if not (is_decode_like(num_tokens, num_seqs) or short):
@@ -106,28 +107,29 @@ def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
     return is_decode_like(num_tokens, num_seqs) and page_class(fmt) != "dense" and is_supported(fmt)
 
 
-def _dense_prefill_step(fmt, meta):
-    """The step's split for the dense-scratch prefill (`dense_prefill.step_of`) when `tuning.DENSE_PREFILL`."""
-    from . import dense_prefill, tuning
-
-    return dense_prefill.step_of(fmt, meta) if tuning.DENSE_PREFILL else None
-
-
 def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):
-    from . import attention, dense_prefill, split_k
+    from . import dense_prefill
+
+    options = dict(scale=scale, sliding_window=sliding_window, softcap=softcap, window=window)
+    step = dense_prefill.step_of(fmt, meta)
+    if step is None:
+        return _kernel_attention(query, pages, fmt, meta, **options)
+    # prefill chunks through dense scratch pages, the decodes before them as a batch alone
+    if step.decodes is None:
+        return dense_prefill.paged_attention(query, pages, fmt, meta, plan=step.plan, **options)
+    split = meta.query_start_loc_cpu[step.start]
+    out = torch.empty_like(query)
+    out[:split] = _kernel_attention(query[:split], pages, fmt, step.decodes, **options)
+    out[split:] = dense_prefill.paged_attention(query[split:], pages, fmt, step.chunks, plan=step.plan, **options)
+    return out
+
+
+def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):
+    """The decode, varlen or split-K kernel over the pages themselves."""
+    from . import attention, split_k
     from .tuning import launch_fitting, plan_attention, warp_split_splits, warp_split_tiles
 
     num_tokens, num_q_heads, head_dim = query.shape
-    step = _dense_prefill_step(fmt, meta)
-    if step is not None:   # prefill chunks through dense scratch pages, the decodes before them as a batch alone
-        options = dict(scale=scale, sliding_window=sliding_window, softcap=softcap, window=window)
-        if step.decodes is None:
-            return dense_prefill.paged_attention(query, pages, fmt, meta, plan=step.plan, **options)
-        split = meta.query_start_loc_cpu[step.start]
-        out = torch.empty_like(query)
-        out[:split] = _paged_attention(query[:split], pages, fmt, step.decodes, **options)
-        out[split:] = dense_prefill.paged_attention(query[split:], pages, fmt, step.chunks, plan=step.plan, **options)
-        return out
     capacity = meta.block_table.shape[1] * meta.block_size
     if window is not None or uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):
         from . import decode

@@ -93,10 +93,12 @@ def paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def launch_args(view: PageView, dtype: torch.dtype):
-    """The page-tensor arguments every attention kernel takes, in kernel order, for queries of `dtype`."""
-    return (view.k, view.v, view.k_scale, view.k_zero, view.v_scale, value_codebook(view, dtype), view.aux("q_rotation"),
-            view.aux("out_rotation"))
+def launch_args(view: PageView, dtype: torch.dtype, rotations: PageView | None = None):
+    """The page-tensor arguments every attention kernel takes, in kernel order, for queries of `dtype`; the query
+    and output rotations those of `rotations` when given (another format's, see `paged_attention`)."""
+    rot = rotations or view
+    return (view.k, view.v, view.k_scale, view.k_zero, view.v_scale, value_codebook(view, dtype), rot.aux("q_rotation"),
+            rot.aux("out_rotation"))
 
 
 def check_inputs(query: torch.Tensor, view: PageView, meta: AttentionMetadata) -> None:
@@ -135,7 +137,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         return out
     grid = (num_tokens // block_q + num_seqs, view.num_kv_heads)
     paged_attention_kernel[grid](
-        out, query, *launch_args(view, query.dtype)[:-2], rot.aux("q_rotation"), rot.aux("out_rotation"),
+        out, query, *launch_args(view, query.dtype, rot),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),

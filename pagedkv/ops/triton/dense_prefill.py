@@ -34,7 +34,9 @@ from ...formats import make_format
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata, WindowPlan
 from .codecs import KVQUANT, load_keys, load_token_scales, load_values
+from . import tuning
 from .page_view import page_view, stride3, value_codebook
+from .tuning import WINDOW_MAX_NEW_TOKENS, choose_tiles, is_decode_like, launch_fitting
 
 MAX_TOKENS = 131072          # context tokens (all sequences) a batch may dequantize: 512 MB at 8 x 128 bf16
 MIN_TOKENS_PER_SEQ = 64      # new tokens per sequence below which the fused kernels convert less
@@ -69,16 +71,15 @@ def windowed_start(fmt: PageFormat, meta: AttentionMetadata) -> int | None:
     path whatever their length, the decodes before them the decode kernel; a batch that does not split so (a
     short chunk among decodes, a format the decode kernel does not read) takes it whole."""
     from .decode import is_supported
-    from .tuning import WINDOW_MAX_NEW_TOKENS, is_decode_like
 
     qsl = meta.query_start_loc_cpu
     longest = max(b - a for a, b in zip(qsl, qsl[1:]))
-    if is_supported(fmt) and (is_decode_like(qsl[-1], len(qsl) - 1) or longest <= WINDOW_MAX_NEW_TOKENS):
+    if not is_supported(fmt):
+        return 0 if fits(meta, 0) else None
+    if is_decode_like(qsl[-1], len(qsl) - 1) or longest <= WINDOW_MAX_NEW_TOKENS:
         return chunk_start(meta)
-    start = chunk_start(meta, min_tokens=0) if is_supported(fmt) else None
-    if start is None and fits(meta, 0):
-        start = 0
-    return start
+    start = chunk_start(meta, min_tokens=0)
+    return 0 if start is None and fits(meta, 0) else start
 
 
 def part(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadata:
@@ -184,11 +185,11 @@ _step: tuple | None = None   # the current step's metadata, format and split
 
 
 def step_of(fmt: PageFormat, meta: AttentionMetadata) -> Step | None:
-    """The step's split when its chunks take this path, else None: quantized pages at power-of-two head_dim,
-    `chunk_start`, or with a dense recent window `windowed_start`. Made by the first layer of a step, reused by
-    the others."""
+    """The step's split when its chunks take this path (`tuning.DENSE_PREFILL`), else None: quantized pages at
+    power-of-two head_dim, `chunk_start`, or with a dense recent window `windowed_start`. Made by the first layer
+    of a step, reused by the others."""
     global _step
-    if fmt.spec.kind == "dense" or fmt.head_dim & (fmt.head_dim - 1):
+    if not tuning.DENSE_PREFILL or fmt.spec.kind == "dense" or fmt.head_dim & (fmt.head_dim - 1):
         return None
     if _step is None or _step[0] is not meta or _step[1] != fmt.spec:
         start = chunk_start(meta) if meta.window is None else windowed_start(fmt, meta)
@@ -242,15 +243,13 @@ def dequantize(pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionM
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                    tiles=None, window: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    plan: Plan | None = None) -> torch.Tensor:
+                    window: tuple[torch.Tensor, torch.Tensor] | None = None, plan: Plan | None = None) -> torch.Tensor:
     """Same contract as `attention.paged_attention`, through dense scratch pages; `window`: the layer's dense
     recent window, read as `decode.paged_attention` reads it; `plan`: the step's (`step_of`), else made here.
     The scratch holds the pages' attention domain: the dense kernel rotates the query into it and the output
     back out of it in registers, with the format's own rotations (the reference path's `fmt.attention_query` /
     `fmt.attention_output`)."""
     from . import attention
-    from .tuning import choose_tiles, launch_fitting
 
     plan = plan or Plan(meta)
     k, v = dequantize(pages, fmt, meta, query.dtype, plan, window)
@@ -264,8 +263,6 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         return attention.paged_attention(query, {"k": k, "v": v}, dense, dense_meta, scale=scale,
                                          sliding_window=sliding_window, softcap=softcap, tiles=t, rotations=rotations)
 
-    if tiles is not None:
-        return launch(tiles)
     tiles = choose_tiles(query.shape[0], meta.block_table.shape[0], group, fmt.head_dim, query.device)
     # float32 tiles may not fit shared memory: smaller ones, as the other kernels step down
     return launch_fitting(launch, tiles, group, ("dense-prefill", query.device, query.dtype, dense.spec, fmt.head_dim))

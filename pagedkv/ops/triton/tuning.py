@@ -41,8 +41,8 @@ def is_decode_like(num_tokens: int, num_seqs: int) -> bool:
 # Prefill over quantized pages through dense scratch pages (`dense_prefill.py`: the context dequantized once,
 # then the dense kernel) instead of the fused kernels, which convert a context tile once per query block that
 # reads it. Measured on an H200 (2,048-token chunk after 8,192 tokens, Llama-3-8B heads, `python
-# bench/kernels.py --fused-prefill`): 1.00-1.01 ms for KV-Quant and 1.11 for TurboQuant against 1.70-2.72 ms
-# fused (`off`: 0.98). False: the fused kernels everywhere.
+# bench/kernels.py --fused-prefill`): 1.00 ms for KV-Quant and 1.05 for TurboQuant against 1.68-2.71 ms fused
+# (`off`: 0.98). False: the fused kernels everywhere (`dense_prefill.step_of` checks it).
 DENSE_PREFILL = True
 
 
