@@ -320,21 +320,21 @@ WARP_SPLIT_CONFIGS = [DecodeTiles(16, 4, 1, True, 128, 4), DecodeTiles(32, 4, 1,
 
 def tiles_key(t: DecodeTiles) -> str:
     return (f"warp_split_n{t.tile_n}_w{t.num_warps}_s{t.num_stages}{'_t' if t.transposed else ''}"
-            f"{f'_r{t.max_registers}' if t.max_registers else ''}{f'_sc{t.scales}' if t.scales else ''}")
+            f"{f'_r{t.max_registers}' if t.max_registers else ''}")
 
 
 WARP_SPLIT_COUNTS: dict[int, list[int]] = {}   # batch -> split counts to time (`--warp-split-counts`)
 
 
 def parse_warp_split_configs(text: str) -> list[DecodeTiles]:
-    """'KEYS:WARPS:REGISTERS[:scN],...' -> transposed, unpipelined DecodeTiles (programs per SM from the register
-    cap; scN: `DecodeTiles.scales` N)."""
+    """'KEYS:WARPS:REGISTERS[:FIELD=INT],...' -> transposed, unpipelined DecodeTiles (programs per SM from the
+    register cap; FIELD=INT sets another field, e.g. num_stages=2)."""
     configs = []
     for item in text.split(","):
         fields = item.split(":")
         keys, warps, regs = map(int, fields[:3])
-        scales = next((int(f[2:]) for f in fields[3:] if f.startswith("sc")), 0)
-        configs.append(DecodeTiles(keys, warps, 1, True, regs, max(1, 65536 // (32 * warps * regs)), scales=scales))
+        extra = {name: type(getattr(DecodeTiles, name))(int(value)) for name, value in (f.split("=") for f in fields[3:])}
+        configs.append(DecodeTiles(keys, warps, 1, True, regs, max(1, 65536 // (32 * warps * regs)), **extra))
     return configs
 
 

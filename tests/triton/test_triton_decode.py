@@ -108,9 +108,6 @@ def test_decode_kernel_reads_only_the_formats_it_supports():
     assert not decode.is_supported(fmt("turboquant:k=q5_0,v=q2_0", 128))
 
 
-
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("fmt", ["q8", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0"])
 def test_transposed_kernel_with_several_warps_per_program_matches_reference(fmt, num_splits):
@@ -126,19 +123,6 @@ def test_transposed_kernel_with_several_warps_per_program_matches_reference(fmt,
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
-
-
-@pytest.mark.parametrize("scales", [1, 2])
-@pytest.mark.parametrize("fmt", ["q6", "q4"])
-def test_key_and_value_scales_in_one_load_match_reference(fmt, scales):
-    """`DecodeTiles.scales` 1 and 2 (q4 / q6 on the transposed kernel): a step's key and value scales in one load
-    through a pair of pointers into both scale pages, before or after the pages' loads."""
-    case = build_case(31, fmt, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=5, ctx_lens=CTX_LENS,
-                      new_lens=NEW_LENS)
-    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
-    tiles = dataclasses.replace(warp_split_tiles(case.fmt), scales=scales)
-    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125, num_splits=3, tiles=tiles)
-    assert rel_err(out, ref) < TOL[torch.float32]
 
 
 def test_turboquant_scale_pages_must_be_aligned():

@@ -36,7 +36,9 @@ def query_t(q_row_t, h_ok, cols, WARPS: tl.constexpr, CDTYPE: tl.constexpr):
 
 @triton.jit
 def tile_coords(start, pos0, kv_hi, first, bt_row, BLOCK_SIZE: tl.constexpr):
-    """The keys of the step at `start`: (ok, block, slot), each [WARPS, TILE_N]."""
+    """The keys of the step at `start`: (ok, block, slot), each [WARPS, TILE_N]. (A block id per key: one scalar
+    id per step where the step lies in one block, or two, cut the loop's instructions by 8% and measured 1.00-1.05x
+    slower for TurboQuant, up to 1.1x for q8 on an H200, BENCHMARKS.md 2026-12-02.)"""
     offs_n = start + pos0
     ok = (offs_n < kv_hi) & (offs_n >= first)
     block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
@@ -141,23 +143,16 @@ def tq4_group_scores_t(pairs, sc, z, qe, qo, qsum, CDTYPE: tl.constexpr, FAST_CV
 
 @triton.jit
 def quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok, k_strides, v_strides, ks_strides, vs_strides,
-               offs_u, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALES: tl.constexpr = 0):
-    """One step of q4 / q6 pages as loaded: key units (q6: and their 2-bit plane bytes), key scales, value units
-    (and plane bytes), value scales. SCALES (`DecodeTiles.scales`, an experiment not yet timed): 0, a load for
-    each scale tensor, each converted through shared memory before the next load goes out (sm_90 SASS: block ids,
-    key scales, value scales, keys, values, five memory round trips per step); 1, both scales in one [.., 2] load
-    first (four); 2, the same after the pages' loads (four, the scales' last)."""
+               offs_u, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One step of q4 / q6 pages as loaded: key and value scales in one load (`scale_pair`), key units (q6: and
+    their 2-bit plane bytes), value units (and plane bytes). A load per scale tensor cost a memory round trip
+    more per step (sm_90 SASS: each converted through shared memory before the next load goes out) and measured
+    1.03-1.05x slower for q4, 1.00-1.02x for q6 on an H200 (BENCHMARKS.md, 2026-12-02)."""
     k_row = block * k_strides[0] + slot * k_strides[1]
     v_row = block * v_strides[0] + slot * v_strides[1]
-    if SCALES == 0:
-        ks = tl.load(ks_ptr + block * ks_strides[0] + slot * ks_strides[1], mask=ok, other=0.0)
-        vs = tl.load(vs_ptr + block * vs_strides[0] + slot * vs_strides[1], mask=ok, other=0.0)
-    elif SCALES == 1:
-        ks, vs = scale_pair(ks_ptr, vs_ptr, block, slot, ok, ks_strides, vs_strides)
+    ks, vs = scale_pair(ks_ptr, vs_ptr, block, slot, ok, ks_strides, vs_strides)
     ku = load_rows(k_ptr.to(tl.pointer_type(tl.int16)), k_row // 2, offs_u, ok)
     vu = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)
-    if SCALES == 2:
-        ks, vs = scale_pair(ks_ptr, vs_ptr, block, slot, ok, ks_strides, vs_strides)
     if BITS == 6:
         kh = load_rows(k_ptr + HEAD_DIM // 2, k_row, offs_u, ok)
         vh = load_rows(v_ptr + HEAD_DIM // 2, v_row, offs_u, ok)
@@ -216,7 +211,7 @@ def decode_kernel_transposed(
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
     FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
-    V_BITS: tl.constexpr = 3, SCALES: tl.constexpr = 0,
+    V_BITS: tl.constexpr = 3,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -326,7 +321,7 @@ def decode_kernel_transposed(
                 vt = tq4_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides)
         elif KU:
             t = quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok,
-                           k_strides, v_strides, ks_strides, vs_strides, offs_u, K_BITS, HEAD_DIM, SCALES)
+                           k_strides, v_strides, ks_strides, vs_strides, offs_u, K_BITS, HEAD_DIM)
         if TQ and K_BITS == 8:   # kt: key codes per group 0-3, scales 4-7, zero points 8-11
             s = tq8_group_scores_t(kt[0], kt[4], kt[8], qg0, qs0, CDTYPE, FAST_CVT, DOT_PRECISION)
             s += tq8_group_scores_t(kt[1], kt[5], kt[9], qg1, qs1, CDTYPE, FAST_CVT, DOT_PRECISION)

@@ -182,7 +182,6 @@ class DecodeTiles:
     transposed: bool = False
     max_registers: int | None = None
     programs_per_sm: int = 2
-    scales: int = 0   # transposed, q4 / q6: how the key and value scales are loaded (`decode_transposed.quant_tile`)
 
 
 def warp_split_tiles(fmt) -> DecodeTiles:
