@@ -18,6 +18,7 @@ Writes OUT.json, OUT.png and prints the tables; `--sweep` also times tile shapes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -334,7 +335,8 @@ def parse_warp_split_configs(text: str) -> list[DecodeTiles]:
         fields = item.split(":")
         keys, warps, regs = map(int, fields[:3])
         extra = {name: type(getattr(DecodeTiles, name))(int(value)) for name, value in (f.split("=") for f in fields[3:])}
-        configs.append(DecodeTiles(keys, warps, 1, True, regs, max(1, 65536 // (32 * warps * regs)), **extra))
+        configs.append(dataclasses.replace(DecodeTiles(keys, warps, 1, True, regs, max(1, 65536 // (32 * warps * regs))),
+                                           **extra))
     return configs
 
 
