@@ -320,8 +320,12 @@ WARP_SPLIT_CONFIGS = [DecodeTiles(16, 4, 1, True, 128, 4), DecodeTiles(32, 4, 1,
 
 
 def tiles_key(t: DecodeTiles) -> str:
+    """A config's name in the results; fields beyond the core ones (an experiment's) when off their default."""
+    core = ("tile_n", "num_warps", "num_stages", "transposed", "max_registers", "programs_per_sm")
+    extra = "".join(f"_{f.name}{int(getattr(t, f.name))}" for f in dataclasses.fields(t)
+                    if f.name not in core and getattr(t, f.name) != f.default)
     return (f"warp_split_n{t.tile_n}_w{t.num_warps}_s{t.num_stages}{'_t' if t.transposed else ''}"
-            f"{f'_r{t.max_registers}' if t.max_registers else ''}")
+            f"{f'_r{t.max_registers}' if t.max_registers else ''}{extra}")
 
 
 WARP_SPLIT_COUNTS: dict[int, list[int]] = {}   # batch -> split counts to time (`--warp-split-counts`)
