@@ -247,11 +247,12 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     engine_generate_run(llm, random_prompts(len(prompts), len(prompts[0]), text.vocab_size, seed=99), 4)
     warm = llm.stats()
     out = engine_generate_run(llm, prompts, new_tokens)
-    stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0) for k in ("preemptions", "steps", "steps_queued_ahead")}
+    stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
+             for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays")}
     out.update(num_blocks=num_blocks, bytes_per_token=page.bytes_per_token() * text.num_hidden_layers,
                tokens_that_fit=num_blocks * block_size, preemptions=stats["preemptions"],
                admission_lookahead_tokens=admission_lookahead_tokens, steps=stats["steps"],
-               steps_queued_ahead=stats["steps_queued_ahead"])
+               steps_queued_ahead=stats["steps_queued_ahead"], cuda_graph_replays=stats["cuda_graph_replays"])
     del llm
     free_memory()
     return out
