@@ -304,7 +304,7 @@ def main() -> None:
             if decode.is_supported(fmt, transposed=False):
                 variants.append(DecodeTiles(32, 4, 3))
             variants += [dataclasses.replace(base, max_registers=r) for r in (96, 80)]
-            # then each orientation reading a dense recent window beside the pages, and L2 prefetches two steps ahead
+            # then each orientation reading a dense recent window beside the pages, and the prefetch experiments
             for tiles, window in ([(t, False) for t in variants] + [(t, True) for t in variants[:-2]]
                                   + [(dataclasses.replace(base, l2_ahead=2), False),
                                      (dataclasses.replace(base, l2_now=True, l1=True), False)]):
