@@ -34,10 +34,9 @@ def prefetch_rows(ptr, row, mask, L1: tl.constexpr = False):
 
 @triton.jit
 def prefetch_step(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, block, slot, ok, k_strides, v_strides, ks_strides,
-                  vs_strides, KEYS: tl.constexpr, TQ: tl.constexpr, L1: tl.constexpr):
-    """Prefetch a step's page rows: keys (if KEYS), values, their scales (TurboQuant: and zero points)."""
-    if KEYS:
-        prefetch_rows(k_ptr, block * k_strides[0] + slot * k_strides[1], ok, L1)
+                  vs_strides, TQ: tl.constexpr, L1: tl.constexpr):
+    """Prefetch a step's page rows: keys, values, their scales (TurboQuant: and zero points)."""
+    prefetch_rows(k_ptr, block * k_strides[0] + slot * k_strides[1], ok, L1)
     prefetch_rows(v_ptr, block * v_strides[0] + slot * v_strides[1], ok, L1)
     prefetch_rows(ks_ptr, block * ks_strides[0] + slot * ks_strides[1], ok, L1)
     prefetch_rows(vs_ptr, block * vs_strides[0] + slot * vs_strides[1], ok, L1)

@@ -313,9 +313,10 @@ def decode_kernel_transposed(
         if L2_AHEAD > 0:   # the block ids of the step L2_AHEAD steps on, loaded now, their rows asked at the end
             pf_ok, pf_block, pf_slot = tile_coords(start + L2_AHEAD * STEP, pos0, body_hi, first, bt_row, BLOCK_SIZE)
         ok, block, slot = tile_coords(start, pos0, body_hi, first, bt_row, BLOCK_SIZE)
-        if L2_NOW:   # this step's rows other than the keys asked at once: its loads wait on each other in turn
+        if L2_NOW:   # this step's rows all asked at once: its loads wait on each other in turn (a layout
+            # conversion through shared memory follows each load, and a warp issues in order)
             prefetch_step(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, block, slot, ok, k_strides, v_strides, ks_strides,
-                          vs_strides, False, TQ, L1)
+                          vs_strides, TQ, L1)
         k_row = block * k_strides[0] + slot * k_strides[1]
         v_row = block * v_strides[0] + slot * v_strides[1]
         if TQ:
@@ -401,7 +402,7 @@ def decode_kernel_transposed(
         m_i = m_new
         if L2_AHEAD > 0:
             prefetch_step(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, pf_block, pf_slot, pf_ok, k_strides, v_strides,
-                          ks_strides, vs_strides, True, TQ, L1)
+                          ks_strides, vs_strides, TQ, L1)
 
     m = tl.max(m_i, axis=0)                                                   # [ROWS]
     m_safe = tl.where(m == float("-inf"), 0.0, m)
