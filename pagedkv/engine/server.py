@@ -262,5 +262,8 @@ def serve(llm, args: argparse.Namespace, device: str) -> int:
     app = build_app(llm, names)
     print(f"pagedkv: serving {', '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"(page format {llm.engine.cache.config.kv_format}, {device})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    finally:  # the engine thread ends its step and stops before anything else (a tensor-parallel release) runs
+        app.state.engine.shutdown()
     return 0

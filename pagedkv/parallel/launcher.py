@@ -124,12 +124,18 @@ def _run_rank(rank: int, world_size: int, device_type: str, init_method: str, fn
     signal.signal(signal.SIGINT, signal.default_int_handler if rank == 0 else signal.SIG_IGN)
     group: TensorParallelGroup = init_group(rank, world_size, device_type, init_method)
     try:
-        return fn(group, *args)
+        result = fn(group, *args)
     except PagedKVError as exc:
         print(f"pagedkv: error: {exc}", file=sys.stderr, flush=True)
         os._exit(2)  # the launcher stops the other ranks, which may be waiting in a collective
     except KeyboardInterrupt:
         os._exit(130)
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    # every rank has left its work (rank 0 released the others): meet before tearing the group down, so that
+    # no rank closes its connections while another still reads the release from them
+    dist.barrier(group=group.control)
+    dist.destroy_process_group()
+    return result
