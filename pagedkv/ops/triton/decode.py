@@ -381,11 +381,12 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     split = num_splits > 1
     parts = partial_states(query, num_splits, head_dim_pad) if split else (out, out, out)
     precision = dot_precision(query.dtype)
+    fast_cvt = fast_conversions()
     extra = {}
     if tiles.transposed:   # the group's heads on the N dimension: 8 columns at least
         kernel, rows = decode_kernel_transposed, max(8, triton.next_power_of_2(group))
         extra["V_BITS"] = view.v_bits if view.kind == TURBOQUANT else 3
-        if view.kind in (KVQUANT, TURBOQUANT) and fast_conversions():   # prefetches (PTX: not under the interpreter)
+        if view.kind in (KVQUANT, TURBOQUANT) and fast_cvt:   # prefetches (PTX: not under the interpreter)
             extra.update(L2_AHEAD=tiles.l2_ahead, L2_NOW=tiles.l2_now, L1=tiles.l1)
         if view.kind == TURBOQUANT:   # the kernel reads a slot's four group scales in one 8-byte load
             for t in (view.k_scale, view.k_zero, view.v_scale):
@@ -411,7 +412,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=meta.block_size,
         WARPS=tiles.num_warps, TILE_N=tiles.tile_n, SPLIT=split,
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), KIND=view.kind, K_BITS=view.k_bits,
-        FAST_CVT=fast_conversions(), DOT_PRECISION=precision,
+        FAST_CVT=fast_cvt, DOT_PRECISION=precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **registers, **ring_constants, **extra,
     )
     if split:
