@@ -8,7 +8,6 @@
 #                                                  # prefill also through the fused kernels)
 #   OUT=/some/dir bash bench/h200_run.sh tests     # the decode, window and CUDA graph GPU tests (long: they compile)
 #   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
-#   OUT=/some/dir bash bench/h200_run.sh prefetch  # decode with page rows prefetched (`DecodeTiles.l2_*`), side by side
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -37,17 +36,8 @@ engine)
         --formats off turboquant q4 --admission-lookahead-tokens 0 1024 --out "$OUT"
     run 90 python bench/tiers.py --model llama8b --device cuda --prefix-tokens 2048 8192 32768 --out "$OUT/h200"
     ;;
-prefetch)
-    counts="1:256;32:8;64:4,8;128:2"
-    run 280 python bench/kernels.py --formats "turboquant;turboquant:k=q4_0,v=q4_0" --warp-split --skip prefill,write \
-        --warp-split-counts "$counts" --out "$OUT/kernels_prefetch_tq" --warp-split-configs \
-        "16:1:128,16:1:128:l2_now=1,16:1:128:l2_ahead=1,16:1:128:l2_ahead=2,16:1:128:l2_ahead=2:l2_now=1,16:1:128:l2_ahead=2:l1=1"
-    run 280 python bench/kernels.py --formats "q4;q6;q8" --warp-split --skip prefill,write \
-        --warp-split-counts "$counts" --out "$OUT/kernels_prefetch_kv" --warp-split-configs \
-        "32:1:128,32:1:128:l2_now=1,32:1:128:l2_ahead=1,32:1:128:l2_ahead=2,32:1:128:l2_ahead=2:l2_now=1"
-    ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|prefetch" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine" >&2
     exit 2
     ;;
 esac

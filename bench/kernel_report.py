@@ -166,8 +166,7 @@ def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
             "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
             "shared_bytes": kernel.metadata.shared, "page_tile_buffers": buffers,
             "loop_instructions": len(loop), "per_key_row": round(len(loop) * tiles.num_warps / tiles.tile_n, 1),
-            "top_ops": dict(ops.most_common(8)), "barriers": ops.get("BAR"), "local_loads": ops.get("LDL", 0),
-            "prefetches": ops.get("CCTL", 0)}
+            "top_ops": dict(ops.most_common(8)), "barriers": ops.get("BAR"), "local_loads": ops.get("LDL", 0)}
 
 
 class _CompileOnly:
@@ -304,18 +303,16 @@ def main() -> None:
             if decode.is_supported(fmt, transposed=False):
                 variants.append(DecodeTiles(32, 4, 3))
             variants += [dataclasses.replace(base, max_registers=r) for r in (96, 80)]
-            # then each orientation reading a dense recent window beside the pages, and the prefetch experiments
-            for tiles, window in ([(t, False) for t in variants] + [(t, True) for t in variants[:-2]]
-                                  + [(dataclasses.replace(base, l2_ahead=2), False),
-                                     (dataclasses.replace(base, l2_now=True, l1=True), False)]):
+            # then each orientation reading a dense recent window beside the pages
+            for tiles, window in [(t, False) for t in variants] + [(t, True) for t in variants[:-2]]:
                 r = report(spec, TileConfig(16, tiles.tile_n, tiles.num_warps, tiles.num_stages),
                            compile_warp_split(spec, tiles, window=window))
                 r.update(transposed=tiles.transposed, num_stages=tiles.num_stages, max_registers=tiles.max_registers,
-                         window=window, prefetch=bool(tiles.l2_ahead or tiles.l2_now))
+                         window=window)
                 rows.append(r)
                 print(json.dumps({k: r[k] for k in ("format", "tile_n", "transposed", "num_stages", "max_registers", "window",
                                                      "registers", "spill_bytes", "shared_bytes", "loop_instructions",
-                                                     "per_key_row", "barriers", "prefetch", "prefetches")}),
+                                                     "per_key_row", "barriers")}),
                       flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -386,8 +386,6 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     if tiles.transposed:   # the group's heads on the N dimension: 8 columns at least
         kernel, rows = decode_kernel_transposed, max(8, triton.next_power_of_2(group))
         extra["V_BITS"] = view.v_bits if view.kind == TURBOQUANT else 3
-        if view.kind in (KVQUANT, TURBOQUANT) and fast_cvt:   # prefetches (PTX: not under the interpreter)
-            extra.update(L2_AHEAD=tiles.l2_ahead, L2_NOW=tiles.l2_now, L1=tiles.l1)
         if view.kind == TURBOQUANT:   # the kernel reads a slot's four group scales in one 8-byte load
             for t in (view.k_scale, view.k_zero, view.v_scale):
                 if t.data_ptr() % 8 or any(st % 4 for st in t.stride()[:3]):

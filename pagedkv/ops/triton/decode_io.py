@@ -17,33 +17,6 @@ def load_rows(ptr, row, offs, mask):
     return tl.load(ptr + row[:, :, None] + offs[None, None, :], mask=mask[:, :, None], other=0)
 
 
-# `prefetch.global.L2` (or .L1) of the cache line at each address whose mask is set: a page row asked of device
-# memory before the load that reads it, holding no register (`DecodeTiles.l2_ahead`, `l2_now`, `l1`); the dummy
-# result keeps Triton from dropping the instruction.
-PREFETCH_L2_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
-PREFETCH_L1_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.b32 $0, 0; }")
-
-
-@triton.jit
-def prefetch_rows(ptr, row, mask, L1: tl.constexpr = False):
-    """Ask L2 (L1) for the lines at ptr + row [WARPS, TILE_N] (one line per page row: a row of quantized codes or
-    scales is at most 128 bytes)."""
-    return tl.inline_asm_elementwise(asm=PREFETCH_L1_ASM if L1 else PREFETCH_L2_ASM, constraints="=r,l,r",
-                                     args=[ptr + row, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_step(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, block, slot, ok, k_strides, v_strides, ks_strides,
-                  vs_strides, TQ: tl.constexpr, L1: tl.constexpr):
-    """Prefetch a step's page rows: keys, values, their scales (TurboQuant: and zero points)."""
-    prefetch_rows(k_ptr, block * k_strides[0] + slot * k_strides[1], ok, L1)
-    prefetch_rows(v_ptr, block * v_strides[0] + slot * v_strides[1], ok, L1)
-    prefetch_rows(ks_ptr, block * ks_strides[0] + slot * ks_strides[1], ok, L1)
-    prefetch_rows(vs_ptr, block * vs_strides[0] + slot * vs_strides[1], ok, L1)
-    if TQ:
-        prefetch_rows(kz_ptr, block * ks_strides[0] + slot * ks_strides[1], ok, L1)
-
-
 @triton.jit
 def load_quads(ptr, row, offs_u, ok, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, FAST_CVT: tl.constexpr):
     """q4 / q6 codes of the rows at ptr + row [WARPS, TILE_N] in units of four channels: four float16

@@ -23,7 +23,7 @@ import triton.language as tl
 from .codecs import KVQUANT, TURBOQUANT
 from .conversions import (codebook4_pairs_to_f16, int8_pairs_to_f16, int8_to_f16, nibble_pairs_to_f16,
                           nibble_quads_to_f16, sign_magnitude_to_f16, six_bit_quads_to_f16)
-from .decode_io import (attend_ring, load_rows, prefetch_step, ring_accumulators, softmax_step_t, token_sequence,
+from .decode_io import (attend_ring, load_rows, ring_accumulators, softmax_step_t, token_sequence,
                         value_channels)
 
 
@@ -211,7 +211,7 @@ def decode_kernel_transposed(
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
     FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
-    V_BITS: tl.constexpr = 3, L2_AHEAD: tl.constexpr = 0, L2_NOW: tl.constexpr = False, L1: tl.constexpr = False,
+    V_BITS: tl.constexpr = 3,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -310,13 +310,7 @@ def decode_kernel_transposed(
                 HEAD_DIM, DOT_PRECISION, WARPS, True)
         body_hi = tl.minimum(kv_hi, ring_from)
     for start in range(kv_lo, body_hi, STEP):   # the pages' keys
-        if L2_AHEAD > 0:   # the block ids of the step L2_AHEAD steps on, loaded now, their rows asked at the end
-            pf_ok, pf_block, pf_slot = tile_coords(start + L2_AHEAD * STEP, pos0, body_hi, first, bt_row, BLOCK_SIZE)
         ok, block, slot = tile_coords(start, pos0, body_hi, first, bt_row, BLOCK_SIZE)
-        if L2_NOW:   # this step's rows all asked at once: its loads wait on each other in turn (a layout
-            # conversion through shared memory follows each load, and a warp issues in order)
-            prefetch_step(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, block, slot, ok, k_strides, v_strides, ks_strides,
-                          vs_strides, TQ, L1)
         k_row = block * k_strides[0] + slot * k_strides[1]
         v_row = block * v_strides[0] + slot * v_strides[1]
         if TQ:
@@ -400,9 +394,6 @@ def decode_kernel_transposed(
                         mask=ok[:, :, None] & (offs_c < HEAD_DIM)[None, None, :], other=0.0)
             acc_a = tl.dot(tl.trans(v.to(CDTYPE), (0, 2, 1)), p, acc_a * a3, input_precision=DOT_PRECISION)
         m_i = m_new
-        if L2_AHEAD > 0:
-            prefetch_step(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, pf_block, pf_slot, pf_ok, k_strides, v_strides,
-                          ks_strides, vs_strides, TQ, L1)
 
     m = tl.max(m_i, axis=0)                                                   # [ROWS]
     m_safe = tl.where(m == float("-inf"), 0.0, m)

@@ -182,11 +182,6 @@ class DecodeTiles:
     transposed: bool = False
     max_registers: int | None = None
     programs_per_sm: int = 2
-    # transposed, quantized pages, experiments: prefetch the page rows this many steps ahead (`l2_ahead`), or a
-    # step's rows at its start (`l2_now`), into L2 (or L1, `l1`)
-    l2_ahead: int = 0
-    l2_now: bool = False
-    l1: bool = False
 
 
 def warp_split_tiles(fmt) -> DecodeTiles:
