@@ -1,0 +1,55 @@
+"""Side by side on a GPU: the Gluon q8 decode kernel against the default decode over the same q8 pages."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels as kb  # noqa: E402
+from pagedkv.ops import reference  # noqa: E402
+from pagedkv.ops import triton as triton_ops  # noqa: E402
+from pagedkv.ops.triton import decode_gluon  # noqa: E402
+
+SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
+VARIANTS = json.loads(os.environ.get("VARIANTS", '{"pipe": {}}'))
+SPLITS = {1: [64, 128, 256], 32: [4, 8, 16], 64: [2, 4, 8], 128: [1, 2, 4]}
+out_rows = []
+gen = torch.Generator().manual_seed(0)
+kb.warm_up()
+for num_seqs, seq_len in SHAPES:
+    n = num_seqs * seq_len
+    keys = torch.randn(n, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
+    values = torch.randn(n, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
+    copies = kb.copies_for(n * kb.NUM_KV_HEADS * kb.HEAD_DIM * 4)
+    queries = [torch.randn(num_seqs, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    sdpa_ms, _, _, _ = kb.sdpa_decode(keys, values, num_seqs, seq_len, queries, copies)
+    layers = [kb.paged_layer("q8", keys, values, num_seqs, seq_len, gen) for _ in range(kb.copies_for(n * kb.NUM_KV_HEADS * 264))]
+    metas = [kb.decode_meta(t, seq_len) for _, _, t in layers]
+    calls = lambda fn: [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)  # noqa: E731
+                        for i, ((f, p, _), m) in enumerate(zip(layers, metas))]
+    k = min(num_seqs, 2)
+    sub = kb.decode_meta(layers[0][2][:k], seq_len)
+    ref = reference.paged_attention(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE)
+    row = {"batch": num_seqs, "context": seq_len, "sdpa_us": sdpa_ms * 1e3}
+    row["default_us"] = kb.time_per_call(calls(lambda q, p, f, m: triton_ops.paged_attention(q, p, f, m, scale=kb.SCALE))) * 1e3
+    for name, opts in VARIANTS.items():
+        for sp in SPLITS[num_seqs]:
+            o = decode_gluon.paged_attention(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE,
+                                             num_splits=sp, **opts)
+            row[f"gluon_{name}_split{sp}_err"] = kb.rel_err(o, ref)
+            row[f"gluon_{name}_split{sp}_us"] = kb.time_per_call(calls(
+                lambda q, p, f, m, sp=sp, opts=opts: decode_gluon.paged_attention(
+                    q, p, f, m, scale=kb.SCALE, num_splits=sp, **opts))) * 1e3
+    best = min((v, kk) for kk, v in row.items() if kk.startswith("gluon") and kk.endswith("_us"))
+    print(f"q8 ({num_seqs}, {seq_len}): sdpa {row['sdpa_us']:.1f} us, default {row['default_us']:.1f} us "
+          f"({row['default_us'] / row['sdpa_us']:.3f}), gluon best {best[1]} {best[0]:.1f} us ({best[0] / row['sdpa_us']:.3f}); "
+          + ", ".join(f"{kk} {v:.3g}" for kk, v in row.items() if kk.startswith("gluon") and kk.endswith("us")), flush=True)
+    print("  errors " + ", ".join(f"{v:.2g}" for kk, v in row.items() if kk.endswith("err")))
+    out_rows.append(row)
+    del layers, metas, keys, values, queries
+    torch.cuda.empty_cache()
+out = Path(os.environ.get("OUT", "bench/results")) / "gluon_probe.json"
+out.write_text(json.dumps(out_rows, indent=1))

@@ -1,0 +1,365 @@
+"""Decode attention over q8 pages in Gluon: every page byte loaded straight into the registers where the matrix
+units read it, no shared memory, no barrier.
+
+The transposed kernel (`decode_transposed.py`) is written in Triton's tile language, which picks register
+layouts itself: each load lands in a plain row layout and a layout conversion through shared memory (a store,
+a barrier, a load) follows it before the matrix instruction, three to four per 16-key step, one after another.
+Gluon states layouts explicitly, and the order of channels and keys inside one step is free (a dot product
+does not depend on it): so each lane loads whole 16-byte runs of a key row and the kernel *names* the channels
+of those bytes so that they are exactly the lane's operand elements of `mma.sync` m16n8k16 (a reshape and
+permute of the loaded tensor: register renaming, checked by `convert_layout(..., assert_trivial=True)`). The
+query is loaded once in the same channel order, and the output stored back through the inverse order.
+
+S^T = K Q^T puts keys on the M dimension and the group's query heads on N (8 columns); its accumulator
+fragment holds P^T with keys on the lane's row bits, while O^T = V^T P^T needs them on its column bits: one
+`movmatrix.trans` per 8 x 8 block transposes it across the warp in registers (two per step).
+
+One warp per program, programs over (query token, KV head, split) like the other decode kernels; partial
+states in `split_k.partial_states`' layout. Used for q8 pages without soft-capping, sliding window or dense
+recent window (`supports`); everything else stays on `decode.py`. Gluon has no interpreter: it is checked on
+the CPU by compiling it for sm_90 (no shared memory in its loop) and on the GPU against the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from .conversions import INT8_ASM
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+A_OP = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
+B_OP = gl.constexpr(gl.DotOperandLayout(1, MMA.value, 2))
+PLAIN = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [1, 1], [1, 0]))
+
+
+def key_load_layout(head_dim: int) -> gl.BlockedLayout:
+    """Key rows [16 keys, head_dim bytes] as loaded: lane (g = lane // 4, q = lane % 4) holds keys g and g + 8,
+    bytes head_dim / 4 * q .. + head_dim / 4."""
+    return gl.BlockedLayout([1, head_dim // 4], [8, 4], [1, 1], [1, 0])
+
+
+def value_load_layout(head_dim: int) -> gl.DistributedLinearLayout:
+    """Value rows [16 keys, head_dim bytes] as loaded: lane (g, q) holds keys 2q, 2q + 1, 2q + 8, 2q + 9, bytes
+    head_dim / 8 * g .. + head_dim / 8 (the keys and channels of its V^T operand fragment)."""
+    run = head_dim // 8
+    regs = [[0, 1 << i] for i in range(run.bit_length() - 1)] + [[1, 0], [8, 0]]
+    lanes = [[2, 0], [4, 0], [0, run], [0, 2 * run], [0, 4 * run]]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[], block_bases=[],
+                                      shape=[16, head_dim])
+
+
+@gluon.jit
+def key_channel(c, HEAD_DIM: gl.constexpr):
+    """The stored channel of key operand column c: column 16j + 8a + 2q + b (the m16n8k16 A fragment of lane
+    q's quad) is byte HEAD_DIM / 4 * q + 4j + 2a + b, so a lane's columns are one run of bytes."""
+    return HEAD_DIM // 4 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1) + (c & 1)
+
+
+@gluon.jit
+def value_channel(c, HEAD_DIM: gl.constexpr):
+    """The stored channel of value operand row c: row 16i + 8a + g (lane g's rows of the V^T fragment) is
+    byte HEAD_DIM / 8 * g + 2i + a."""
+    return HEAD_DIM // 8 * (c & 7) + 2 * (c >> 4) + ((c >> 3) & 1)
+
+
+@gluon.jit
+def int8_to_f16(c):
+    """int8 codes -> float16, exact (four per call, `conversions.INT8_ASM`)."""
+    return gl.inline_asm_elementwise(INT8_ASM, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def transpose_p(p):
+    """P^T [16 keys, 8 heads] in the accumulator fragment (keys on the lane's row bits) -> the same matrix as
+    the B operand of O^T = V^T P^T (keys on its column bits): `movmatrix.trans` per 8 x 8 block, then the
+    registers renamed."""
+    t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p],
+                                  dtype=gl.float16, is_pure=True, pack=2)
+    t = gl.reshape(gl.permute(gl.reshape(t, [2, 8, 8]), (0, 2, 1)), [16, 8])
+    return gl.convert_layout(t, B_OP, assert_trivial=True)
+
+
+@gluon.jit
+def sequence_of(token, query_start_loc_ptr, num_seqs):
+    """The sequence whose query rows hold packed query token `token`: the last i with qsl[i] <= token."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if gl.load(query_start_loc_ptr + mid) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@gluon.jit
+def step_rows(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc, sr, k_strides, v_strides,
+              ks_strides, vs_strides, BLOCK_SIZE: gl.constexpr):
+    """The 16 keys from `start` as loaded: key codes, value codes (each lane its operand bytes), key and value
+    scales (the score rows). Codes are read unmasked, from the step's block (past the sequence's end a slot holds
+    finite codes whose scores are masked; a step past the split's end reads block 0); scales are masked (a
+    slot never written may hold NaN)."""
+    in_range = start < kv_hi
+    block = gl.load(bt_row + start // BLOCK_SIZE, mask=in_range, other=0).to(gl.int64)
+    slot = start % BLOCK_SIZE
+    k = gl.load(k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1] + kc[None, :])
+    v = gl.load(v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1] + vc[None, :])
+    s_ok = start + sr < kv_hi
+    ks = gl.load(ks_ptr + block * ks_strides[0] + (slot + sr) * ks_strides[1], mask=s_ok, other=0.0)
+    vs = gl.load(vs_ptr + block * vs_strides[0] + (slot + sr) * vs_strides[1], mask=s_ok, other=0.0)
+    return k, v, ks, vs
+
+
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+def decode_q8_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides, ks_strides, vs_strides,
+    num_seqs, num_splits, qk_scale,
+    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, PIPELINE: gl.constexpr = True,
+):
+    token = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_pos = gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+
+    # the query heads of the group, transposed, channels in the key operand's order: Q^T [HEAD_DIM, 8]
+    qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, PLAIN))
+    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
+    q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
+    qt = gl.load(q_at + key_channel(qc, HEAD_DIM)[:, None], mask=(qh < GROUP)[None, :], other=0.0)
+    qt = gl.convert_layout(qt.to(gl.float16), B_OP)
+
+    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
+    kv_lo = split * chunk
+    kv_hi = gl.minimum(kv_lo + chunk, q_pos + 1)
+    head_off = kv_head.to(gl.int64)
+    k_ptr += head_off * k_strides[2]
+    v_ptr += head_off * v_strides[2]
+    ks_ptr += head_off * ks_strides[2]
+    vs_ptr += head_off * vs_strides[2]
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
+    kr = gl.arange(0, 16, layout=gl.SliceLayout(1, K_LOAD))
+    kc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, K_LOAD))
+    vr = gl.arange(0, 16, layout=gl.SliceLayout(1, V_LOAD))
+    vc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, V_LOAD))
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    NJ: gl.constexpr = HEAD_DIM // 16
+    acc = gl.full([HEAD_DIM, 8], 0.0, gl.float32, MMA)
+    m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+    l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
+    scale = qk_scale * LOG2E
+    # the first step's rows; each step asks for the next one's before it computes, and converts them after
+    k8, v8, ks, vs = step_rows(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kv_lo, kv_hi, kr, kc, vr, vc, sr,
+                               k_strides, v_strides, ks_strides, vs_strides, BLOCK_SIZE)
+    kf = int8_to_f16(k8)
+    vf = int8_to_f16(v8)
+    for start in range(kv_lo, kv_hi, 16):   # a step lies in one block (BLOCK_SIZE a multiple of 16)
+        s_ok = start + sr < kv_hi
+        if PIPELINE:
+            k8, v8, ks_n, vs_n = step_rows(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start + 16, kv_hi, kr, kc, vr, vc,
+                                           sr, k_strides, v_strides, ks_strides, vs_strides, BLOCK_SIZE)
+        ka = gl.reshape(gl.permute(gl.reshape(kf, [16, 4, NJ, 2, 2]), (0, 2, 3, 1, 4)), [16, HEAD_DIM])
+        s = mma_v2(gl.convert_layout(ka, A_OP, assert_trivial=True), qt, gl.full([16, 8], 0.0, gl.float32, MMA))
+        s = gl.where(s_ok[:, None], s * (ks * scale)[:, None], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        pt = transpose_p((p * vs[:, None]).to(gl.float16))
+        va = gl.reshape(gl.permute(gl.reshape(vf, [16, 8, NJ, 2]), (0, 2, 3, 1)), [16, HEAD_DIM])
+        vt = gl.convert_layout(gl.permute(va, (1, 0)), A_OP, assert_trivial=True)
+        acc = mma_v2(vt, pt, acc * alpha[None, :])
+        if not PIPELINE:
+            k8, v8, ks_n, vs_n = step_rows(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start + 16, kv_hi, kr, kc, vr, vc,
+                                           sr, k_strides, v_strides, ks_strides, vs_strides, BLOCK_SIZE)
+        kf = int8_to_f16(k8)
+        vf = int8_to_f16(v8)
+        ks = ks_n
+        vs = vs_n
+
+    oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, MMA))
+    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    h_ok = oh < GROUP
+    head = kv_head * GROUP + oh
+    chans = value_channel(oc, HEAD_DIM)[:, None]
+    if SPLIT:
+        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        gl.store(part_m_ptr + state, m_i, mask=h_ok)
+        gl.store(part_l_ptr + state, l_i, mask=h_ok)
+        gl.store(part_out_ptr + state[None, :] * HEAD_DIM + chans, acc, mask=h_ok[None, :])
+    else:
+        inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
+        o_at = out_ptr + token.to(gl.int64) * stride_ot + head[None, :] * stride_oh + chans
+        gl.store(o_at, (acc * inv[None, :]).to(out_ptr.dtype.element_ty), mask=h_ok[None, :])
+
+
+@gluon.jit
+def copy_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc, sr, k_strides, v_strides,
+              ks_strides, vs_strides, k_sm, v_sm, ks_sm, vs_sm, BLOCK_SIZE: gl.constexpr):
+    """Ask for the 16 keys from `start` into one stage of the shared ring (cp.async: no register holds them in
+    flight), each lane the bytes it will read back: codes unmasked from the step's block (block 0 past the
+    split's end), scales masked (zero)."""
+    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
+    slot = start % BLOCK_SIZE
+    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
+                                           + kc[None, :])
+    async_copy.async_copy_global_to_shared(v_sm, v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
+                                           + vc[None, :])
+    s_ok = start + sr < kv_hi
+    async_copy.async_copy_global_to_shared(ks_sm, ks_ptr + block * ks_strides[0] + (slot + sr) * ks_strides[1], s_ok)
+    async_copy.async_copy_global_to_shared(vs_sm, vs_ptr + block * vs_strides[0] + (slot + sr) * vs_strides[1], s_ok)
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+def decode_q8_async_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides, ks_strides, vs_strides,
+    num_seqs, num_splits, qk_scale,
+    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr,
+):
+    token = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_pos = gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+
+    qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, PLAIN))
+    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
+    q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
+    qt = gl.load(q_at + key_channel(qc, HEAD_DIM)[:, None], mask=(qh < GROUP)[None, :], other=0.0)
+    qt = gl.convert_layout(qt.to(gl.float16), B_OP)
+
+    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
+    kv_lo = split * chunk
+    kv_hi = gl.minimum(kv_lo + chunk, q_pos + 1)
+    head_off = kv_head.to(gl.int64)
+    k_ptr += head_off * k_strides[2]
+    v_ptr += head_off * v_strides[2]
+    ks_ptr += head_off * ks_strides[2]
+    vs_ptr += head_off * vs_strides[2]
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
+    kr = gl.arange(0, 16, layout=gl.SliceLayout(1, K_LOAD))
+    kc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, K_LOAD))
+    vr = gl.arange(0, 16, layout=gl.SliceLayout(1, V_LOAD))
+    vc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, V_LOAD))
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    NJ: gl.constexpr = HEAD_DIM // 16
+    RING: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], RING)
+    v_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], RING)
+    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
+    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
+    for st in gl.static_range(STAGES - 1):
+        copy_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, kr, kc, vr, vc, sr, k_strides,
+                  v_strides, ks_strides, vs_strides, k_ring.index(st), v_ring.index(st), ks_ring.index(st),
+                  vs_ring.index(st), BLOCK_SIZE)
+
+    acc = gl.full([HEAD_DIM, 8], 0.0, gl.float32, MMA)
+    m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+    l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
+    scale = qk_scale * LOG2E
+    stage = 0
+    for start in range(kv_lo, kv_hi, 16):
+        ahead = (stage + STAGES - 1) % STAGES
+        copy_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, kr, kc, vr, vc, sr,
+                  k_strides, v_strides, ks_strides, vs_strides, k_ring.index(ahead), v_ring.index(ahead),
+                  ks_ring.index(ahead), vs_ring.index(ahead), BLOCK_SIZE)
+        async_copy.wait_group(STAGES - 1)
+        k8 = k_ring.index(stage).load(K_LOAD)
+        v8 = v_ring.index(stage).load(V_LOAD)
+        ks = ks_ring.index(stage).load(gl.SliceLayout(1, MMA))
+        vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
+        s_ok = start + sr < kv_hi
+        ka = gl.reshape(gl.permute(gl.reshape(int8_to_f16(k8), [16, 4, NJ, 2, 2]), (0, 2, 3, 1, 4)), [16, HEAD_DIM])
+        s = mma_v2(gl.convert_layout(ka, A_OP, assert_trivial=True), qt, gl.full([16, 8], 0.0, gl.float32, MMA))
+        s = gl.where(s_ok[:, None], s * (ks * scale)[:, None], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        pt = transpose_p((p * vs[:, None]).to(gl.float16))
+        va = gl.reshape(gl.permute(gl.reshape(int8_to_f16(v8), [16, 8, NJ, 2]), (0, 2, 3, 1)), [16, HEAD_DIM])
+        vt = gl.convert_layout(gl.permute(va, (1, 0)), A_OP, assert_trivial=True)
+        acc = mma_v2(vt, pt, acc * alpha[None, :])
+        stage = (stage + 1) % STAGES
+    async_copy.wait_group(0)
+
+    oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, MMA))
+    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    h_ok = oh < GROUP
+    head = kv_head * GROUP + oh
+    chans = value_channel(oc, HEAD_DIM)[:, None]
+    if SPLIT:
+        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        gl.store(part_m_ptr + state, m_i, mask=h_ok)
+        gl.store(part_l_ptr + state, l_i, mask=h_ok)
+        gl.store(part_out_ptr + state[None, :] * HEAD_DIM + chans, acc, mask=h_ok[None, :])
+    else:
+        inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
+        o_at = out_ptr + token.to(gl.int64) * stride_ot + head[None, :] * stride_oh + chans
+        gl.store(o_at, (acc * inv[None, :]).to(out_ptr.dtype.element_ty), mask=h_ok[None, :])
+
+
+def supports(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
+    """Whether `paged_attention` here reads this decode: q8 pages, head_dim 64 or 128, groups of up to 8 query
+    heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping, sliding or dense recent window."""
+    spec = fmt.spec
+    return (spec.kind == "kvquant" and fmt.bits == 8 and fmt.key_signs is None and fmt.head_dim in (64, 128)
+            and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
+            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window and window is None)
+
+
+def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
+                    num_splits: int = 1, pipeline: bool = True, max_registers: int | None = None,
+                    stages: int = 0) -> torch.Tensor:
+    """`reference.paged_attention`'s contract for the decodes `supports` accepts."""
+    from .attention import check_inputs, dot_precision
+    from .page_view import page_view, stride3
+    from .split_k import partial_states, reduce_splits
+
+    view = page_view(fmt, pages)
+    check_inputs(query, view, meta)
+    num_tokens, num_q_heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    split = num_splits > 1
+    parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
+    kernel, extra = decode_q8_kernel, {"PIPELINE": pipeline}
+    if stages:
+        kernel, extra = decode_q8_async_kernel, {"STAGES": stages}
+    kernel[(num_tokens, view.num_kv_heads, num_splits)](
+        out, *parts, query, view.k, view.v, view.k_scale, view.v_scale,
+        meta.block_table, meta.seq_lens, meta.query_start_loc,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+        stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
+        meta.block_table.shape[0], num_splits, float(scale),
+        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=meta.block_size, SPLIT=split, K_LOAD=key_load_layout(head_dim), V_LOAD=value_load_layout(head_dim),
+        **extra, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+    if split:
+        reduce_splits(out, parts, view, dot_precision(query.dtype))
+    return out

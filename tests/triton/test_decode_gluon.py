@@ -1,0 +1,37 @@
+"""The Gluon q8 decode kernel (`ops/triton/decode_gluon.py`) against the reference path, on a CUDA device.
+
+Gluon has no interpreter: on the CPU, `test_sm90_compile.py` compiles it for sm_90 and checks its loop
+(every page byte loaded into the matrix units' registers, no shared memory).
+"""
+
+import pytest
+import torch
+
+from pagedkv.ops import reference
+from triton_cases import build_case, rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# (num_q_heads, num_kv_heads, head_dim, block_size): GQA 1, 4 and 8; head_dim 64 and 128; blocks of 16 and 32
+SHAPES = [(2, 2, 64, 16), (8, 2, 128, 16), (8, 1, 64, 32), (32, 8, 128, 16)]
+# decode tokens, a verify-like run of 3 and a prefill chunk in one batch, one sequence without new tokens
+CTX_LENS = [0, 37, 70, 20, 9, 300]
+NEW_LENS = [5, 1, 3, 1, 0, 1]
+TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
+def test_gluon_q8_decode_matches_reference(shape, num_splits, dtype):
+    from pagedkv.ops.triton import decode_gluon
+
+    hq, hkv, d, bs = shape
+    case = build_case(hash(shape) % 1000, "q8", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
+    assert decode_gluon.supports(case.fmt, case.query, bs)
+    scale = d ** -0.5
+    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
+    out = decode_gluon.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
