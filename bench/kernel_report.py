@@ -146,8 +146,8 @@ def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192, w
     return compiled[0]
 
 
-def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
-    kernel = kernel or compile_decode(spec, tiles)
+def assemble(kernel) -> tuple[str, str]:
+    """(ptxas -v report, SASS listing) of a compiled kernel, assembled for sm_90a."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
         ptx.write_text(kernel.asm["ptx"])
@@ -157,10 +157,51 @@ def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
                               capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
+    return info, sass
+
+
+def loop_ops(loop: list[str]) -> Counter:
+    """Opcode counts (without modifiers) of a SASS loop body."""
+    return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
+
+
+def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int) -> dict:
+    """The Gluon q8 decode kernel (`ops/triton/decode_gluon.py`) compiled for sm_90: registers, spills, shared
+    memory and its loop's opcodes."""
+    from pagedkv.ops.metadata import AttentionMetadata
+    from pagedkv.ops.triton import decode_gluon
+
+    batch, context = 64, 8192
+    fmt = make_format(KVFormat.parse("q8"), NUM_KV_HEADS, head_dim, dtype, "cpu")
+    table = torch.zeros(batch, context // BLOCK_SIZE, dtype=torch.int32)
+    lens, qsl = [context] * batch, list(range(batch + 1))
+    meta = AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
+                             torch.arange(batch, dtype=torch.int64), None, lens, qsl, BLOCK_SIZE)
+    compiled = []
+    from triton.runtime.jit import JITFunction
+
+    run = JITFunction.run
+    JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
+    try:
+        decode_gluon.paged_attention(torch.empty(batch, NUM_Q_HEADS, head_dim, dtype=dtype),
+                                     fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=num_splits)
+    finally:
+        JITFunction.run = run
+    info, sass = assemble(compiled[0])
+    ops = loop_ops(sass_loops(sass)[0])
+    return {"head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits,
+            "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+            "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
+            "shared_bytes": compiled[0].metadata.shared, "loop_ops": dict(ops)}
+
+
+def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
+    kernel = kernel or compile_decode(spec, tiles)
+    info, sass = assemble(kernel)
     ttgir = kernel.asm["ttgir"]
     buffers = sorted({int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x", ttgir)})
     loop = sass_loops(sass)[0]
-    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
+    ops = loop_ops(loop)
     return {"format": spec, "tile_n": tiles.tile_n, "warps": tiles.num_warps, "stages": tiles.num_stages,
             "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
             "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
@@ -269,8 +310,16 @@ def main() -> None:
                              "both orientations reading a recent window")
     parser.add_argument("--count-variants", action="store_true",
                         help="print (JSON) how many kernels a run over several batch shapes compiles; 1 each is right")
+    parser.add_argument("--gluon", action="store_true",
+                        help="print (JSON) the Gluon q8 decode kernel's registers, spills and loop opcodes, per head_dim and dtype")
     args = parser.parse_args()
     driver.set_active(_Sm90Target())
+    if args.gluon:
+        for head_dim in (64, 128):
+            for dtype in (torch.bfloat16, torch.float16):
+                for num_splits in (1, 4):
+                    print(json.dumps(gluon_report(head_dim, dtype, num_splits)), flush=True)
+        return
     formats = args.formats.split(";") if ";" in args.formats else args.formats.split(",")
     if args.count_variants:
         for spec in formats:

@@ -1,23 +1,26 @@
-"""Decode attention over q8 pages in Gluon: every page byte loaded straight into the registers where the matrix
-units read it, no shared memory, no barrier.
+"""Decode attention over q8 pages in Gluon: every page byte streamed through a ring in shared memory by cp.async
+and read back by the lane that asked for it, straight into its matrix-unit operand registers.
 
 The transposed kernel (`decode_transposed.py`) is written in Triton's tile language, which picks register
 layouts itself: each load lands in a plain row layout and a layout conversion through shared memory (a store,
-a barrier, a load) follows it before the matrix instruction, three to four per 16-key step, one after another.
+a barrier, a load) follows it before the matrix instruction, three to four per step, one after another.
 Gluon states layouts explicitly, and the order of channels and keys inside one step is free (a dot product
-does not depend on it): so each lane loads whole 16-byte runs of a key row and the kernel *names* the channels
+does not depend on it): so each lane copies whole 16-byte runs of a key row and the kernel *names* the channels
 of those bytes so that they are exactly the lane's operand elements of `mma.sync` m16n8k16 (a reshape and
 permute of the loaded tensor: register renaming, checked by `convert_layout(..., assert_trivial=True)`). The
 query is loaded once in the same channel order, and the output stored back through the inverse order.
 
 S^T = K Q^T puts keys on the M dimension and the group's query heads on N (8 columns); its accumulator
 fragment holds P^T with keys on the lane's row bits, while O^T = V^T P^T needs them on its column bits: one
-`movmatrix.trans` per 8 x 8 block transposes it across the warp in registers (two per step).
+`movmatrix.trans` per 8 x 8 block transposes it across the warp in registers (two per step). The copies of
+step i + 1 are in flight while step i computes (`STAGES`), holding no register.
 
 One warp per program, programs over (query token, KV head, split) like the other decode kernels; partial
-states in `split_k.partial_states`' layout. Used for q8 pages without soft-capping, sliding window or dense
-recent window (`supports`); everything else stays on `decode.py`. Gluon has no interpreter: it is checked on
-the CPU by compiling it for sm_90 (no shared memory in its loop) and on the GPU against the reference path.
+states in `split_k.partial_states`' layout. Used for decode batches over q8 pages without soft-capping,
+sliding or dense recent window (`supports`); everything else stays on `decode.py`. Measured on an H200 against
+that kernel (`bench/gluon_probe.py`, 2026-12-02): 1.06-1.11x faster at every shape. Gluon has no interpreter:
+on the CPU it is compiled for sm_90 (`bench/kernel_report.py --gluon`), on the GPU checked against the
+reference path.
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .conversions import INT8_ASM
 
 LOG2E = gl.constexpr(1.4426950408889634)
+# steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
+# stages 1.0-1.1x faster than 3 or 4 (less shared memory, more programs resident); the next step's codes held in
+# registers instead (168 registers, 12 programs per multiprocessor) 1.2-1.3x slower than the ring
+STAGES = 2
+# resident programs per multiprocessor the split count aims at (`tuning.warp_split_splits`): 8 made the best
+# split count at every shape timed (batch 1 at 32,768 tokens: 128; 32 at 4,096: 4; 64 at 8,192: 2; 128 at 2,048: 1)
+PROGRAMS_PER_SM = 8
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
@@ -99,115 +109,6 @@ def sequence_of(token, query_start_loc_ptr, num_seqs):
 
 
 @gluon.jit
-def step_rows(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc, sr, k_strides, v_strides,
-              ks_strides, vs_strides, BLOCK_SIZE: gl.constexpr):
-    """The 16 keys from `start` as loaded: key codes, value codes (each lane its operand bytes), key and value
-    scales (the score rows). Codes are read unmasked, from the step's block (past the sequence's end a slot holds
-    finite codes whose scores are masked; a step past the split's end reads block 0); scales are masked (a
-    slot never written may hold NaN)."""
-    in_range = start < kv_hi
-    block = gl.load(bt_row + start // BLOCK_SIZE, mask=in_range, other=0).to(gl.int64)
-    slot = start % BLOCK_SIZE
-    k = gl.load(k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1] + kc[None, :])
-    v = gl.load(v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1] + vc[None, :])
-    s_ok = start + sr < kv_hi
-    ks = gl.load(ks_ptr + block * ks_strides[0] + (slot + sr) * ks_strides[1], mask=s_ok, other=0.0)
-    vs = gl.load(vs_ptr + block * vs_strides[0] + (slot + sr) * vs_strides[1], mask=s_ok, other=0.0)
-    return k, v, ks, vs
-
-
-@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
-def decode_q8_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides, ks_strides, vs_strides,
-    num_seqs, num_splits, qk_scale,
-    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, PIPELINE: gl.constexpr = True,
-):
-    token = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    split = gl.program_id(2)
-    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_pos = gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
-
-    # the query heads of the group, transposed, channels in the key operand's order: Q^T [HEAD_DIM, 8]
-    qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, PLAIN))
-    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
-    q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
-    qt = gl.load(q_at + key_channel(qc, HEAD_DIM)[:, None], mask=(qh < GROUP)[None, :], other=0.0)
-    qt = gl.convert_layout(qt.to(gl.float16), B_OP)
-
-    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
-    kv_lo = split * chunk
-    kv_hi = gl.minimum(kv_lo + chunk, q_pos + 1)
-    head_off = kv_head.to(gl.int64)
-    k_ptr += head_off * k_strides[2]
-    v_ptr += head_off * v_strides[2]
-    ks_ptr += head_off * ks_strides[2]
-    vs_ptr += head_off * vs_strides[2]
-    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-
-    kr = gl.arange(0, 16, layout=gl.SliceLayout(1, K_LOAD))
-    kc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, K_LOAD))
-    vr = gl.arange(0, 16, layout=gl.SliceLayout(1, V_LOAD))
-    vc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, V_LOAD))
-    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    NJ: gl.constexpr = HEAD_DIM // 16
-    acc = gl.full([HEAD_DIM, 8], 0.0, gl.float32, MMA)
-    m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
-    l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
-    scale = qk_scale * LOG2E
-    # the first step's rows; each step asks for the next one's before it computes, and converts them after
-    k8, v8, ks, vs = step_rows(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kv_lo, kv_hi, kr, kc, vr, vc, sr,
-                               k_strides, v_strides, ks_strides, vs_strides, BLOCK_SIZE)
-    kf = int8_to_f16(k8)
-    vf = int8_to_f16(v8)
-    for start in range(kv_lo, kv_hi, 16):   # a step lies in one block (BLOCK_SIZE a multiple of 16)
-        s_ok = start + sr < kv_hi
-        if PIPELINE:
-            k8, v8, ks_n, vs_n = step_rows(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start + 16, kv_hi, kr, kc, vr, vc,
-                                           sr, k_strides, v_strides, ks_strides, vs_strides, BLOCK_SIZE)
-        ka = gl.reshape(gl.permute(gl.reshape(kf, [16, 4, NJ, 2, 2]), (0, 2, 3, 1, 4)), [16, HEAD_DIM])
-        s = mma_v2(gl.convert_layout(ka, A_OP, assert_trivial=True), qt, gl.full([16, 8], 0.0, gl.float32, MMA))
-        s = gl.where(s_ok[:, None], s * (ks * scale)[:, None], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[None, :])
-        alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
-        pt = transpose_p((p * vs[:, None]).to(gl.float16))
-        va = gl.reshape(gl.permute(gl.reshape(vf, [16, 8, NJ, 2]), (0, 2, 3, 1)), [16, HEAD_DIM])
-        vt = gl.convert_layout(gl.permute(va, (1, 0)), A_OP, assert_trivial=True)
-        acc = mma_v2(vt, pt, acc * alpha[None, :])
-        if not PIPELINE:
-            k8, v8, ks_n, vs_n = step_rows(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start + 16, kv_hi, kr, kc, vr, vc,
-                                           sr, k_strides, v_strides, ks_strides, vs_strides, BLOCK_SIZE)
-        kf = int8_to_f16(k8)
-        vf = int8_to_f16(v8)
-        ks = ks_n
-        vs = vs_n
-
-    oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, MMA))
-    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    h_ok = oh < GROUP
-    head = kv_head * GROUP + oh
-    chans = value_channel(oc, HEAD_DIM)[:, None]
-    if SPLIT:
-        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
-        gl.store(part_m_ptr + state, m_i, mask=h_ok)
-        gl.store(part_l_ptr + state, l_i, mask=h_ok)
-        gl.store(part_out_ptr + state[None, :] * HEAD_DIM + chans, acc, mask=h_ok[None, :])
-    else:
-        inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
-        o_at = out_ptr + token.to(gl.int64) * stride_ot + head[None, :] * stride_oh + chans
-        gl.store(o_at, (acc * inv[None, :]).to(out_ptr.dtype.element_ty), mask=h_ok[None, :])
-
-
-@gluon.jit
 def copy_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc, sr, k_strides, v_strides,
               ks_strides, vs_strides, k_sm, v_sm, ks_sm, vs_sm, BLOCK_SIZE: gl.constexpr):
     """Ask for the 16 keys from `start` into one stage of the shared ring (cp.async: no register holds them in
@@ -226,13 +127,13 @@ def copy_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
-def decode_q8_async_kernel(
+def decode_q8_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides, ks_strides, vs_strides,
     num_seqs, num_splits, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr,
+    SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr = 2,
 ):
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -333,8 +234,7 @@ def supports(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
-                    num_splits: int = 1, pipeline: bool = True, max_registers: int | None = None,
-                    stages: int = 0) -> torch.Tensor:
+                    num_splits: int = 1, stages: int = STAGES) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports` accepts."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
@@ -348,10 +248,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         return out
     split = num_splits > 1
     parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
-    kernel, extra = decode_q8_kernel, {"PIPELINE": pipeline}
-    if stages:
-        kernel, extra = decode_q8_async_kernel, {"STAGES": stages}
-    kernel[(num_tokens, view.num_kv_heads, num_splits)](
+    decode_q8_kernel[(num_tokens, view.num_kv_heads, num_splits)](
         out, *parts, query, view.k, view.v, view.k_scale, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
@@ -359,7 +256,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         meta.block_table.shape[0], num_splits, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=split, K_LOAD=key_load_layout(head_dim), V_LOAD=value_load_layout(head_dim),
-        **extra, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        STAGES=stages, num_warps=1)
     if split:
         reduce_splits(out, parts, view, dot_precision(query.dtype))
     return out
