@@ -102,7 +102,7 @@ def dynamic_cache_decode(model, batch: int, context: int, steps: int, warm: int 
 
 def kernel_group(name: str) -> str:
     lowered = name.lower()
-    if "attention" in lowered or "reduce_splits" in lowered or "decode_kernel" in lowered:
+    if "attention" in lowered or "reduce_splits" in lowered or "decode_kernel" in lowered or lowered.startswith("decode_"):
         return "paged attention"
     if "write" in lowered or "encode" in lowered:
         return "cache write"
