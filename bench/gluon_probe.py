@@ -1,4 +1,8 @@
-"""Side by side on a GPU: the Gluon q8 decode kernel against the default decode over the same q8 pages."""
+"""Side by side on a GPU: a Gluon decode kernel (`ops/triton/decode_gluon.py`) against the default decode over the
+same pages, at each of a few split counts and VARIANTS (JSON: name -> keyword arguments of its launcher).
+
+    FORMAT=turboquant VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
+"""
 import json
 import os
 import sys
@@ -14,22 +18,28 @@ from pagedkv.ops import triton as triton_ops  # noqa: E402
 from pagedkv.ops.triton import decode_gluon  # noqa: E402
 
 SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
-VARIANTS = json.loads(os.environ.get("VARIANTS", '{"pipe": {}}'))
+VARIANTS = json.loads(os.environ.get("VARIANTS", '{"ring2": {}}'))
+FORMAT = os.environ.get("FORMAT", "q8")
+LAUNCH = decode_gluon.paged_attention if FORMAT == "q8" else decode_gluon.paged_attention_tq
 SPLITS = {1: [64, 128, 256], 32: [4, 8, 16], 64: [2, 4, 8], 128: [1, 2, 4]}
-out_rows = []
-gen = torch.Generator().manual_seed(0)
-kb.warm_up()
-for num_seqs, seq_len in SHAPES:
+
+
+def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
     n = num_seqs * seq_len
     keys = torch.randn(n, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
     values = torch.randn(n, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
     copies = kb.copies_for(n * kb.NUM_KV_HEADS * kb.HEAD_DIM * 4)
-    queries = [torch.randn(num_seqs, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    queries = [torch.randn(num_seqs, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
+               for _ in range(copies)]
     sdpa_ms, _, _, _ = kb.sdpa_decode(keys, values, num_seqs, seq_len, queries, copies)
-    layers = [kb.paged_layer("q8", keys, values, num_seqs, seq_len, gen) for _ in range(kb.copies_for(n * kb.NUM_KV_HEADS * 264))]
+    layers = [kb.paged_layer(FORMAT, keys, values, num_seqs, seq_len, gen)
+              for _ in range(kb.copies_for(n * kb.NUM_KV_HEADS * 264))]
     metas = [kb.decode_meta(t, seq_len) for _, _, t in layers]
-    calls = lambda fn: [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)  # noqa: E731
-                        for i, ((f, p, _), m) in enumerate(zip(layers, metas))]
+
+    def calls(fn):
+        return [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)
+                for i, ((f, p, _), m) in enumerate(zip(layers, metas))]
+
     k = min(num_seqs, 2)
     sub = kb.decode_meta(layers[0][2][:k], seq_len)
     ref = reference.paged_attention(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE)
@@ -37,19 +47,28 @@ for num_seqs, seq_len in SHAPES:
     row["default_us"] = kb.time_per_call(calls(lambda q, p, f, m: triton_ops.paged_attention(q, p, f, m, scale=kb.SCALE))) * 1e3
     for name, opts in VARIANTS.items():
         for sp in SPLITS[num_seqs]:
-            o = decode_gluon.paged_attention(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE,
-                                             num_splits=sp, **opts)
+            o = LAUNCH(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE, num_splits=sp, **opts)
             row[f"gluon_{name}_split{sp}_err"] = kb.rel_err(o, ref)
             row[f"gluon_{name}_split{sp}_us"] = kb.time_per_call(calls(
-                lambda q, p, f, m, sp=sp, opts=opts: decode_gluon.paged_attention(
-                    q, p, f, m, scale=kb.SCALE, num_splits=sp, **opts))) * 1e3
+                lambda q, p, f, m, sp=sp, opts=opts: LAUNCH(q, p, f, m, scale=kb.SCALE, num_splits=sp, **opts))) * 1e3
     best = min((v, kk) for kk, v in row.items() if kk.startswith("gluon") and kk.endswith("_us"))
-    print(f"q8 ({num_seqs}, {seq_len}): sdpa {row['sdpa_us']:.1f} us, default {row['default_us']:.1f} us "
+    print(f"{FORMAT} ({num_seqs}, {seq_len}): sdpa {row['sdpa_us']:.1f} us, default {row['default_us']:.1f} us "
           f"({row['default_us'] / row['sdpa_us']:.3f}), gluon best {best[1]} {best[0]:.1f} us ({best[0] / row['sdpa_us']:.3f}); "
           + ", ".join(f"{kk} {v:.3g}" for kk, v in row.items() if kk.startswith("gluon") and kk.endswith("us")), flush=True)
-    print("  errors " + ", ".join(f"{v:.2g}" for kk, v in row.items() if kk.endswith("err")))
-    out_rows.append(row)
-    del layers, metas, keys, values, queries
-    torch.cuda.empty_cache()
-out = Path(os.environ.get("OUT", "bench/results")) / "gluon_probe.json"
-out.write_text(json.dumps(out_rows, indent=1))
+    print("  errors " + ", ".join(f"{v:.2g}" for kk, v in row.items() if kk.endswith("err")), flush=True)
+    return row
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    kb.warm_up()
+    rows = []
+    for num_seqs, seq_len in SHAPES:
+        rows.append(probe(num_seqs, seq_len, gen))
+        torch.cuda.empty_cache()
+    out = Path(os.environ.get("OUT", "bench/results")) / f"gluon_probe_{FORMAT.split(':')[0]}.json"
+    out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

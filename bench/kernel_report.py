@@ -165,14 +165,14 @@ def loop_ops(loop: list[str]) -> Counter:
     return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
 
 
-def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int) -> dict:
-    """The Gluon q8 decode kernel (`ops/triton/decode_gluon.py`) compiled for sm_90: registers, spills, shared
-    memory and its loop's opcodes."""
+def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str = "q8") -> dict:
+    """A Gluon decode kernel (`ops/triton/decode_gluon.py`: q8, or TurboQuant) compiled for sm_90: registers,
+    spills, shared memory and its loop's opcodes."""
     from pagedkv.ops.metadata import AttentionMetadata
     from pagedkv.ops.triton import decode_gluon
 
     batch, context = 64, 8192
-    fmt = make_format(KVFormat.parse("q8"), NUM_KV_HEADS, head_dim, dtype, "cpu")
+    fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, head_dim, dtype, "cpu")
     table = torch.zeros(batch, context // BLOCK_SIZE, dtype=torch.int32)
     lens, qsl = [context] * batch, list(range(batch + 1))
     meta = AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
@@ -183,13 +183,14 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int) -> dict:
     run = JITFunction.run
     JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
     try:
-        decode_gluon.paged_attention(torch.empty(batch, NUM_Q_HEADS, head_dim, dtype=dtype),
-                                     fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=num_splits)
+        launch = decode_gluon.paged_attention if spec == "q8" else decode_gluon.paged_attention_tq
+        launch(torch.empty(batch, NUM_Q_HEADS, head_dim, dtype=dtype), fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta,
+               scale=0.1, num_splits=num_splits)
     finally:
         JITFunction.run = run
     info, sass = assemble(compiled[0])
     ops = loop_ops(sass_loops(sass)[0])
-    return {"head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits,
+    return {"format": spec, "head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits,
             "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
             "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
             "shared_bytes": compiled[0].metadata.shared, "loop_ops": dict(ops)}
@@ -311,7 +312,8 @@ def main() -> None:
     parser.add_argument("--count-variants", action="store_true",
                         help="print (JSON) how many kernels a run over several batch shapes compiles; 1 each is right")
     parser.add_argument("--gluon", action="store_true",
-                        help="print (JSON) the Gluon q8 decode kernel's registers, spills and loop opcodes, per head_dim and dtype")
+                        help="print (JSON) the Gluon decode kernels' registers, spills and loop opcodes (q8 per head_dim, "
+                             "dtype and split; TurboQuant per dtype)")
     args = parser.parse_args()
     driver.set_active(_Sm90Target())
     if args.gluon:
@@ -319,6 +321,8 @@ def main() -> None:
             for dtype in (torch.bfloat16, torch.float16):
                 for num_splits in (1, 4):
                     print(json.dumps(gluon_report(head_dim, dtype, num_splits)), flush=True)
+        for dtype in (torch.bfloat16, torch.float16):
+            print(json.dumps(gluon_report(128, dtype, 4, "turboquant")), flush=True)
         return
     formats = args.formats.split(";") if ";" in args.formats else args.formats.split(",")
     if args.count_variants:

@@ -72,17 +72,19 @@ def test_the_warp_split_decode_kernel_compiles_in_both_orientations_for_every_fo
         (f, t) for f in ("q8", "q6", "q4", "turboquant") for t in (False, True)}
 
 
-def test_the_gluon_q8_decode_kernel_reads_pages_into_registers_without_layout_conversions():
-    """`decode_gluon.py` for sm_90, head_dim 64 and 128, both 16-bit query dtypes, split and not: its loop copies
-    the page rows with cp.async (LDGSTS), reads them back once (LDS), transposes P^T with two MOVM, and stores
-    nothing to shared memory itself (no layout conversion through it); no spills."""
+def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conversions():
+    """`decode_gluon.py` for sm_90 (q8: head_dim 64 and 128, split and not; TurboQuant), both 16-bit query
+    dtypes: its loop copies the page rows with cp.async (LDGSTS), reads them back (LDS), transposes P^T with
+    MOVM, and stores nothing to shared memory itself (no layout conversion through it); no spills."""
     r = kernel_report("--gluon")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
-    assert len(rows) == 8, r.stdout
+    assert [row["format"] for row in rows] == ["q8"] * 8 + ["turboquant"] * 2, r.stdout
     for row in rows:
         ops = row["loop_ops"]
         mma_per_step = 2 * row["head_dim"] // 16   # S^T: head_dim / 16 k-steps; O^T: head_dim / 16 M-tiles
-        assert row["spill_bytes"] == 0 and row["registers"] <= 128, row
-        assert ops.get("HMMA") == mma_per_step and ops.get("MOVM") == 2, row
+        assert row["spill_bytes"] == 0, row
+        assert row["registers"] <= (128 if row["format"] == "q8" else 168), row
+        # P^T transposed once (q8), or once per value scale group (TurboQuant: four)
+        assert ops.get("HMMA") == mma_per_step and ops.get("MOVM") == (2 if row["format"] == "q8" else 8), row
         assert ops.get("LDGSTS", 0) >= 8 and "LDS" in ops and "STS" not in ops, row

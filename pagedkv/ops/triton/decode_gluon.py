@@ -30,7 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .conversions import INT8_ASM
+from .conversions import INT8_ASM, SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -224,11 +224,263 @@ def decode_q8_kernel(
         gl.store(o_at, (acc * inv[None, :]).to(out_ptr.dtype.element_ty), mask=h_ok[None, :])
 
 
+# TurboQuant (K q8_0, V q3_0, head_dim 128). Key codes as stored: lane (g, q) copies and reads keys g and g + 8,
+# bytes 8q .. 8q + 7 of each 32-channel group (a group is two k-steps of its own product: its scale and zero
+# point go on score rows). Values: lane (g, q) reads keys 2q, 2q + 1, 2q + 8, 2q + 9, units 2g and 2g + 1 (a
+# unit: the 2-bit magnitudes of channels u, u + 16, .., u + 112 and their sign bits), so field j of its two
+# units is channels 16j + 2g and 16j + 2g + 1: rows g and g + 8 of the V^T tile j, which lies in one scale group.
+TQ_KEYS = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
+TQ_UNITS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[1, 0], [0, 1], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], warp_bases=[],
+    block_bases=[], shape=[16, 16]))
+ROWS16 = gl.constexpr(gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0]))
+
+
+@gluon.jit
+def tq_key_group(k_ring, stage, G: gl.constexpr):
+    """Key group G of a step from the ring: [16 keys, 32 channels] float16 as the A operand, channels named so
+    that lane q's 8 bytes 8q + 4j + 2a + b are its operand columns 16j + 8a + 2q + b."""
+    codes = k_ring.index(stage).slice(32 * G, 32, dim=1).load(TQ_KEYS)
+    k = gl.reshape(gl.permute(gl.reshape(int8_to_f16(codes), [16, 4, 2, 2, 2]), (0, 2, 3, 1, 4)), [16, 32])
+    return gl.convert_layout(k, A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def tq_query_group(q_at, h_ok, G: gl.constexpr):
+    """Channels of key group G of the query heads, in tq_key_group's column order: (Q^T [32, 8] as the B
+    operand, the group's channel sums [8] for the keys' zero points)."""
+    c = gl.arange(0, 32, layout=gl.SliceLayout(1, PLAIN))
+    stored = 32 * G + 8 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1) + (c & 1)
+    q = gl.load(q_at + stored[:, None], mask=h_ok[None, :], other=0.0).to(gl.float16)
+    qsum = gl.convert_layout(gl.sum(q.to(gl.float32), axis=0), gl.SliceLayout(0, MMA))
+    return gl.convert_layout(q, B_OP), qsum
+
+
+@gluon.jit
+def column(words, G: gl.constexpr):
+    """Group G's float16 of each key's four (one 8-byte word per key, [16] along the score rows), float32."""
+    h = ((words >> (16 * G)) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+    return h.to(gl.float32)
+
+
+@gluon.jit
+def tq_value_tiles(m_ring, n_ring, stage):
+    """The step's 3-bit values from the ring as the eight V^T tiles [16 channels, 16 keys] float16 (tile j: field
+    j of every unit, channels 16j + u), rows named g + 8a for unit 2g + a."""
+    mag = m_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFFFF
+    neg = n_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFF
+    both = mag | (neg << 16)   # a unit's magnitudes and sign byte; asm pairs: keys 2q, 2q + 1 (same unit)
+    lo = gl.inline_asm_elementwise(SIGN_MAGNITUDE_ASM_LO, "=r,=r,=r,=r,r,r", [both], dtype=(gl.float16,) * 4,
+                                   is_pure=True, pack=2)
+    hi = gl.inline_asm_elementwise(SIGN_MAGNITUDE_ASM_HI, "=r,=r,=r,=r,r,r", [both], dtype=(gl.float16,) * 4,
+                                   is_pure=True, pack=2)
+    return (value_tile(lo[0]), value_tile(lo[1]), value_tile(lo[2]), value_tile(lo[3]),
+            value_tile(hi[0]), value_tile(hi[1]), value_tile(hi[2]), value_tile(hi[3]))
+
+
+@gluon.jit
+def value_tile(f):
+    """[16 keys, 16 units] -> V^T [16 rows, 16 keys] as the A operand, row g + 8a for unit 2g + a."""
+    t = gl.reshape(gl.permute(gl.reshape(gl.permute(f, (1, 0)), [8, 2, 16]), (1, 0, 2)), [16, 16])
+    return gl.convert_layout(t, A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, ks_strides, v_strides,
+                 vs_strides, k_sm, ks_sm, kz_sm, m_sm, n_sm, vs_sm, BLOCK_SIZE: gl.constexpr):
+    """Ask for the 16 TurboQuant keys from `start` into one stage of the ring (cp.async): key codes (each lane its
+    own 8-byte runs), the four group scales and zero points of keys and values (masked: zero), the value units'
+    magnitudes and sign bytes (rows of 32 and 16 bytes)."""
+    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
+    slot = start % BLOCK_SIZE
+    kr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_KEYS))
+    kc = gl.arange(0, 128, layout=gl.SliceLayout(0, TQ_KEYS))
+    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
+                                           + kc[None, :])
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))   # a key's four fp16 scales as one 8-byte word
+    s_ok = start + sr < kv_hi
+    s_row = block * ks_strides[0] + (slot + sr) * ks_strides[1]
+    async_copy.async_copy_global_to_shared(ks_sm, (ks_ptr + s_row).to(gl.pointer_type(gl.int64)), s_ok)
+    async_copy.async_copy_global_to_shared(kz_sm, (kz_ptr + s_row).to(gl.pointer_type(gl.int64)), s_ok)
+    vs_at = vs_ptr + block * vs_strides[0] + (slot + sr) * vs_strides[1]
+    async_copy.async_copy_global_to_shared(vs_sm, vs_at.to(gl.pointer_type(gl.int64)), s_ok)
+    vr = gl.arange(0, 16, layout=gl.SliceLayout(1, ROWS16))
+    vc = gl.arange(0, 16, layout=gl.SliceLayout(0, ROWS16))
+    v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
+    async_copy.async_copy_global_to_shared(m_sm, (v_row.to(gl.pointer_type(gl.int16)) + vc[None, :]))
+    async_copy.async_copy_global_to_shared(n_sm, v_row + 32 + vc[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+def decode_tq_kernel(
+    part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
+    num_seqs, num_splits, qk_scale,
+    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr = 2,
+):
+    """TurboQuant pages (K q8_0, V q3_0, head_dim 128): partial states only, in the rotated domain (the reduce
+    kernel merges the splits, even one, and rotates back)."""
+    token = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_pos = gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+
+    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
+    q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
+    q0, qs0 = tq_query_group(q_at, qh < GROUP, 0)
+    q1, qs1 = tq_query_group(q_at, qh < GROUP, 1)
+    q2, qs2 = tq_query_group(q_at, qh < GROUP, 2)
+    q3, qs3 = tq_query_group(q_at, qh < GROUP, 3)
+
+    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
+    kv_lo = split * chunk
+    kv_hi = gl.minimum(kv_lo + chunk, q_pos + 1)
+    head_off = kv_head.to(gl.int64)
+    k_ptr += head_off * k_strides[2]
+    ks_ptr += head_off * ks_strides[2]
+    kz_ptr += head_off * ks_strides[2]
+    v_ptr += head_off * v_strides[2]
+    vs_ptr += head_off * vs_strides[2]
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
+    RING: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, 128], RING)
+    ks_ring = gl.allocate_shared_memory(gl.int64, [STAGES, 16], WORDS)
+    kz_ring = gl.allocate_shared_memory(gl.int64, [STAGES, 16], WORDS)
+    vs_ring = gl.allocate_shared_memory(gl.int64, [STAGES, 16], WORDS)
+    m_ring = gl.allocate_shared_memory(gl.int16, [STAGES, 16, 16], FLAT)
+    n_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 16], FLAT)
+    for st in gl.static_range(STAGES - 1):
+        copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
+                     v_strides, vs_strides, k_ring.index(st), ks_ring.index(st), kz_ring.index(st),
+                     m_ring.index(st), n_ring.index(st), vs_ring.index(st), BLOCK_SIZE)
+
+    zero = gl.full([16, 8], 0.0, gl.float32, MMA)
+    acc0 = zero
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    acc4 = zero
+    acc5 = zero
+    acc6 = zero
+    acc7 = zero
+    m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+    l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
+    scale = qk_scale * LOG2E
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    stage = 0
+    for start in range(kv_lo, kv_hi, 16):
+        ahead = (stage + STAGES - 1) % STAGES
+        copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides,
+                     ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
+                     kz_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), vs_ring.index(ahead), BLOCK_SIZE)
+        async_copy.wait_group(STAGES - 1)
+        ks = ks_ring.index(stage).load(gl.SliceLayout(1, MMA))
+        kz = kz_ring.index(stage).load(gl.SliceLayout(1, MMA))
+        vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
+        s = group_scores(mma_v2(tq_key_group(k_ring, stage, 0), q0, zero), column(ks, 0), column(kz, 0), qs0)
+        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 1), q1, zero), column(ks, 1), column(kz, 1), qs1)
+        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 2), q2, zero), column(ks, 2), column(kz, 2), qs2)
+        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 3), q3, zero), column(ks, 3), column(kz, 3), qs3)
+        s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)[None, :]
+        l_i = l_i * gl.exp2(m_i - m_safe) + gl.sum(p, axis=0)
+        m_i = m_new
+        p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
+        p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
+        p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
+        p3 = transpose_p((p * column(vs, 3)[:, None]).to(gl.float16))
+        v0, v1, v2, v3, v4, v5, v6, v7 = tq_value_tiles(m_ring, n_ring, stage)
+        acc0 = mma_v2(v0, p0, acc0 * alpha)
+        acc1 = mma_v2(v1, p0, acc1 * alpha)
+        acc2 = mma_v2(v2, p1, acc2 * alpha)
+        acc3 = mma_v2(v3, p1, acc3 * alpha)
+        acc4 = mma_v2(v4, p2, acc4 * alpha)
+        acc5 = mma_v2(v5, p2, acc5 * alpha)
+        acc6 = mma_v2(v6, p3, acc6 * alpha)
+        acc7 = mma_v2(v7, p3, acc7 * alpha)
+        stage = (stage + 1) % STAGES
+    async_copy.wait_group(0)
+
+    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    h_ok = oh < GROUP
+    state = (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP + oh) * num_splits + split
+    gl.store(part_m_ptr + state, m_i, mask=h_ok)
+    gl.store(part_l_ptr + state, l_i, mask=h_ok)
+    o_at = part_out_ptr + state[None, :] * 128
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    chans = (2 * (r & 7) + (r >> 3))[:, None]   # row g + 8a of tile j: channel 16j + 2g + a
+    gl.store(o_at + chans, acc0, mask=h_ok[None, :])
+    gl.store(o_at + 16 + chans, acc1, mask=h_ok[None, :])
+    gl.store(o_at + 32 + chans, acc2, mask=h_ok[None, :])
+    gl.store(o_at + 48 + chans, acc3, mask=h_ok[None, :])
+    gl.store(o_at + 64 + chans, acc4, mask=h_ok[None, :])
+    gl.store(o_at + 80 + chans, acc5, mask=h_ok[None, :])
+    gl.store(o_at + 96 + chans, acc6, mask=h_ok[None, :])
+    gl.store(o_at + 112 + chans, acc7, mask=h_ok[None, :])
+
+
+@gluon.jit
+def group_scores(d, sc, z, qsum):
+    """A key group's scores^T from d = codes . q: scale * (d + zero * sum(q)) (scale and zero per score row)."""
+    return d * sc[:, None] + (z * sc)[:, None] * qsum[None, :]
+
+
+def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
+                       num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None) -> torch.Tensor:
+    """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts (150
+    registers on sm_90 uncapped, so 13 programs per multiprocessor; `max_registers` caps them)."""
+    from .attention import check_inputs, dot_precision
+    from .page_view import page_view, stride3
+    from .split_k import partial_states, reduce_splits
+
+    view = page_view(fmt, pages)
+    check_inputs(query, view, meta)
+    num_tokens, num_q_heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    q = query
+    if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R)
+        q = (query.float() @ view.q_rotation).to(torch.float16)
+    parts = partial_states(query, num_splits, head_dim)
+    decode_tq_kernel[(num_tokens, view.num_kv_heads, num_splits)](
+        *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
+        meta.block_table, meta.seq_lens, meta.query_start_loc,
+        q.stride(0), q.stride(1), meta.block_table.stride(0),
+        stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
+        meta.block_table.shape[0], num_splits, float(scale),
+        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
+        STAGES=stages, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+    reduce_splits(out, parts, view, dot_precision(query.dtype))
+    return out
+
+
 def supports(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
     """Whether `paged_attention` here reads this decode: q8 pages, head_dim 64 or 128, groups of up to 8 query
     heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping, sliding or dense recent window."""
     spec = fmt.spec
     return (spec.kind == "kvquant" and fmt.bits == 8 and fmt.key_signs is None and fmt.head_dim in (64, 128)
+            and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
+            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window and window is None)
+
+
+def supports_tq(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
+    """Whether `paged_attention_tq` reads this decode: TurboQuant pages with q8_0 keys and q3_0 values (the
+    default), head_dim 128, groups of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no
+    soft-capping, sliding or dense recent window."""
+    spec = fmt.spec
+    return (spec.kind == "turboquant" and spec.k_quant == "q8_0" and spec.v_quant == "q3_0" and fmt.head_dim == 128
             and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
             and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window and window is None)
 
