@@ -313,7 +313,7 @@ def main() -> None:
                         help="print (JSON) how many kernels a run over several batch shapes compiles; 1 each is right")
     parser.add_argument("--gluon", action="store_true",
                         help="print (JSON) the Gluon decode kernels' registers, spills and loop opcodes (q8 per head_dim, "
-                             "dtype and split; TurboQuant per dtype)")
+                             "dtype and split; TurboQuant, q8_0/q3_0 and q4_0/q4_0, per dtype)")
     args = parser.parse_args()
     driver.set_active(_Sm90Target())
     if args.gluon:
@@ -321,8 +321,9 @@ def main() -> None:
             for dtype in (torch.bfloat16, torch.float16):
                 for num_splits in (1, 4):
                     print(json.dumps(gluon_report(head_dim, dtype, num_splits)), flush=True)
-        for dtype in (torch.bfloat16, torch.float16):
-            print(json.dumps(gluon_report(128, dtype, 4, "turboquant")), flush=True)
+        for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0"):
+            for dtype in (torch.bfloat16, torch.float16):
+                print(json.dumps(gluon_report(128, dtype, 4, spec)), flush=True)
         return
     formats = args.formats.split(";") if ";" in args.formats else args.formats.split(",")
     if args.count_variants:

@@ -43,7 +43,9 @@ TQ_SHAPES = [(8, 2, 128, 16), (4, 4, 128, 16), (8, 1, 128, 32), (32, 8, 128, 16)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
-@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q8_0,v=q3_0,rotate_keys"])
+@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q8_0,v=q3_0,rotate_keys", "turboquant:k=q4_0,v=q4_0",
+                                  "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q8_0,v=q4_0",
+                                  "turboquant:k=q4_0,v=q3_0"])
 def test_gluon_turboquant_decode_matches_reference(spec, shape, num_splits, dtype):
     from pagedkv.ops.triton import decode_gluon
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pagedkv.formats.codebook import lloyd_max_codebook
-from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, INT8_ASM, INT8_PAIRS_ASM, NIBBLE_PAIRS_ASM,
+from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, INT8_PAIRS_ASM, NIBBLE_PAIRS_ASM,
                                             NIBBLE_QUADS_ASM, SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO,
                                             SIX_BIT_QUADS_ASM)
 
@@ -130,6 +130,21 @@ def test_codebook4_asm_equals_the_codebook_for_every_code():
         codes = [(word >> (8 * k)) & 0xFF for k in range(4)]
         want = [cb_bits[c & 15] for c in codes] + [cb_bits[c >> 4] for c in codes]
         assert _lanes(out) == want, hex(word)
+
+
+def test_codebook4_key_pairs_asm_pairs_two_keys_per_channel():
+    """Two keys' words (eight 4-bit codes each) -> per channel a (first key, second key) pair of centroids,
+    channels in the order 0, 2, 1, 3, 4, 6, 5, 7 (`decode_gluon`'s 4-bit value tiles)."""
+    cb_bits = lloyd_max_codebook(4).half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    words = _bytes(np.random.default_rng(5), 300)
+    order = [0, 2, 1, 3, 4, 6, 5, 7]
+    for first, second in zip(words, words[1:] + words[:1]):
+        out = run_ptx(CODEBOOK4_KEY_PAIRS_ASM.value, [first, second], 8)
+        for n, pair in enumerate(out):
+            channel = order[n]   # byte channel // 2, low nibble for even channels
+            for lane, word in enumerate((first, second)):
+                code = (word >> (4 * channel)) & 15
+                assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[code], (n, lane, hex(first), hex(second))
 
 
 def _f16(lanes):

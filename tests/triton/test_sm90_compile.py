@@ -79,12 +79,13 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
     r = kernel_report("--gluon")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
-    assert [row["format"] for row in rows] == ["q8"] * 8 + ["turboquant"] * 2, r.stdout
+    tq44 = "turboquant:k=q4_0,v=q4_0"
+    assert [row["format"] for row in rows] == ["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2, r.stdout
     for row in rows:
         ops = row["loop_ops"]
         mma_per_step = 2 * row["head_dim"] // 16   # S^T: head_dim / 16 k-steps; O^T: head_dim / 16 M-tiles
         assert row["spill_bytes"] == 0, row
         assert row["registers"] <= (128 if row["format"] == "q8" else 168), row
-        # P^T transposed once (q8), or once per value scale group (TurboQuant: four)
-        assert ops.get("HMMA") == mma_per_step and ops.get("MOVM") == (2 if row["format"] == "q8" else 8), row
+        # P^T transposed once, or once per value scale group (3-bit TurboQuant values: four)
+        assert ops.get("HMMA") == mma_per_step and ops.get("MOVM") == (8 if row["format"] == "turboquant" else 2), row
         assert ops.get("LDGSTS", 0) >= 8 and "LDS" in ops and "STS" not in ops, row

@@ -71,6 +71,20 @@ def _positive_half_f16_byte_words(bits: int = 4) -> tuple[int, int, int, int]:
     return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
 
 
+def _codebook4_lines(src: str, outs: tuple[str, str, str, str]) -> list[str]:
+    """The look-ups of `_codebook4_asm` for the four bytes in register `src`, into `outs`."""
+    lines = []
+    for out, shift in zip(outs, (0, 16, 4, 20)):
+        lines.append(
+            (f"shr.b32 t, {src}, {shift}; and.b32 t, t, 0x0F0F; " if shift else f"and.b32 t, {src}, 0x0F0F; ")
+            + "shl.b32 t4, t, 4; prmt.b32 r, t4, 0, 0x0098; "           # 0xFF in the bytes of positive codes
+            + "lop3.b32 m, t, r, 0x0707, 0x82; mul.lo.u32 k, m, 0x11; "  # m = (t ^ ~r) & 7; nibbles m0 m0 m1 m1
+            + "prmt.b32 a, l0, l1, k; prmt.b32 b, h0, h1, k; "           # low bytes, high bytes of entry m
+            + "lop3.b32 a, b, 0xFF00FF00, a, 0xE2; "                     # (b & 0xFF00FF00) | (a & 0x00FF00FF)
+            + f"prmt.b32 r, t4, 0, 0x9988; lop3.b32 {out}, r, 0x80008000, a, 0xA6;")   # negative: sign bit
+    return lines
+
+
 def _codebook4_asm() -> str:
     """TurboQuant 4-bit values, codes sorted like the centroids (the codebook is symmetric: code c >= 8 is
     +centroid[c], c < 8 is -centroid[15 - c]), two per byte as in NIBBLE_PAIRS_ASM, four bytes ($4) per call:
@@ -79,22 +93,28 @@ def _codebook4_asm() -> str:
     permute with sign replication, the magnitude index m (c & 7, or 7 - c for negative codes) with one LOP3,
     the low and the high bytes of entry m of the positive half looked up in two byte tables (one selector
     m * 0x11 serves both), the bytes merged and the sign set by two LOP3."""
-    lines = ["{ .reg .b32 l0, l1, h0, h1, t, t4, r, m, k, a, b;",
-             "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;"
-             % _positive_half_f16_byte_words(4)]
-    for out, shift in ((0, 0), (1, 16), (2, 4), (3, 20)):
-        lines.append(
-            (f"shr.b32 t, $4, {shift}; and.b32 t, t, 0x0F0F; " if shift else "and.b32 t, $4, 0x0F0F; ")
-            + "shl.b32 t4, t, 4; prmt.b32 r, t4, 0, 0x0098; "           # 0xFF in the bytes of positive codes
-            + "lop3.b32 m, t, r, 0x0707, 0x82; mul.lo.u32 k, m, 0x11; "  # m = (t ^ ~r) & 7; nibbles m0 m0 m1 m1
-            + "prmt.b32 a, l0, l1, k; prmt.b32 b, h0, h1, k; "           # low bytes, high bytes of entry m
-            + "lop3.b32 a, b, 0xFF00FF00, a, 0xE2; "                     # (b & 0xFF00FF00) | (a & 0x00FF00FF)
-            + f"prmt.b32 r, t4, 0, 0x9988; lop3.b32 ${out}, r, 0x80008000, a, 0xA6;")   # negative: sign bit
-    lines.append("}")
-    return "\n".join(lines)
+    return "\n".join(["{ .reg .b32 l0, l1, h0, h1, t, t4, r, m, k, a, b;",
+                      "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;"
+                      % _positive_half_f16_byte_words(4), *_codebook4_lines("$4", ("$0", "$1", "$2", "$3")), "}"])
 
 
 CODEBOOK4_ASM = tl.constexpr(_codebook4_asm())
+
+
+def _codebook4_key_pairs_asm() -> str:
+    """The same look-ups for two keys' 4-byte words at once ($8, $9: the same eight channels of two keys), each
+    output a pair (first key, second key) of one channel, as the matrix units read V^T: the two keys' bytes
+    interleaved first (byte b of both side by side), then `_codebook4_lines` on each interleaved word. $0..$7:
+    channels 0, 2, 1, 3, 4, 6, 5, 7 of the word."""
+    return "\n".join(["{ .reg .b32 l0, l1, h0, h1, t, t4, r, m, k, a, b, i0, i1;",
+                      "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;"
+                      % _positive_half_f16_byte_words(4),
+                      "prmt.b32 i0, $8, $9, 0x5140; prmt.b32 i1, $8, $9, 0x7362;",
+                      *_codebook4_lines("i0", ("$0", "$1", "$2", "$3")),
+                      *_codebook4_lines("i1", ("$4", "$5", "$6", "$7")), "}"])
+
+
+CODEBOOK4_KEY_PAIRS_ASM = tl.constexpr(_codebook4_key_pairs_asm())
 
 
 # int8 codes, four per call ($2): the bytes c ^ 0x80 under the exponent of 1024 read 1152 + c; minus 1152.

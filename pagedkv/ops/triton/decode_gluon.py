@@ -30,7 +30,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .conversions import INT8_ASM, SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO
+from .conversions import (CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, NIBBLE_PAIRS_ASM, SIGN_MAGNITUDE_ASM_HI,
+                          SIGN_MAGNITUDE_ASM_LO)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -224,33 +225,51 @@ def decode_q8_kernel(
         gl.store(o_at, (acc * inv[None, :]).to(out_ptr.dtype.element_ty), mask=h_ok[None, :])
 
 
-# TurboQuant (K q8_0, V q3_0, head_dim 128). Key codes as stored: lane (g, q) copies and reads keys g and g + 8,
-# bytes 8q .. 8q + 7 of each 32-channel group (a group is two k-steps of its own product: its scale and zero
-# point go on score rows). Values: lane (g, q) reads keys 2q, 2q + 1, 2q + 8, 2q + 9, units 2g and 2g + 1 (a
-# unit: the 2-bit magnitudes of channels u, u + 16, .., u + 112 and their sign bits), so field j of its two
-# units is channels 16j + 2g and 16j + 2g + 1: rows g and g + 8 of the V^T tile j, which lies in one scale group.
-TQ_KEYS = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
-TQ_UNITS = gl.constexpr(gl.DistributedLinearLayout(
+# TurboQuant at head_dim 128: keys q8_0 or q4_0, values q3_0 or q4_0 (codebook), four groups of 32 channels.
+# Keys: lane (g, q) copies and reads keys g and g + 8, bytes 8q .. 8q + 7 (q8_0) or 4q .. 4q + 3 (q4_0) of each
+# group's bytes; a group is two k-steps of its own product, its scale and zero point on score rows.
+# 3-bit values: lane (g, q) reads keys 2q, 2q + 1, 2q + 8, 2q + 9, units 2g and 2g + 1 (a unit: the 2-bit
+# magnitudes of channels u, u + 16, .., u + 112 and their sign bits), so field j of its two units is channels
+# 16j + 2g and 16j + 2g + 1: rows g and g + 8 of the V^T tile j, which lies in one scale group (scaled P^T).
+# 4-bit values: the same keys, words 2g and 2g + 1 (channels 16g .. 16g + 15, one scale group: the lane scales
+# its values); output n of the look-up is channel 8w + (0, 2, 1, 3, 4, 6, 5, 7)[n] of word w: V^T tile n.
+TQ_KEYS8 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
+TQ_KEYS4 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))
+TQ_UNITS = gl.constexpr(gl.DistributedLinearLayout(   # [16 keys, 16 units or words]: keys 2q, 2q + 1 paired
     reg_bases=[[1, 0], [0, 1], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], warp_bases=[],
+    block_bases=[], shape=[16, 16]))
+TQ_WORDS = gl.constexpr(gl.DistributedLinearLayout(   # the same elements, a key's two words side by side
+    reg_bases=[[0, 1], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], warp_bases=[],
     block_bases=[], shape=[16, 16]))
 ROWS16 = gl.constexpr(gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0]))
 
 
 @gluon.jit
-def tq_key_group(k_ring, stage, G: gl.constexpr):
-    """Key group G of a step from the ring: [16 keys, 32 channels] float16 as the A operand, channels named so
-    that lane q's 8 bytes 8q + 4j + 2a + b are its operand columns 16j + 8a + 2q + b."""
-    codes = k_ring.index(stage).slice(32 * G, 32, dim=1).load(TQ_KEYS)
-    k = gl.reshape(gl.permute(gl.reshape(int8_to_f16(codes), [16, 4, 2, 2, 2]), (0, 2, 3, 1, 4)), [16, 32])
+def tq_key_group(k_ring, stage, G: gl.constexpr, K_BITS: gl.constexpr):
+    """Key group G of a step from the ring: [16 keys, 32 channels] float16 as the A operand. q8_0: lane q's
+    bytes 8q + 4j + 2a + b are its operand columns 16j + 8a + 2q + b; q4_0: its bytes 4q + 2j + b, low (a = 0)
+    and high (a = 1) nibbles, are columns 16j + 8a + 2q + b."""
+    if K_BITS == 8:
+        codes = k_ring.index(stage).slice(32 * G, 32, dim=1).load(TQ_KEYS8)
+        k = gl.reshape(gl.permute(gl.reshape(int8_to_f16(codes), [16, 4, 2, 2, 2]), (0, 2, 3, 1, 4)), [16, 32])
+    else:
+        codes = k_ring.index(stage).slice(16 * G, 16, dim=1).load(TQ_KEYS4)
+        lo, hi = gl.inline_asm_elementwise(NIBBLE_PAIRS_ASM, "=r,=r,=r,=r,r", [codes],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        k = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [16, 4, 2, 2, 2]), (0, 2, 4, 1, 3)), [16, 32])
     return gl.convert_layout(k, A_OP, assert_trivial=True)
 
 
 @gluon.jit
-def tq_query_group(q_at, h_ok, G: gl.constexpr):
+def tq_query_group(q_at, h_ok, G: gl.constexpr, K_BITS: gl.constexpr):
     """Channels of key group G of the query heads, in tq_key_group's column order: (Q^T [32, 8] as the B
     operand, the group's channel sums [8] for the keys' zero points)."""
     c = gl.arange(0, 32, layout=gl.SliceLayout(1, PLAIN))
-    stored = 32 * G + 8 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * ((c >> 3) & 1) + (c & 1)
+    q_, j, a, b = (c >> 1) & 3, c >> 4, (c >> 3) & 1, c & 1
+    if K_BITS == 8:
+        stored = 32 * G + 8 * q_ + 4 * j + 2 * a + b
+    else:
+        stored = 32 * G + 8 * q_ + 4 * j + 2 * b + a
     q = gl.load(q_at + stored[:, None], mask=h_ok[None, :], other=0.0).to(gl.float16)
     qsum = gl.convert_layout(gl.sum(q.to(gl.float32), axis=0), gl.SliceLayout(0, MMA))
     return gl.convert_layout(q, B_OP), qsum
@@ -264,7 +283,7 @@ def column(words, G: gl.constexpr):
 
 
 @gluon.jit
-def tq_value_tiles(m_ring, n_ring, stage):
+def tq3_value_tiles(m_ring, n_ring, stage):
     """The step's 3-bit values from the ring as the eight V^T tiles [16 channels, 16 keys] float16 (tile j: field
     j of every unit, channels 16j + u), rows named g + 8a for unit 2g + a."""
     mag = m_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFFFF
@@ -279,22 +298,41 @@ def tq_value_tiles(m_ring, n_ring, stage):
 
 
 @gluon.jit
+def tq4_value_tiles(w_ring, stage, vs):
+    """The step's 4-bit values from the ring, each lane's scaled by its group's scale (vs: a key's four scales as
+    one word, [16] along TQ_UNITS' keys), as the eight V^T tiles (tile n: channels 8w + (0, 2, 1, 3, 4, 6, 5,
+    7)[n] of word w), rows named g + 8a for word 2g + a."""
+    words = w_ring.index(stage).load(TQ_UNITS)
+    w = gl.arange(0, 16, layout=gl.SliceLayout(0, TQ_UNITS))
+    sc = ((vs[:, None] >> (16 * (w[None, :] >> 2)).to(gl.int64)) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+    f = gl.inline_asm_elementwise(CODEBOOK4_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                  dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    return (value_tile(f[0] * sc), value_tile(f[1] * sc), value_tile(f[2] * sc), value_tile(f[3] * sc),
+            value_tile(f[4] * sc), value_tile(f[5] * sc), value_tile(f[6] * sc), value_tile(f[7] * sc))
+
+
+@gluon.jit
 def value_tile(f):
-    """[16 keys, 16 units] -> V^T [16 rows, 16 keys] as the A operand, row g + 8a for unit 2g + a."""
+    """[16 keys, 16 units or words] -> V^T [16 rows, 16 keys] as the A operand, row g + 8a for unit 2g + a."""
     t = gl.reshape(gl.permute(gl.reshape(gl.permute(f, (1, 0)), [8, 2, 16]), (1, 0, 2)), [16, 16])
     return gl.convert_layout(t, A_OP, assert_trivial=True)
 
 
 @gluon.jit
 def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, ks_strides, v_strides,
-                 vs_strides, k_sm, ks_sm, kz_sm, m_sm, n_sm, vs_sm, BLOCK_SIZE: gl.constexpr):
+                 vs_strides, k_sm, ks_sm, kz_sm, m_sm, n_sm, vs_sm, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
+                 V_BITS: gl.constexpr):
     """Ask for the 16 TurboQuant keys from `start` into one stage of the ring (cp.async): key codes (each lane its
-    own 8-byte runs), the four group scales and zero points of keys and values (masked: zero), the value units'
-    magnitudes and sign bytes (rows of 32 and 16 bytes)."""
+    own runs), the four group scales and zero points of keys and values (masked: zero), the values (3-bit: the
+    units' magnitudes and sign bytes, rows of 32 and 16 bytes; 4-bit: each lane its two words of four keys)."""
     block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
     slot = start % BLOCK_SIZE
-    kr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_KEYS))
-    kc = gl.arange(0, 128, layout=gl.SliceLayout(0, TQ_KEYS))
+    if K_BITS == 8:
+        kr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_KEYS8))
+        kc = gl.arange(0, 128, layout=gl.SliceLayout(0, TQ_KEYS8))
+    else:
+        kr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_KEYS4))
+        kc = gl.arange(0, 64, layout=gl.SliceLayout(0, TQ_KEYS4))
     async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
                                            + kc[None, :])
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))   # a key's four fp16 scales as one 8-byte word
@@ -304,11 +342,17 @@ def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_s
     async_copy.async_copy_global_to_shared(kz_sm, (kz_ptr + s_row).to(gl.pointer_type(gl.int64)), s_ok)
     vs_at = vs_ptr + block * vs_strides[0] + (slot + sr) * vs_strides[1]
     async_copy.async_copy_global_to_shared(vs_sm, vs_at.to(gl.pointer_type(gl.int64)), s_ok)
-    vr = gl.arange(0, 16, layout=gl.SliceLayout(1, ROWS16))
-    vc = gl.arange(0, 16, layout=gl.SliceLayout(0, ROWS16))
-    v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
-    async_copy.async_copy_global_to_shared(m_sm, (v_row.to(gl.pointer_type(gl.int16)) + vc[None, :]))
-    async_copy.async_copy_global_to_shared(n_sm, v_row + 32 + vc[None, :])
+    if V_BITS == 3:
+        vr = gl.arange(0, 16, layout=gl.SliceLayout(1, ROWS16))
+        vc = gl.arange(0, 16, layout=gl.SliceLayout(0, ROWS16))
+        v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
+        async_copy.async_copy_global_to_shared(m_sm, (v_row.to(gl.pointer_type(gl.int16)) + vc[None, :]))
+        async_copy.async_copy_global_to_shared(n_sm, v_row + 32 + vc[None, :])
+    else:
+        vr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_WORDS))
+        vc = gl.arange(0, 16, layout=gl.SliceLayout(0, TQ_WORDS))
+        v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
+        async_copy.async_copy_global_to_shared(m_sm, v_row.to(gl.pointer_type(gl.int32)) + vc[None, :])
     async_copy.commit_group()
 
 
@@ -318,10 +362,11 @@ def decode_tq_kernel(
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
     num_seqs, num_splits, qk_scale,
-    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, STAGES: gl.constexpr = 2,
+    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
+    V_BITS: gl.constexpr, STAGES: gl.constexpr = 2,
 ):
-    """TurboQuant pages (K q8_0, V q3_0, head_dim 128): partial states only, in the rotated domain (the reduce
-    kernel merges the splits, even one, and rotates back)."""
+    """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
+    splits, even one, and rotates back)."""
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -332,10 +377,10 @@ def decode_tq_kernel(
 
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
     q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
-    q0, qs0 = tq_query_group(q_at, qh < GROUP, 0)
-    q1, qs1 = tq_query_group(q_at, qh < GROUP, 1)
-    q2, qs2 = tq_query_group(q_at, qh < GROUP, 2)
-    q3, qs3 = tq_query_group(q_at, qh < GROUP, 3)
+    q0, qs0 = tq_query_group(q_at, qh < GROUP, 0, K_BITS)
+    q1, qs1 = tq_query_group(q_at, qh < GROUP, 1, K_BITS)
+    q2, qs2 = tq_query_group(q_at, qh < GROUP, 2, K_BITS)
+    q3, qs3 = tq_query_group(q_at, qh < GROUP, 3, K_BITS)
 
     chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
     kv_lo = split * chunk
@@ -348,19 +393,23 @@ def decode_tq_kernel(
     vs_ptr += head_off * vs_strides[2]
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
 
-    RING: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, 128], RING)
+    k_ring = gl.allocate_shared_memory(gl.int8 if K_BITS == 8 else gl.uint8, [STAGES, 16, 128 * K_BITS // 8],
+                                       gl.SwizzledSharedLayout(K_BITS, 1, 8, [1, 0]))
     ks_ring = gl.allocate_shared_memory(gl.int64, [STAGES, 16], WORDS)
     kz_ring = gl.allocate_shared_memory(gl.int64, [STAGES, 16], WORDS)
     vs_ring = gl.allocate_shared_memory(gl.int64, [STAGES, 16], WORDS)
-    m_ring = gl.allocate_shared_memory(gl.int16, [STAGES, 16, 16], FLAT)
-    n_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 16], FLAT)
+    if V_BITS == 3:
+        m_ring = gl.allocate_shared_memory(gl.int16, [STAGES, 16, 16], FLAT)
+        n_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 16], FLAT)
+    else:
+        m_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], FLAT)
+        n_ring = m_ring
     for st in gl.static_range(STAGES - 1):
         copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
                      v_strides, vs_strides, k_ring.index(st), ks_ring.index(st), kz_ring.index(st),
-                     m_ring.index(st), n_ring.index(st), vs_ring.index(st), BLOCK_SIZE)
+                     m_ring.index(st), n_ring.index(st), vs_ring.index(st), BLOCK_SIZE, K_BITS, V_BITS)
 
     zero = gl.full([16, 8], 0.0, gl.float32, MMA)
     acc0 = zero
@@ -380,15 +429,15 @@ def decode_tq_kernel(
         ahead = (stage + STAGES - 1) % STAGES
         copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides,
                      ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
-                     kz_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), vs_ring.index(ahead), BLOCK_SIZE)
+                     kz_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), vs_ring.index(ahead), BLOCK_SIZE,
+                     K_BITS, V_BITS)
         async_copy.wait_group(STAGES - 1)
         ks = ks_ring.index(stage).load(gl.SliceLayout(1, MMA))
         kz = kz_ring.index(stage).load(gl.SliceLayout(1, MMA))
-        vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
-        s = group_scores(mma_v2(tq_key_group(k_ring, stage, 0), q0, zero), column(ks, 0), column(kz, 0), qs0)
-        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 1), q1, zero), column(ks, 1), column(kz, 1), qs1)
-        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 2), q2, zero), column(ks, 2), column(kz, 2), qs2)
-        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 3), q3, zero), column(ks, 3), column(kz, 3), qs3)
+        s = group_scores(mma_v2(tq_key_group(k_ring, stage, 0, K_BITS), q0, zero), column(ks, 0), column(kz, 0), qs0)
+        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 1, K_BITS), q1, zero), column(ks, 1), column(kz, 1), qs1)
+        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, zero), column(ks, 2), column(kz, 2), qs2)
+        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 3, K_BITS), q3, zero), column(ks, 3), column(kz, 3), qs3)
         s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -396,11 +445,20 @@ def decode_tq_kernel(
         alpha = gl.exp2(m_i - m_safe)[None, :]
         l_i = l_i * gl.exp2(m_i - m_safe) + gl.sum(p, axis=0)
         m_i = m_new
-        p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
-        p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
-        p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
-        p3 = transpose_p((p * column(vs, 3)[:, None]).to(gl.float16))
-        v0, v1, v2, v3, v4, v5, v6, v7 = tq_value_tiles(m_ring, n_ring, stage)
+        if V_BITS == 3:   # a tile lies in one scale group: the scales go on P^T, once per group
+            vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
+            p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
+            p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
+            p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
+            p3 = transpose_p((p * column(vs, 3)[:, None]).to(gl.float16))
+            v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage)
+        else:             # a lane's values lie in one scale group: the scales go on the values
+            p0 = transpose_p(p.to(gl.float16))
+            p1 = p0
+            p2 = p0
+            p3 = p0
+            vs = vs_ring.index(stage).load(gl.SliceLayout(1, TQ_UNITS))
+            v0, v1, v2, v3, v4, v5, v6, v7 = tq4_value_tiles(m_ring, stage, vs)
         acc0 = mma_v2(v0, p0, acc0 * alpha)
         acc1 = mma_v2(v1, p0, acc1 * alpha)
         acc2 = mma_v2(v2, p1, acc2 * alpha)
@@ -419,15 +477,26 @@ def decode_tq_kernel(
     gl.store(part_l_ptr + state, l_i, mask=h_ok)
     o_at = part_out_ptr + state[None, :] * 128
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    chans = (2 * (r & 7) + (r >> 3))[:, None]   # row g + 8a of tile j: channel 16j + 2g + a
-    gl.store(o_at + chans, acc0, mask=h_ok[None, :])
-    gl.store(o_at + 16 + chans, acc1, mask=h_ok[None, :])
-    gl.store(o_at + 32 + chans, acc2, mask=h_ok[None, :])
-    gl.store(o_at + 48 + chans, acc3, mask=h_ok[None, :])
-    gl.store(o_at + 64 + chans, acc4, mask=h_ok[None, :])
-    gl.store(o_at + 80 + chans, acc5, mask=h_ok[None, :])
-    gl.store(o_at + 96 + chans, acc6, mask=h_ok[None, :])
-    gl.store(o_at + 112 + chans, acc7, mask=h_ok[None, :])
+    if V_BITS == 3:   # row g + 8a of tile j: channel 16j + 2g + a
+        rows = (2 * (r & 7) + (r >> 3))[:, None]
+        gl.store(o_at + rows, acc0, mask=h_ok[None, :])
+        gl.store(o_at + 16 + rows, acc1, mask=h_ok[None, :])
+        gl.store(o_at + 32 + rows, acc2, mask=h_ok[None, :])
+        gl.store(o_at + 48 + rows, acc3, mask=h_ok[None, :])
+        gl.store(o_at + 64 + rows, acc4, mask=h_ok[None, :])
+        gl.store(o_at + 80 + rows, acc5, mask=h_ok[None, :])
+        gl.store(o_at + 96 + rows, acc6, mask=h_ok[None, :])
+        gl.store(o_at + 112 + rows, acc7, mask=h_ok[None, :])
+    else:             # row g + 8a of tile n: channel 8 (2g + a) + (0, 2, 1, 3, 4, 6, 5, 7)[n]
+        rows = (16 * (r & 7) + 8 * (r >> 3))[:, None]
+        gl.store(o_at + rows, acc0, mask=h_ok[None, :])
+        gl.store(o_at + 2 + rows, acc1, mask=h_ok[None, :])
+        gl.store(o_at + 1 + rows, acc2, mask=h_ok[None, :])
+        gl.store(o_at + 3 + rows, acc3, mask=h_ok[None, :])
+        gl.store(o_at + 4 + rows, acc4, mask=h_ok[None, :])
+        gl.store(o_at + 6 + rows, acc5, mask=h_ok[None, :])
+        gl.store(o_at + 5 + rows, acc6, mask=h_ok[None, :])
+        gl.store(o_at + 7 + rows, acc7, mask=h_ok[None, :])
 
 
 @gluon.jit
@@ -438,8 +507,8 @@ def group_scores(d, sc, z, qsum):
 
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None) -> torch.Tensor:
-    """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts (150
-    registers on sm_90 uncapped, so 13 programs per multiprocessor; `max_registers` caps them)."""
+    """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts (K q8_0 / V
+    q3_0: 150 registers on sm_90 uncapped, so 13 programs per multiprocessor; `max_registers` caps them)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import partial_states, reduce_splits
@@ -461,7 +530,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
         meta.block_table.shape[0], num_splits, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
-        STAGES=stages, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, num_warps=1,
+        **({"maxnreg": max_registers} if max_registers else {}))
     reduce_splits(out, parts, view, dot_precision(query.dtype))
     return out
 
@@ -476,11 +546,12 @@ def supports(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding
 
 
 def supports_tq(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
-    """Whether `paged_attention_tq` reads this decode: TurboQuant pages with q8_0 keys and q3_0 values (the
-    default), head_dim 128, groups of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no
+    """Whether `paged_attention_tq` reads this decode: TurboQuant pages with q8_0 or q4_0 keys and q3_0 or q4_0
+    values, head_dim 128, groups of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no
     soft-capping, sliding or dense recent window."""
     spec = fmt.spec
-    return (spec.kind == "turboquant" and spec.k_quant == "q8_0" and spec.v_quant == "q3_0" and fmt.head_dim == 128
+    return (spec.kind == "turboquant" and spec.k_quant in ("q8_0", "q4_0") and spec.v_quant in ("q3_0", "q4_0")
+            and fmt.head_dim == 128
             and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
             and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window and window is None)
 
