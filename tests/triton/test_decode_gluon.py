@@ -1,6 +1,7 @@
-"""The Gluon decode kernels (q8; TurboQuant, not yet the default path) (`ops/triton/decode_gluon.py`) against the reference path, on a CUDA device.
+"""The Gluon decode kernels (`ops/triton/decode_gluon.py`: q8, the default; TurboQuant and q4, not yet) against
+the reference path, on a CUDA device.
 
-Gluon has no interpreter: on the CPU, `test_sm90_compile.py` compiles it for sm_90 and checks its loop
+Gluon has no interpreter: on the CPU, `test_sm90_compile.py` compiles them for sm_90 and checks their loops
 (every page byte loaded into the matrix units' registers, no shared memory).
 """
 
@@ -37,7 +38,7 @@ def test_gluon_q8_decode_matches_reference(shape, num_splits, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
-TQ_SHAPES = [(8, 2, 128, 16), (4, 4, 128, 16), (8, 1, 128, 32), (32, 8, 128, 16)]   # TurboQuant: head_dim 128
+TQ_SHAPES = [(8, 2, 128, 16), (4, 4, 128, 16), (8, 1, 128, 32), (32, 8, 128, 16)]   # TurboQuant, q4: head_dim 128
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -56,6 +57,24 @@ def test_gluon_turboquant_decode_matches_reference(spec, shape, num_splits, dtyp
     scale = d ** -0.5
     ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
     out = decode_gluon.paged_attention_tq(case.query, case.pages, case.fmt, case.meta, scale=scale,
+                                          num_splits=num_splits)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
+def test_gluon_q4_decode_matches_reference(shape, num_splits, dtype):
+    from pagedkv.ops.triton import decode_gluon
+
+    hq, hkv, d, bs = shape
+    case = build_case(hash(("q4", shape)) % 1000, "q4", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
+    assert decode_gluon.supports_q4(case.fmt, case.query, bs)
+    scale = d ** -0.5
+    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
+    out = decode_gluon.paged_attention_q4(case.query, case.pages, case.fmt, case.meta, scale=scale,
                                           num_splits=num_splits)
     assert out.dtype == dtype
     assert rel_err(out, ref) < TOL[dtype]

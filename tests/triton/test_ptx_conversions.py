@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from pagedkv.formats.codebook import lloyd_max_codebook
-from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, INT8_PAIRS_ASM, NIBBLE_PAIRS_ASM,
+from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, NIBBLE_KEY_PAIRS_ASM, INT8_PAIRS_ASM, NIBBLE_PAIRS_ASM,
                                             NIBBLE_QUADS_ASM, SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO,
-                                            SIX_BIT_QUADS_ASM)
+                                            SIGNED_NIBBLE_PAIRS_ASM, SIX_BIT_QUADS_ASM)
 
 M32 = 0xFFFFFFFF
 
@@ -145,6 +145,18 @@ def test_codebook4_key_pairs_asm_pairs_two_keys_per_channel():
             for lane, word in enumerate((first, second)):
                 code = (word >> (4 * channel)) & 15
                 assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[code], (n, lane, hex(first), hex(second))
+
+
+def test_signed_nibble_asms_give_the_codes_minus_seven():
+    """KV-Quant 4-bit (code + 7): one word's low and high nibbles, and two keys' words paired per channel."""
+    order = [0, 2, 1, 3, 4, 6, 5, 7]
+    words = _bytes(np.random.default_rng(6), 200)
+    for first, second in zip(words, words[1:] + words[:1]):
+        nib = lambda w, c: ((w >> (4 * c)) & 15) - 7  # noqa: E731
+        got = _f16(_lanes(run_ptx(SIGNED_NIBBLE_PAIRS_ASM.value, [first], 4)))
+        assert got == [nib(first, 2 * b) for b in range(4)] + [nib(first, 2 * b + 1) for b in range(4)], hex(first)
+        got = _f16(_lanes(run_ptx(NIBBLE_KEY_PAIRS_ASM.value, [first, second], 8)))
+        assert got == [nib(w, order[n]) for n in range(8) for w in (first, second)], (hex(first), hex(second))
 
 
 def _f16(lanes):

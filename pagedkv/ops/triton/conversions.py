@@ -61,6 +61,21 @@ prmt.b32 $0, lo, 0x64646464, 0x4140; prmt.b32 $1, lo, 0x64646464, 0x4342;
 prmt.b32 $2, hi, 0x64646464, 0x4140; prmt.b32 $3, hi, 0x64646464, 0x4342;
 sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""")
 
+# The same for KV-Quant's 4-bit codes stored as code + 7: the signed codes.
+SIGNED_NIBBLE_PAIRS_ASM = tl.constexpr(NIBBLE_PAIRS_ASM.value.replace("0x64006400", "0x64076407"))
+# KV-Quant 4-bit codes (+ 7) of two keys' 4-byte words ($8, $9: the same eight channels of two keys): per channel a
+# (first key, second key) pair of signed codes, as the matrix units read V^T; $0..$7: channels 0, 2, 1, 3, 4, 6,
+# 5, 7 of the word (the bytes interleaved, then as NIBBLE_PAIRS_ASM on each interleaved word).
+NIBBLE_KEY_PAIRS_ASM = tl.constexpr("""{ .reg .b32 i0, i1, lo, hi, b; mov.b32 b, 0x64076407;
+prmt.b32 i0, $8, $9, 0x5140; prmt.b32 i1, $8, $9, 0x7362;
+and.b32 lo, i0, 0x0F0F0F0F; shr.b32 hi, i0, 4; and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, 0x64646464, 0x4140; prmt.b32 $1, lo, 0x64646464, 0x4342;
+prmt.b32 $2, hi, 0x64646464, 0x4140; prmt.b32 $3, hi, 0x64646464, 0x4342;
+and.b32 lo, i1, 0x0F0F0F0F; shr.b32 hi, i1, 4; and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $4, lo, 0x64646464, 0x4140; prmt.b32 $5, lo, 0x64646464, 0x4342;
+prmt.b32 $6, hi, 0x64646464, 0x4140; prmt.b32 $7, hi, 0x64646464, 0x4342;
+sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b;
+sub.f16x2 $4, $4, b; sub.f16x2 $5, $5, b; sub.f16x2 $6, $6, b; sub.f16x2 $7, $7, b; }""")
 
 def _positive_half_f16_byte_words(bits: int = 4) -> tuple[int, int, int, int]:
     """The positive half of the codebook in float16 as byte tables: (low bytes of entries 0-3, of 4-7, high bytes

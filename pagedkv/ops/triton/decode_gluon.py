@@ -30,8 +30,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .conversions import (CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, NIBBLE_PAIRS_ASM, SIGN_MAGNITUDE_ASM_HI,
-                          SIGN_MAGNITUDE_ASM_LO)
+from .conversions import (CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM,
+                          SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_PAIRS_ASM)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -533,6 +533,190 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}))
     reduce_splits(out, parts, view, dot_precision(query.dtype))
+    return out
+
+
+# KV-Quant q4 at head_dim 128 (codes + 7, two per byte, one scale per token and head). Keys: lane (g, q) reads
+# keys g and g + 8, bytes 16q .. 16q + 15, whose low (a = 0) and high (a = 1) nibbles of byte 16q + 2j + b are its
+# operand columns 16j + 8a + 2q + b. Values as TurboQuant's 4-bit ones (`tq4_value_tiles`), scales on P^T.
+Q4_KEYS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
+
+
+@gluon.jit
+def copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, ks_strides, v_strides, vs_strides,
+                 k_sm, ks_sm, w_sm, vs_sm, BLOCK_SIZE: gl.constexpr):
+    """Ask for the 16 q4 keys from `start` into one stage of the ring (cp.async, each lane its own runs): key
+    bytes, value words, the key and value scales (masked: zero)."""
+    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
+    slot = start % BLOCK_SIZE
+    kr = gl.arange(0, 16, layout=gl.SliceLayout(1, Q4_KEYS))
+    kc = gl.arange(0, 64, layout=gl.SliceLayout(0, Q4_KEYS))
+    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
+                                           + kc[None, :])
+    vr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_WORDS))
+    vc = gl.arange(0, 16, layout=gl.SliceLayout(0, TQ_WORDS))
+    v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
+    async_copy.async_copy_global_to_shared(w_sm, v_row.to(gl.pointer_type(gl.int32)) + vc[None, :])
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    s_ok = start + sr < kv_hi
+    async_copy.async_copy_global_to_shared(ks_sm, ks_ptr + block * ks_strides[0] + (slot + sr) * ks_strides[1], s_ok)
+    async_copy.async_copy_global_to_shared(vs_sm, vs_ptr + block * vs_strides[0] + (slot + sr) * vs_strides[1], s_ok)
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+def decode_q4_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
+    num_seqs, num_splits, qk_scale,
+    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
+    STAGES: gl.constexpr = 2,
+):
+    token = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_pos = gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+
+    c = gl.arange(0, 128, layout=gl.SliceLayout(1, PLAIN))
+    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
+    q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
+    stored = 32 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * (c & 1) + ((c >> 3) & 1)
+    qt = gl.load(q_at + stored[:, None], mask=(qh < GROUP)[None, :], other=0.0)
+    qt = gl.convert_layout(qt.to(gl.float16), B_OP)
+
+    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
+    kv_lo = split * chunk
+    kv_hi = gl.minimum(kv_lo + chunk, q_pos + 1)
+    head_off = kv_head.to(gl.int64)
+    k_ptr += head_off * k_strides[2]
+    ks_ptr += head_off * ks_strides[2]
+    v_ptr += head_off * v_strides[2]
+    vs_ptr += head_off * vs_strides[2]
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    k_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 64], gl.SwizzledSharedLayout(16, 1, 4, [1, 0]))
+    w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], FLAT)
+    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], WORDS)
+    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], WORDS)
+    for st in gl.static_range(STAGES - 1):
+        copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides, v_strides,
+                     vs_strides, k_ring.index(st), ks_ring.index(st), w_ring.index(st), vs_ring.index(st), BLOCK_SIZE)
+
+    zero = gl.full([16, 8], 0.0, gl.float32, MMA)
+    acc0 = zero
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    acc4 = zero
+    acc5 = zero
+    acc6 = zero
+    acc7 = zero
+    m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+    l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
+    scale = qk_scale * LOG2E
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    stage = 0
+    for start in range(kv_lo, kv_hi, 16):
+        ahead = (stage + STAGES - 1) % STAGES
+        copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, ks_strides,
+                     v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead), w_ring.index(ahead),
+                     vs_ring.index(ahead), BLOCK_SIZE)
+        async_copy.wait_group(STAGES - 1)
+        codes = k_ring.index(stage).load(Q4_KEYS)
+        lo, hi = gl.inline_asm_elementwise(SIGNED_NIBBLE_PAIRS_ASM, "=r,=r,=r,=r,r", [codes],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        k = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [16, 4, 8, 2, 2]), (0, 2, 4, 1, 3)), [16, 128])
+        s = mma_v2(gl.convert_layout(k, A_OP, assert_trivial=True), qt, zero)
+        ks = ks_ring.index(stage).load(gl.SliceLayout(1, MMA))
+        vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
+        s = gl.where((start + sr < kv_hi)[:, None], s * (ks * scale)[:, None], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)[None, :]
+        l_i = l_i * gl.exp2(m_i - m_safe) + gl.sum(p, axis=0)
+        m_i = m_new
+        pt = transpose_p((p * vs[:, None]).to(gl.float16))
+        f = gl.inline_asm_elementwise(NIBBLE_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                                      [w_ring.index(stage).load(TQ_UNITS)], dtype=(gl.float16,) * 8, is_pure=True,
+                                      pack=2)
+        acc0 = mma_v2(value_tile(f[0]), pt, acc0 * alpha)
+        acc1 = mma_v2(value_tile(f[1]), pt, acc1 * alpha)
+        acc2 = mma_v2(value_tile(f[2]), pt, acc2 * alpha)
+        acc3 = mma_v2(value_tile(f[3]), pt, acc3 * alpha)
+        acc4 = mma_v2(value_tile(f[4]), pt, acc4 * alpha)
+        acc5 = mma_v2(value_tile(f[5]), pt, acc5 * alpha)
+        acc6 = mma_v2(value_tile(f[6]), pt, acc6 * alpha)
+        acc7 = mma_v2(value_tile(f[7]), pt, acc7 * alpha)
+        stage = (stage + 1) % STAGES
+    async_copy.wait_group(0)
+
+    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    h_ok = oh < GROUP
+    head = kv_head * GROUP + oh
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    rows = (16 * (r & 7) + 8 * (r >> 3))[:, None]   # row g + 8a of tile n: channel 8 (2g + a) + (0, 2, 1, 3, ..)[n]
+    if SPLIT:
+        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        gl.store(part_m_ptr + state, m_i, mask=h_ok)
+        gl.store(part_l_ptr + state, l_i, mask=h_ok)
+        o_at = part_out_ptr + state[None, :] * 128 + rows
+        inv = gl.full([8], 1.0, gl.float32, gl.SliceLayout(0, MMA))
+    else:
+        o_at = out_ptr + token.to(gl.int64) * stride_ot + head[None, :] * stride_oh + rows
+        inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
+    dt = o_at.dtype.element_ty
+    gl.store(o_at, (acc0 * inv[None, :]).to(dt), mask=h_ok[None, :])
+    gl.store(o_at + 2, (acc1 * inv[None, :]).to(dt), mask=h_ok[None, :])
+    gl.store(o_at + 1, (acc2 * inv[None, :]).to(dt), mask=h_ok[None, :])
+    gl.store(o_at + 3, (acc3 * inv[None, :]).to(dt), mask=h_ok[None, :])
+    gl.store(o_at + 4, (acc4 * inv[None, :]).to(dt), mask=h_ok[None, :])
+    gl.store(o_at + 6, (acc5 * inv[None, :]).to(dt), mask=h_ok[None, :])
+    gl.store(o_at + 5, (acc6 * inv[None, :]).to(dt), mask=h_ok[None, :])
+    gl.store(o_at + 7, (acc7 * inv[None, :]).to(dt), mask=h_ok[None, :])
+
+
+def supports_q4(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
+    """Whether `paged_attention_q4` reads this decode: KV-Quant q4 pages (keys not rotated), head_dim 128, groups
+    of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping, sliding or dense
+    recent window."""
+    spec = fmt.spec
+    return (spec.kind == "kvquant" and fmt.bits == 4 and fmt.key_signs is None and fmt.head_dim == 128
+            and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
+            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window and window is None)
+
+
+def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
+                       num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None) -> torch.Tensor:
+    """`reference.paged_attention`'s contract for the decodes `supports_q4` accepts."""
+    from .attention import check_inputs, dot_precision
+    from .page_view import page_view, stride3
+    from .split_k import partial_states, reduce_splits
+
+    view = page_view(fmt, pages)
+    check_inputs(query, view, meta)
+    num_tokens, num_q_heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    split = num_splits > 1
+    parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
+    decode_q4_kernel[(num_tokens, view.num_kv_heads, num_splits)](
+        out, *parts, query, view.k, view.k_scale, view.v, view.v_scale,
+        meta.block_table, meta.seq_lens, meta.query_start_loc,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+        stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
+        meta.block_table.shape[0], num_splits, float(scale),
+        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size, SPLIT=split,
+        STAGES=stages, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+    if split:
+        reduce_splits(out, parts, view, dot_precision(query.dtype))
     return out
 
 
