@@ -5,6 +5,7 @@ same pages, at each of a few split counts and VARIANTS (JSON: name -> keyword ar
 """
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def main() -> None:
     for num_seqs, seq_len in SHAPES:
         rows.append(probe(num_seqs, seq_len, gen))
         torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "bench/results")) / f"gluon_probe_{FORMAT.split(':')[0]}.json"
+    out = Path(os.environ.get("OUT", "bench/results")) / ("gluon_probe_" + re.sub(r"[^A-Za-z0-9]+", "_", FORMAT) + ".json")
     out.write_text(json.dumps(rows, indent=1))
 
 

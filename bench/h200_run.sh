@@ -8,6 +8,7 @@
 #                                                  # prefill also through the fused kernels)
 #   OUT=/some/dir bash bench/h200_run.sh tests     # the decode, window and CUDA graph GPU tests (long: they compile)
 #   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
+#   OUT=/some/dir bash bench/h200_run.sh gluon     # the Gluon decode kernels' GPU tests, each timed beside the default
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -36,8 +37,15 @@ engine)
         --formats off turboquant q4 --admission-lookahead-tokens 0 1024 --out "$OUT"
     run 90 python bench/tiers.py --model llama8b --device cuda --prefix-tokens 2048 8192 32768 --out "$OUT/h200"
     ;;
+gluon)   # the Gluon decode kernels: checked against the reference, then each beside the default decode
+    run 200 python -m pytest -q -rf tests/triton/test_decode_gluon.py
+    run 130 env FORMAT=turboquant VARIANTS='{"ring2": {}, "ring2_r128": {"max_registers": 128}}' python bench/gluon_probe.py
+    run 110 env FORMAT=turboquant:k=q4_0,v=q4_0 VARIANTS='{"ring2": {}, "ring2_r128": {"max_registers": 128}}' \
+        python bench/gluon_probe.py
+    run 100 env FORMAT=q4 VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
+    ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon" >&2
     exit 2
     ;;
 esac
