@@ -11,7 +11,7 @@ import torch
 from pagedkv.ops import reference
 from triton_cases import build_case, rel_err
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # (num_q_heads, num_kv_heads, head_dim, block_size): GQA 1, 4 and 8; head_dim 64 and 128; blocks of 16 and 32
 SHAPES = [(2, 2, 64, 16), (8, 2, 128, 16), (8, 1, 64, 32), (32, 8, 128, 16)]
@@ -21,6 +21,8 @@ NEW_LENS = [5, 1, 3, 1, 0, 1]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
@@ -41,6 +43,8 @@ def test_gluon_q8_decode_matches_reference(shape, num_splits, dtype):
 TQ_SHAPES = [(8, 2, 128, 16), (4, 4, 128, 16), (8, 1, 128, 32), (32, 8, 128, 16)]   # TurboQuant, q4: head_dim 128
 
 
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
@@ -62,6 +66,8 @@ def test_gluon_turboquant_decode_matches_reference(spec, shape, num_splits, dtyp
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
@@ -78,3 +84,28 @@ def test_gluon_q4_decode_matches_reference(shape, num_splits, dtype):
                                           num_splits=num_splits)
     assert out.dtype == dtype
     assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read():
+    """`decode_gluon.launcher` (CPU: shapes and options only): q8 decodes by default; q4 and TurboQuant not
+    until timed (DEFAULT_KERNELS); nothing with a window, soft-capping, float32 queries or blocks of 5 slots."""
+    from pagedkv.config import KVFormat
+    from pagedkv.formats import make_format
+    from pagedkv.ops.triton import decode_gluon
+
+    query = torch.empty(4, 8, 128, dtype=torch.bfloat16)
+    fmt = {spec: make_format(KVFormat.parse(spec), 2, 128, torch.bfloat16, "cpu")
+           for spec in ("q8", "q4", "turboquant", "q8:rotate_keys")}
+    assert decode_gluon.launcher(fmt["q8"], query, 16) is decode_gluon.paged_attention
+    assert decode_gluon.launcher(fmt["q8"], query, 32) is decode_gluon.paged_attention
+    assert decode_gluon.launcher(fmt["q4"], query, 16) is None
+    assert decode_gluon.launcher(fmt["turboquant"], query, 16) is None
+    assert decode_gluon.launcher(fmt["q8:rotate_keys"], query, 16) is None
+    assert decode_gluon.launcher(fmt["q8"], query, 5) is None
+    assert decode_gluon.launcher(fmt["q8"], query.float(), 16) is None
+    assert decode_gluon.launcher(fmt["q8"], query, 16, softcap=30.0) is None
+    assert decode_gluon.launcher(fmt["q8"], query, 16, sliding_window=64) is None
+    assert decode_gluon.launcher(fmt["q8"], query, 16, window=(query, query)) is None
+    # every kernel reads its own format where timed in: the readers, without the default list
+    assert decode_gluon.supports_q4(fmt["q4"], query, 16) and decode_gluon.supports_tq(fmt["turboquant"], query, 16)
+    assert not decode_gluon.supports_tq(fmt["q4"], query, 16) and not decode_gluon.supports_q4(fmt["q8"], query, 16)

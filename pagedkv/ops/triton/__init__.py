@@ -107,17 +107,18 @@ def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
     return is_decode_like(num_tokens, num_seqs) and page_class(fmt) != "dense" and is_supported(fmt)
 
 
-def uses_gluon_decode(query, fmt, meta, **options) -> bool:
-    """Decode-like batches on a GPU that the Gluon kernel reads (`decode_gluon.supports`: q8 pages) run it."""
+def gluon_decode(query, fmt, meta, **options):
+    """The Gluon kernel that runs this batch (`decode_gluon.launcher`: decode-like batches on a GPU over pages it
+    reads and serves by default), else None."""
     from .decode import fast_conversions
 
     if not (query.is_cuda and fast_conversions() and uses_warp_split(query.shape[0], meta.block_table.shape[0], fmt)):
-        return False
+        return None
     try:
         from . import decode_gluon
     except ImportError:   # a Triton without Gluon
-        return False
-    return decode_gluon.supports(fmt, query, meta.block_size, **options)
+        return None
+    return decode_gluon.launcher(fmt, query, meta.block_size, **options)
 
 
 def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):
@@ -144,12 +145,12 @@ def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap
 
     num_tokens, num_q_heads, head_dim = query.shape
     capacity = meta.block_table.shape[1] * meta.block_size
-    if uses_gluon_decode(query, fmt, meta, sliding_window=sliding_window, softcap=softcap, window=window):
-        from . import decode_gluon
+    gluon = gluon_decode(query, fmt, meta, sliding_window=sliding_window, softcap=softcap, window=window)
+    if gluon is not None:
+        from .decode_gluon import PROGRAMS_PER_SM
 
-        num_splits = warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device,
-                                       decode_gluon.PROGRAMS_PER_SM)
-        return decode_gluon.paged_attention(query, pages, fmt, meta, scale=scale, num_splits=num_splits)
+        num_splits = warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device, PROGRAMS_PER_SM)
+        return gluon(query, pages, fmt, meta, scale=scale, num_splits=num_splits)
     if window is not None or uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):
         from . import decode
 

@@ -767,3 +767,20 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     if split:
         reduce_splits(out, parts, view, dot_precision(query.dtype))
     return out
+
+
+# The formats whose Gluon kernel serves decode batches by default: each joins once it is timed faster than
+# `decode.py` on the GPU (BENCHMARKS.md). q8: 1.06-1.11x (2026-12-02). TurboQuant and q4: not yet timed.
+DEFAULT_KERNELS = ("q8",)
+
+
+def launcher(fmt, query: torch.Tensor, block_size: int, **options):
+    """The Gluon kernel's launcher for this decode when its format is in DEFAULT_KERNELS and the kernel reads it
+    (`supports`, `supports_q4`, `supports_tq`; options: softcap, sliding_window, window), else None."""
+    kernels = {"q8": (supports, paged_attention), "q4": (supports_q4, paged_attention_q4),
+               "turboquant": (supports_tq, paged_attention_tq)}
+    for name in DEFAULT_KERNELS:
+        reads, launch = kernels[name]
+        if reads(fmt, query, block_size, **options):
+            return launch
+    return None
