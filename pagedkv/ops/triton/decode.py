@@ -329,6 +329,15 @@ def decode_kernel(
         store_channels(o_row, offs_c, acc_a, f, inv, rows & (offs_c < HEAD_DIM)[None, :])
 
 
+def check_scale_words(view) -> None:
+    """TurboQuant decode reads each slot's four fp16 group scales (and zero points) as one 8-byte word."""
+    for t in (view.k_scale, view.k_zero, view.v_scale):
+        if t.data_ptr() % 8 or any(st % 4 for st in t.stride()[:3]):
+            raise ValueError("TurboQuant decode reads each slot's four fp16 group scales as one 8-byte word: "
+                             "scale pages must be 8-byte aligned per slot (as `allocate_pages` makes them), "
+                             f"got data_ptr % 8 = {t.data_ptr() % 8}, strides {tuple(t.stride())}")
+
+
 def fast_conversions() -> bool:
     """Inline PTX conversions, except under the Triton interpreter (which cannot run PTX)."""
     return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -387,11 +396,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         kernel, rows = decode_kernel_transposed, max(8, triton.next_power_of_2(group))
         extra["V_BITS"] = view.v_bits if view.kind == TURBOQUANT else 3
         if view.kind == TURBOQUANT:   # the kernel reads a slot's four group scales in one 8-byte load
-            for t in (view.k_scale, view.k_zero, view.v_scale):
-                if t.data_ptr() % 8 or any(st % 4 for st in t.stride()[:3]):
-                    raise ValueError("TurboQuant decode reads each slot's four fp16 group scales as one 8-byte word: "
-                                     "scale pages must be 8-byte aligned per slot (as `allocate_pages` makes them), "
-                                     f"got data_ptr % 8 = {t.data_ptr() % 8}, strides {tuple(t.stride())}")
+            check_scale_words(view)
     else:                  # the group's heads on the M dimension: 16 rows at least
         kernel, rows = decode_kernel, max(16, triton.next_power_of_2(group))
     registers = {"maxnreg": tiles.max_registers} if tiles.max_registers else {}

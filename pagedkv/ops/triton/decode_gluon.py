@@ -1,12 +1,12 @@
-"""Decode attention over q8 pages in Gluon: every page byte streamed through a ring in shared memory by cp.async
-and read back by the lane that asked for it, straight into its matrix-unit operand registers.
+"""Decode attention over quantized pages in Gluon: every page byte streamed through a ring in shared memory by
+cp.async and read back by the lane that asked for it, straight into its matrix-unit operand registers.
 
 The transposed kernel (`decode_transposed.py`) is written in Triton's tile language, which picks register
 layouts itself: each load lands in a plain row layout and a layout conversion through shared memory (a store,
 a barrier, a load) follows it before the matrix instruction, three to four per step, one after another.
 Gluon states layouts explicitly, and the order of channels and keys inside one step is free (a dot product
-does not depend on it): so each lane copies whole 16-byte runs of a key row and the kernel *names* the channels
-of those bytes so that they are exactly the lane's operand elements of `mma.sync` m16n8k16 (a reshape and
+does not depend on it): so each lane copies whole runs of a key row and the kernel *names* the channels of
+those bytes so that they are exactly the lane's operand elements of `mma.sync` m16n8k16 (a reshape and
 permute of the loaded tensor: register renaming, checked by `convert_layout(..., assert_trivial=True)`). The
 query is loaded once in the same channel order, and the output stored back through the inverse order.
 
@@ -16,11 +16,13 @@ fragment holds P^T with keys on the lane's row bits, while O^T = V^T P^T needs t
 step i + 1 are in flight while step i computes (`STAGES`), holding no register.
 
 One warp per program, programs over (query token, KV head, split) like the other decode kernels; partial
-states in `split_k.partial_states`' layout. Used for decode batches over q8 pages without soft-capping,
-sliding or dense recent window (`supports`); everything else stays on `decode.py`. Measured on an H200 against
-that kernel (`bench/gluon_probe.py`, 2026-12-02): 1.06-1.11x faster at every shape. Gluon has no interpreter:
-on the CPU it is compiled for sm_90 (`bench/kernel_report.py --gluon`), on the GPU checked against the
-reference path.
+states in `split_k.partial_states`' layout. Three kernels: q8 (head_dim 64 and 128), q4 and TurboQuant (q8_0 or
+q4_0 keys, q3_0 or q4_0 values; head_dim 128), none with soft-capping, sliding or dense recent window.
+`launcher` serves a decode batch with one where its format is in DEFAULT_KERNELS, measured faster than
+`decode.py` on an H200 (q8, `bench/gluon_probe.py`, 2026-12-02: 1.06-1.11x at every shape); q4 and TurboQuant
+wait for their timing (`bash bench/h200_run.sh gluon`). Gluon has no interpreter: on the CPU they are compiled
+for sm_90 (`bench/kernel_report.py --gluon`) and their PTX look-ups run in an emulator; on the GPU they are
+checked against the reference path (`tests/triton/test_decode_gluon.py`).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def sequence_of(token, query_start_loc_ptr, num_seqs):
 
 
 @gluon.jit
-def copy_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc, sr, k_strides, v_strides,
+def copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc, sr, k_strides, v_strides,
               ks_strides, vs_strides, k_sm, v_sm, ks_sm, vs_sm, BLOCK_SIZE: gl.constexpr):
     """Ask for the 16 keys from `start` into one stage of the shared ring (cp.async: no register holds them in
     flight), each lane the bytes it will read back: codes unmasked from the step's block (block 0 past the
@@ -173,7 +175,7 @@ def decode_q8_kernel(
     ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
     vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
     for st in gl.static_range(STAGES - 1):
-        copy_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, kr, kc, vr, vc, sr, k_strides,
+        copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, kr, kc, vr, vc, sr, k_strides,
                   v_strides, ks_strides, vs_strides, k_ring.index(st), v_ring.index(st), ks_ring.index(st),
                   vs_ring.index(st), BLOCK_SIZE)
 
@@ -184,7 +186,7 @@ def decode_q8_kernel(
     stage = 0
     for start in range(kv_lo, kv_hi, 16):
         ahead = (stage + STAGES - 1) % STAGES
-        copy_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, kr, kc, vr, vc, sr,
+        copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, kr, kc, vr, vc, sr,
                   k_strides, v_strides, ks_strides, vs_strides, k_ring.index(ahead), v_ring.index(ahead),
                   ks_ring.index(ahead), vs_ring.index(ahead), BLOCK_SIZE)
         async_copy.wait_group(STAGES - 1)
@@ -513,8 +515,11 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     from .page_view import page_view, stride3
     from .split_k import partial_states, reduce_splits
 
+    from .decode import check_scale_words
+
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
+    check_scale_words(view)
     num_tokens, num_q_heads, head_dim = query.shape
     out = torch.empty_like(query)
     if num_tokens == 0:
