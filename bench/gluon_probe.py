@@ -17,6 +17,7 @@ import kernels as kb  # noqa: E402
 from pagedkv.ops import reference  # noqa: E402
 from pagedkv.ops import triton as triton_ops  # noqa: E402
 from pagedkv.ops.triton import decode_gluon  # noqa: E402
+import plotting  # noqa: E402  (bench/plotting.py)
 
 SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 VARIANTS = json.loads(os.environ.get("VARIANTS", '{"ring2": {}}'))
@@ -61,6 +62,25 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
     return row
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Time / SDPA per shape: the default decode and each variant at its best split count."""
+    plt = plotting.pyplot()
+    if plt is None:
+        return
+    labels = [f"B={r['batch']}\nS={r['context']}" for r in rows]
+    series = {"default decode": [r["default_us"] / r["sdpa_us"] for r in rows]}
+    for name in VARIANTS:
+        series[f"Gluon {name}"] = [min(v for k, v in r.items() if k.startswith(f"gluon_{name}_split") and k.endswith("_us"))
+                                   / r["sdpa_us"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    plotting.grouped_bars(ax, labels, series)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("decode time / SDPA bf16 time (lower is better)")
+    ax.set_title(f"{FORMAT} pages: Gluon decode beside the default, best split count each")
+    ax.legend(fontsize=7)
+    plotting.save(fig, path)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     kb.warm_up()
@@ -70,6 +90,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     out = Path(os.environ.get("OUT", "bench/results")) / ("gluon_probe_" + re.sub(r"[^A-Za-z0-9]+", "_", FORMAT) + ".json")
     out.write_text(json.dumps(rows, indent=1))
+    plot(rows, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
