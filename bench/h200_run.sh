@@ -43,6 +43,7 @@ gluon)   # the Gluon decode kernels: checked against the reference, then each be
     run 110 env FORMAT=turboquant:k=q4_0,v=q4_0 VARIANTS='{"ring2": {}, "ring2_r128": {"max_registers": 128}}' \
         python bench/gluon_probe.py
     run 100 env FORMAT=q4 VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
+    run 100 env FORMAT=off VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
     ;;
 *)
     echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon" >&2

@@ -1,4 +1,4 @@
-"""The Gluon decode kernels (`ops/triton/decode_gluon.py`: q8, the default; TurboQuant and q4, not yet) against
+"""The Gluon decode kernels (`ops/triton/decode_gluon.py`: q8, the default; TurboQuant, q4, off, not yet) against
 the reference path, on a CUDA device.
 
 Gluon has no interpreter: on the CPU, `test_sm90_compile.py` compiles them for sm_90 and checks their loops
@@ -86,6 +86,26 @@ def test_gluon_q4_decode_matches_reference(shape, num_splits, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
+def test_gluon_dense_decode_matches_reference(shape, num_splits, dtype):
+    from pagedkv.ops.triton import decode_gluon
+
+    hq, hkv, d, bs = shape
+    case = build_case(hash(("off", shape)) % 1000, "off", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
+    assert decode_gluon.supports_dense(case.fmt, case.query, bs)
+    scale = d ** -0.5
+    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
+    out = decode_gluon.paged_attention_dense(case.query, case.pages, case.fmt, case.meta, scale=scale,
+                                             num_splits=num_splits)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+
+
 def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read():
     """`decode_gluon.launcher` (CPU: shapes and options only): q8 decodes by default; q4 and TurboQuant not
     until timed (DEFAULT_KERNELS); nothing with a window, soft-capping, float32 queries or blocks of 5 slots."""
@@ -95,11 +115,12 @@ def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read()
 
     query = torch.empty(4, 8, 128, dtype=torch.bfloat16)
     fmt = {spec: make_format(KVFormat.parse(spec), 2, 128, torch.bfloat16, "cpu")
-           for spec in ("q8", "q4", "turboquant", "q8:rotate_keys")}
+           for spec in ("q8", "q4", "turboquant", "q8:rotate_keys", "off")}
     assert decode_gluon.launcher(fmt["q8"], query, 16) is decode_gluon.paged_attention
     assert decode_gluon.launcher(fmt["q8"], query, 32) is decode_gluon.paged_attention
     assert decode_gluon.launcher(fmt["q4"], query, 16) is None
     assert decode_gluon.launcher(fmt["turboquant"], query, 16) is None
+    assert decode_gluon.launcher(fmt["off"], query, 16) is None
     assert decode_gluon.launcher(fmt["q8:rotate_keys"], query, 16) is None
     assert decode_gluon.launcher(fmt["q8"], query, 5) is None
     assert decode_gluon.launcher(fmt["q8"], query.float(), 16) is None
@@ -109,3 +130,4 @@ def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read()
     # every kernel reads its own format where timed in: the readers, without the default list
     assert decode_gluon.supports_q4(fmt["q4"], query, 16) and decode_gluon.supports_tq(fmt["turboquant"], query, 16)
     assert not decode_gluon.supports_tq(fmt["q4"], query, 16) and not decode_gluon.supports_q4(fmt["q8"], query, 16)
+    assert decode_gluon.supports_dense(fmt["off"], query, 16) and not decode_gluon.supports_dense(fmt["q8"], query, 16)

@@ -73,19 +73,22 @@ def test_the_warp_split_decode_kernel_compiles_in_both_orientations_for_every_fo
 
 
 def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conversions():
-    """`decode_gluon.py` for sm_90 (q8: head_dim 64 and 128, split and not; TurboQuant, q4), both 16-bit query
+    """`decode_gluon.py` for sm_90 (q8: head_dim 64 and 128, split and not; TurboQuant, q4, off), both 16-bit query
     dtypes: its loop copies the page rows with cp.async (LDGSTS), reads them back (LDS), transposes P^T with
     MOVM, and stores nothing to shared memory itself (no layout conversion through it); no spills."""
     r = kernel_report("--gluon")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
     tq44 = "turboquant:k=q4_0,v=q4_0"
-    assert [row["format"] for row in rows] == ["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2, r.stdout
+    assert [row["format"] for row in rows] == ["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2 + ["off"] * 2, \
+        r.stdout
     for row in rows:
         ops = row["loop_ops"]
         mma_per_step = 2 * row["head_dim"] // 16   # S^T: head_dim / 16 k-steps; O^T: head_dim / 16 M-tiles
         assert row["spill_bytes"] == 0, row
-        assert row["registers"] <= (128 if row["format"] in ("q8", "q4") else 168), row
+        assert row["registers"] <= (128 if row["format"] in ("q8", "q4", "off") else 168), row
         # P^T transposed once, or once per value scale group (3-bit TurboQuant values: four)
         assert ops.get("HMMA") == mma_per_step and ops.get("MOVM") == (8 if row["format"] == "turboquant" else 2), row
-        assert ops.get("LDGSTS", 0) >= 8 and "LDS" in ops and "STS" not in ops, row
+        assert ops.get("LDGSTS", 0) >= 8 and "STS" not in ops, row
+        # codes read back by the lane that copied them (LDS); dense rows through ldmatrix into the fragments
+        assert ops.get("LDSM", 0) == (mma_per_step if row["format"] == "off" else 0) and "LDS" in ops, row

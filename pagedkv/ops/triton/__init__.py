@@ -111,8 +111,9 @@ def gluon_decode(query, fmt, meta, **options):
     """The Gluon kernel that runs this batch (`decode_gluon.launcher`: decode-like batches on a GPU over pages it
     reads and serves by default), else None."""
     from .decode import fast_conversions
+    from .tuning import is_decode_like
 
-    if not (query.is_cuda and fast_conversions() and uses_warp_split(query.shape[0], meta.block_table.shape[0], fmt)):
+    if not (query.is_cuda and fast_conversions() and is_decode_like(query.shape[0], meta.block_table.shape[0])):
         return None
     try:
         from . import decode_gluon

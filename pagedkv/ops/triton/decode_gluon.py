@@ -16,11 +16,12 @@ fragment holds P^T with keys on the lane's row bits, while O^T = V^T P^T needs t
 step i + 1 are in flight while step i computes (`STAGES`), holding no register.
 
 One warp per program, programs over (query token, KV head, split) like the other decode kernels; partial
-states in `split_k.partial_states`' layout. Three kernels: q8 (head_dim 64 and 128), q4 and TurboQuant (q8_0 or
-q4_0 keys, q3_0 or q4_0 values; head_dim 128), none with soft-capping, sliding or dense recent window.
+states in `split_k.partial_states`' layout. Four kernels: q8 (head_dim 64 and 128), q4 and TurboQuant (q8_0 or
+q4_0 keys, q3_0 or q4_0 values; head_dim 128), dense pages (`off`, 64 and 128: `ldmatrix` from the ring, nothing
+to convert), none with soft-capping, sliding or dense recent window.
 `launcher` serves a decode batch with one where its format is in DEFAULT_KERNELS, measured faster than
-`decode.py` on an H200 (q8, `bench/gluon_probe.py`, 2026-12-02: 1.06-1.11x at every shape); q4 and TurboQuant
-wait for their timing (`bash bench/h200_run.sh gluon`). Gluon has no interpreter: on the CPU they are compiled
+`decode.py` on an H200 (q8, `bench/gluon_probe.py`, 2026-12-02: 1.06-1.11x at every shape); q4, TurboQuant and
+`off` wait for their timing (`bash bench/h200_run.sh gluon`). Gluon has no interpreter: on the CPU they are compiled
 for sm_90 (`bench/kernel_report.py --gluon`) and their PTX look-ups run in an emulator; on the GPU they are
 checked against the reference path (`tests/triton/test_decode_gluon.py`).
 """
@@ -92,7 +93,7 @@ def transpose_p(p):
     the B operand of O^T = V^T P^T (keys on its column bits): `movmatrix.trans` per 8 x 8 block, then the
     registers renamed."""
     t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p],
-                                  dtype=gl.float16, is_pure=True, pack=2)
+                                  dtype=p.dtype, is_pure=True, pack=2)
     t = gl.reshape(gl.permute(gl.reshape(t, [2, 8, 8]), (0, 2, 1)), [16, 8])
     return gl.convert_layout(t, B_OP, assert_trivial=True)
 
@@ -774,8 +775,149 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     return out
 
 
+
+# Dense (bf16 / fp16) pages: no codes to name, so the ring is copied in plain 16-byte runs and read back with
+# `ldmatrix` straight into the operand fragments (K as stored, V^T through a transposed view of the ring).
+DENSE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))
+
+
+@gluon.jit
+def copy_dense_step(k_ptr, v_ptr, bt_row, start, kv_hi, k_strides, v_strides, k_sm, v_sm, HEAD_DIM: gl.constexpr,
+                    BLOCK_SIZE: gl.constexpr):
+    """Ask for the 16 keys' dense rows from `start` into one stage of the ring (cp.async, 16-byte runs; rows past
+    the sequence's end are finite or masked zero: a slot never written may hold NaN, so they are masked)."""
+    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
+    slot = start % BLOCK_SIZE
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, DENSE_COPY))
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, DENSE_COPY))
+    ok = (start + r < kv_hi)[:, None]
+    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + r[:, None]) * k_strides[1]
+                                           + c[None, :], ok)
+    async_copy.async_copy_global_to_shared(v_sm, v_ptr + block * v_strides[0] + (slot + r[:, None]) * v_strides[1]
+                                           + c[None, :], ok)
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+def decode_dense_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides,
+    num_seqs, num_splits, qk_scale,
+    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    SPLIT: gl.constexpr, STAGES: gl.constexpr = 2,
+):
+    token = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    split = gl.program_id(2)
+    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_pos = gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+    DT: gl.constexpr = k_ptr.dtype.element_ty
+
+    qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, PLAIN))
+    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
+    q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
+    qt = gl.load(q_at + qc[:, None], mask=(qh < GROUP)[None, :], other=0.0)
+    qt = gl.convert_layout(qt.to(DT), B_OP)
+
+    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
+    kv_lo = split * chunk
+    kv_hi = gl.minimum(kv_lo + chunk, q_pos + 1)
+    head_off = kv_head.to(gl.int64)
+    k_ptr += head_off * k_strides[2]
+    v_ptr += head_off * v_strides[2]
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
+    RING: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    k_ring = gl.allocate_shared_memory(DT, [STAGES, 16, HEAD_DIM], RING)
+    v_ring = gl.allocate_shared_memory(DT, [STAGES, 16, HEAD_DIM], RING)
+    for st in gl.static_range(STAGES - 1):
+        copy_dense_step(k_ptr, v_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, v_strides, k_ring.index(st),
+                        v_ring.index(st), HEAD_DIM, BLOCK_SIZE)
+
+    acc = gl.full([HEAD_DIM, 8], 0.0, gl.float32, MMA)
+    m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+    l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
+    scale = qk_scale * LOG2E
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    A_DT: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    stage = 0
+    for start in range(kv_lo, kv_hi, 16):
+        ahead = (stage + STAGES - 1) % STAGES
+        copy_dense_step(k_ptr, v_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
+                        k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE)
+        async_copy.wait_group(STAGES - 1)
+        s = mma_v2(k_ring.index(stage).load(A_DT), qt, gl.full([16, 8], 0.0, gl.float32, MMA))
+        s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        pt = transpose_p(p.to(DT))
+        acc = mma_v2(v_ring.index(stage).permute((1, 0)).load(A_DT), pt, acc * alpha[None, :])
+        stage = (stage + 1) % STAGES
+    async_copy.wait_group(0)
+
+    oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, MMA))
+    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    h_ok = oh < GROUP
+    head = kv_head * GROUP + oh
+    if SPLIT:
+        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        gl.store(part_m_ptr + state, m_i, mask=h_ok)
+        gl.store(part_l_ptr + state, l_i, mask=h_ok)
+        gl.store(part_out_ptr + state[None, :] * HEAD_DIM + oc[:, None], acc, mask=h_ok[None, :])
+    else:
+        inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
+        o_at = out_ptr + token.to(gl.int64) * stride_ot + head[None, :] * stride_oh + oc[:, None]
+        gl.store(o_at, (acc * inv[None, :]).to(out_ptr.dtype.element_ty), mask=h_ok[None, :])
+
+
+def supports_dense(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None,
+                   window=None) -> bool:
+    """Whether `paged_attention_dense` reads this decode: dense pages of the query's 16-bit dtype, head_dim 64 or
+    128, groups of up to 8 query heads, blocks of a multiple of 16 slots, no soft-capping, sliding window."""
+    return (fmt.spec.kind == "dense" and fmt.head_dim in (64, 128) and query.shape[1] // fmt.num_kv_heads <= 8
+            and block_size % 16 == 0 and query.dtype in (torch.float16, torch.bfloat16) and not softcap
+            and not sliding_window and window is None)
+
+
+def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
+                          num_splits: int = 1, stages: int = STAGES) -> torch.Tensor:
+    """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
+    dtype)."""
+    from .attention import check_inputs, dot_precision
+    from .page_view import page_view, stride3
+    from .split_k import partial_states, reduce_splits
+
+    view = page_view(fmt, pages)
+    check_inputs(query, view, meta)
+    if view.k.dtype != query.dtype:
+        raise ValueError(f"the Gluon dense decode reads pages of the query's dtype: pages {view.k.dtype}, "
+                         f"query {query.dtype}")
+    num_tokens, num_q_heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    split = num_splits > 1
+    parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
+    decode_dense_kernel[(num_tokens, view.num_kv_heads, num_splits)](
+        out, *parts, query, view.k, view.v, meta.block_table, meta.seq_lens, meta.query_start_loc,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+        stride3(view.k), stride3(view.v), meta.block_table.shape[0], num_splits, float(scale),
+        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=meta.block_size, SPLIT=split, STAGES=stages, num_warps=1)
+    if split:
+        reduce_splits(out, parts, view, dot_precision(query.dtype))
+    return out
+
 # The formats whose Gluon kernel serves decode batches by default: each joins once it is timed faster than
-# `decode.py` on the GPU (BENCHMARKS.md). q8: 1.06-1.11x (2026-12-02). TurboQuant and q4: not yet timed.
+# `decode.py` (for `off`: the varlen / split-K kernels) on the GPU (BENCHMARKS.md). q8: 1.06-1.11x (2026-12-02).
+# TurboQuant, q4 and `off`: not yet timed.
 DEFAULT_KERNELS = ("q8",)
 
 
@@ -783,7 +925,7 @@ def launcher(fmt, query: torch.Tensor, block_size: int, **options):
     """The Gluon kernel's launcher for this decode when its format is in DEFAULT_KERNELS and the kernel reads it
     (`supports`, `supports_q4`, `supports_tq`; options: softcap, sliding_window, window), else None."""
     kernels = {"q8": (supports, paged_attention), "q4": (supports_q4, paged_attention_q4),
-               "turboquant": (supports_tq, paged_attention_tq)}
+               "turboquant": (supports_tq, paged_attention_tq), "off": (supports_dense, paged_attention_dense)}
     for name in DEFAULT_KERNELS:
         reads, launch = kernels[name]
         if reads(fmt, query, block_size, **options):
