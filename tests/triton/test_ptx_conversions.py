@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from pagedkv.formats.codebook import lloyd_max_codebook
-from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, NIBBLE_KEY_PAIRS_ASM, INT8_PAIRS_ASM, NIBBLE_PAIRS_ASM,
-                                            NIBBLE_QUADS_ASM, SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO,
-                                            SIGNED_NIBBLE_PAIRS_ASM, SIX_BIT_QUADS_ASM)
+from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, INT8_PAIRS_ASM,
+                                            NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM, NIBBLE_QUADS_ASM,
+                                            SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_PAIRS_ASM,
+                                            SIX_BIT_QUADS_ASM)
 
 M32 = 0xFFFFFFFF
 

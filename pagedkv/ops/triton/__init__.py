@@ -59,7 +59,8 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
     """Attention of packed queries [num_tokens, num_q_heads, head_dim] over one layer's pages.
 
     Decode-like batches over KV-Quant pages and the TurboQuant pages it reads run the warp-split decode
-    kernel (`decode.py`); other batches the varlen kernel, or split-K when the (query block, KV head)
+    kernel (`decode.py`), or on a GPU a Gluon kernel where one serves the format (`decode_gluon.launcher`:
+    q8); other batches the varlen kernel, or split-K when the (query block, KV head)
     programs would not fill the GPU; with `tuning.DENSE_PREFILL`, prefill batches over quantized pages run
     through dense scratch pages (`dense_prefill.py`). Every choice is made from shapes alone.
     `window`: the layer's dense recent window (rings of keys and values, `decode.paged_attention`), for batches
