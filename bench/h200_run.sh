@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements and checks BENCHMARKS.md reports, on one H200, in three calls of under ten minutes each
+# The GPU measurements and checks BENCHMARKS.md reports, on one H200, in calls of under ten minutes each
 # (a call's limit), measurements first so that a call cut short still brings numbers back. Results go to $OUT
 # (default bench/results); each step has its own time limit and runs even if an earlier one failed; the exit
 # code says whether any did.
@@ -8,7 +8,8 @@
 #                                                  # prefill also through the fused kernels)
 #   OUT=/some/dir bash bench/h200_run.sh tests     # the decode, window and CUDA graph GPU tests (long: they compile)
 #   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
-#   OUT=/some/dir bash bench/h200_run.sh gluon     # the Gluon decode kernels' GPU tests, each timed beside the default
+#   OUT=/some/dir bash bench/h200_run.sh gluon-tests  # the Gluon decode kernels' GPU tests
+#   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -37,8 +38,10 @@ engine)
         --formats off turboquant q4 --admission-lookahead-tokens 0 1024 --out "$OUT"
     run 90 python bench/tiers.py --model llama8b --device cuda --prefix-tokens 2048 8192 32768 --out "$OUT/h200"
     ;;
-gluon)   # the Gluon decode kernels: checked against the reference, then each beside the default decode
-    run 200 python -m pytest -q -rf tests/triton/test_decode_gluon.py
+gluon-tests)   # the Gluon decode kernels against the reference (about 90 kernel variants to compile)
+    run 560 python -m pytest -q -rf tests/triton/test_decode_gluon.py
+    ;;
+gluon)   # each Gluon decode kernel beside the default decode
     run 130 env FORMAT=turboquant VARIANTS='{"ring2": {}, "ring2_r128": {"max_registers": 128}}' python bench/gluon_probe.py
     run 110 env FORMAT=turboquant:k=q4_0,v=q4_0 VARIANTS='{"ring2": {}, "ring2_r128": {"max_registers": 128}}' \
         python bench/gluon_probe.py
@@ -46,7 +49,7 @@ gluon)   # the Gluon decode kernels: checked against the reference, then each be
     run 100 env FORMAT=off VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon-tests|gluon" >&2
     exit 2
     ;;
 esac
