@@ -131,3 +131,15 @@ def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read()
     assert decode_gluon.supports_q4(fmt["q4"], query, 16) and decode_gluon.supports_tq(fmt["turboquant"], query, 16)
     assert not decode_gluon.supports_tq(fmt["q4"], query, 16) and not decode_gluon.supports_q4(fmt["q8"], query, 16)
     assert decode_gluon.supports_dense(fmt["off"], query, 16) and not decode_gluon.supports_dense(fmt["q8"], query, 16)
+
+
+def test_gluon_is_used_only_with_the_triton_it_is_written_for(monkeypatch):
+    import triton
+
+    from pagedkv.ops.triton import gluon_available
+
+    assert gluon_available() == (tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6))
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    assert not gluon_available()
+    monkeypatch.setattr(triton, "__version__", "3.7.0+git1234")
+    assert gluon_available()

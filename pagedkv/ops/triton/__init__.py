@@ -116,11 +116,25 @@ def gluon_decode(query, fmt, meta, **options):
 
     if not (query.is_cuda and fast_conversions() and is_decode_like(query.shape[0], meta.block_table.shape[0])):
         return None
-    try:
-        from . import decode_gluon
-    except ImportError:   # a Triton without Gluon
+    if not gluon_available():
         return None
+    from . import decode_gluon
+
     return decode_gluon.launcher(fmt, query, meta.block_size, **options)
+
+
+def gluon_available() -> bool:
+    """Gluon as the kernels are written for: Triton 3.6 or newer (its API moved between releases)."""
+    import importlib.util
+
+    import triton
+
+    try:
+        version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+        found = importlib.util.find_spec("triton.experimental.gluon") is not None
+    except (ImportError, ValueError):
+        return False
+    return found and version >= (3, 6)
 
 
 def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):
