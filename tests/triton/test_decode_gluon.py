@@ -21,87 +21,32 @@ NEW_LENS = [5, 1, 3, 1, 0, 1]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
-def test_gluon_q8_decode_matches_reference(shape, num_splits, dtype):
-    from pagedkv.ops.triton import decode_gluon
-
-    hq, hkv, d, bs = shape
-    case = build_case(hash(shape) % 1000, "q8", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                      ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
-    assert decode_gluon.supports(case.fmt, case.query, bs)
-    scale = d ** -0.5
-    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
-    out = decode_gluon.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits)
-    assert out.dtype == dtype
-    assert rel_err(out, ref) < TOL[dtype]
-
-
 TQ_SHAPES = [(8, 2, 128, 16), (4, 4, 128, 16), (8, 1, 128, 32), (32, 8, 128, 16)]   # TurboQuant, q4: head_dim 128
+TQ_SPECS = ["turboquant", "turboquant:k=q8_0,v=q3_0,rotate_keys", "turboquant:k=q4_0,v=q4_0",
+            "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q8_0,v=q4_0", "turboquant:k=q4_0,v=q3_0"]
+# (format, kernel name in decode_gluon.KERNELS, shape)
+CASES = ([("q8", "q8", shape) for shape in SHAPES] + [("off", "off", shape) for shape in SHAPES]
+         + [("q4", "q4", shape) for shape in TQ_SHAPES] + [(spec, "turboquant", shape) for spec in TQ_SPECS
+                                                          for shape in TQ_SHAPES])
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
-@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q8_0,v=q3_0,rotate_keys", "turboquant:k=q4_0,v=q4_0",
-                                  "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q8_0,v=q4_0",
-                                  "turboquant:k=q4_0,v=q3_0"])
-def test_gluon_turboquant_decode_matches_reference(spec, shape, num_splits, dtype):
+@pytest.mark.parametrize("spec,kernel,shape", CASES,
+                         ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
+def test_gluon_decode_matches_reference(spec, kernel, shape, num_splits, dtype):
     from pagedkv.ops.triton import decode_gluon
 
+    reads, launch = decode_gluon.KERNELS[kernel]
     hq, hkv, d, bs = shape
     case = build_case(hash((spec, shape)) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                       ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
-    assert decode_gluon.supports_tq(case.fmt, case.query, bs)
+    assert reads(case.fmt, case.query, bs)
     scale = d ** -0.5
     ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
-    out = decode_gluon.paged_attention_tq(case.query, case.pages, case.fmt, case.meta, scale=scale,
-                                          num_splits=num_splits)
-    assert out.dtype == dtype
-    assert rel_err(out, ref) < TOL[dtype]
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
-def test_gluon_q4_decode_matches_reference(shape, num_splits, dtype):
-    from pagedkv.ops.triton import decode_gluon
-
-    hq, hkv, d, bs = shape
-    case = build_case(hash(("q4", shape)) % 1000, "q4", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                      ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
-    assert decode_gluon.supports_q4(case.fmt, case.query, bs)
-    scale = d ** -0.5
-    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
-    out = decode_gluon.paged_attention_q4(case.query, case.pages, case.fmt, case.meta, scale=scale,
-                                          num_splits=num_splits)
-    assert out.dtype == dtype
-    assert rel_err(out, ref) < TOL[dtype]
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}kv{}d{}bs{}".format(*s))
-def test_gluon_dense_decode_matches_reference(shape, num_splits, dtype):
-    from pagedkv.ops.triton import decode_gluon
-
-    hq, hkv, d, bs = shape
-    case = build_case(hash(("off", shape)) % 1000, "off", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                      ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
-    assert decode_gluon.supports_dense(case.fmt, case.query, bs)
-    scale = d ** -0.5
-    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
-    out = decode_gluon.paged_attention_dense(case.query, case.pages, case.fmt, case.meta, scale=scale,
-                                             num_splits=num_splits)
+    out = launch(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits)
     assert out.dtype == dtype
     assert rel_err(out, ref) < TOL[dtype]
 

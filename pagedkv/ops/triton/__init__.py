@@ -8,6 +8,7 @@ for a format compiles it (seconds each; Triton keeps the result in its cache, `~
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -124,17 +125,23 @@ def gluon_decode(query, fmt, meta, **options):
 
 
 def gluon_available() -> bool:
-    """Gluon as the kernels are written for: Triton 3.6 or newer (its API moved between releases)."""
-    import importlib.util
-
+    """Gluon as the kernels are written for: Triton 3.6 or newer (its API moved between releases). Asked on every
+    decode call, so answered once per Triton version."""
     import triton
 
+    return _gluon_supported(triton.__version__)
+
+
+@functools.cache
+def _gluon_supported(version: str) -> bool:
+    import importlib.util
+
     try:
-        version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+        major_minor = tuple(int(x) for x in version.split(".")[:2])
         found = importlib.util.find_spec("triton.experimental.gluon") is not None
     except (ImportError, ValueError):
         return False
-    return found and version >= (3, 6)
+    return found and major_minor >= (3, 6)
 
 
 def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):

@@ -113,6 +113,33 @@ def sequence_of(token, query_start_loc_ptr, num_seqs):
 
 
 @gluon.jit
+def query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs):
+    """(sequence, position) of packed query token `token`."""
+    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    return seq, gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+
+
+@gluon.jit
+def split_range(q_pos, split, num_splits):
+    """The keys [kv_lo, kv_hi) split `split` of a query at q_pos attends, in whole 16-key steps but the last."""
+    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
+    kv_lo = split * chunk
+    return kv_lo, gl.minimum(kv_lo + chunk, q_pos + 1)
+
+
+@gluon.jit
+def softmax_step(s, m_i, l_i):
+    """One online-softmax step over masked scores^T s [16, 8] in log2 units: (p, alpha [8], m_i, l_i)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_safe[None, :])
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=0)
+
+
+@gluon.jit
 def copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc, sr, k_strides, v_strides,
               ks_strides, vs_strides, k_sm, v_sm, ks_sm, vs_sm, BLOCK_SIZE: gl.constexpr):
     """Ask for the 16 keys from `start` into one stage of the shared ring (cp.async: no register holds them in
@@ -142,10 +169,7 @@ def decode_q8_kernel(
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
-    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_pos = gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
 
     qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, PLAIN))
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
@@ -153,9 +177,7 @@ def decode_q8_kernel(
     qt = gl.load(q_at + key_channel(qc, HEAD_DIM)[:, None], mask=(qh < GROUP)[None, :], other=0.0)
     qt = gl.convert_layout(qt.to(gl.float16), B_OP)
 
-    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
-    kv_lo = split * chunk
-    kv_hi = gl.minimum(kv_lo + chunk, q_pos + 1)
+    kv_lo, kv_hi = split_range(q_pos, split, num_splits)
     head_off = kv_head.to(gl.int64)
     k_ptr += head_off * k_strides[2]
     v_ptr += head_off * v_strides[2]
@@ -199,12 +221,7 @@ def decode_q8_kernel(
         ka = gl.reshape(gl.permute(gl.reshape(int8_to_f16(k8), [16, 4, NJ, 2, 2]), (0, 2, 3, 1, 4)), [16, HEAD_DIM])
         s = mma_v2(gl.convert_layout(ka, A_OP, assert_trivial=True), qt, gl.full([16, 8], 0.0, gl.float32, MMA))
         s = gl.where(s_ok[:, None], s * (ks * scale)[:, None], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[None, :])
-        alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         pt = transpose_p((p * vs[:, None]).to(gl.float16))
         va = gl.reshape(gl.permute(gl.reshape(int8_to_f16(v8), [16, 8, NJ, 2]), (0, 2, 3, 1)), [16, HEAD_DIM])
         vt = gl.convert_layout(gl.permute(va, (1, 0)), A_OP, assert_trivial=True)
@@ -373,10 +390,7 @@ def decode_tq_kernel(
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
-    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_pos = gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
 
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
     q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
@@ -385,9 +399,7 @@ def decode_tq_kernel(
     q2, qs2 = tq_query_group(q_at, qh < GROUP, 2, K_BITS)
     q3, qs3 = tq_query_group(q_at, qh < GROUP, 3, K_BITS)
 
-    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
-    kv_lo = split * chunk
-    kv_hi = gl.minimum(kv_lo + chunk, q_pos + 1)
+    kv_lo, kv_hi = split_range(q_pos, split, num_splits)
     head_off = kv_head.to(gl.int64)
     k_ptr += head_off * k_strides[2]
     ks_ptr += head_off * ks_strides[2]
@@ -442,12 +454,8 @@ def decode_tq_kernel(
         s += group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, zero), column(ks, 2), column(kz, 2), qs2)
         s += group_scores(mma_v2(tq_key_group(k_ring, stage, 3, K_BITS), q3, zero), column(ks, 3), column(kz, 3), qs3)
         s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[None, :])
-        alpha = gl.exp2(m_i - m_safe)[None, :]
-        l_i = l_i * gl.exp2(m_i - m_safe) + gl.sum(p, axis=0)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+        alpha = alpha[None, :]
         if V_BITS == 3:   # a tile lies in one scale group: the scales go on P^T, once per group
             vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
             p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
@@ -582,10 +590,7 @@ def decode_q4_kernel(
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
-    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_pos = gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
 
     c = gl.arange(0, 128, layout=gl.SliceLayout(1, PLAIN))
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
@@ -594,9 +599,7 @@ def decode_q4_kernel(
     qt = gl.load(q_at + stored[:, None], mask=(qh < GROUP)[None, :], other=0.0)
     qt = gl.convert_layout(qt.to(gl.float16), B_OP)
 
-    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
-    kv_lo = split * chunk
-    kv_hi = gl.minimum(kv_lo + chunk, q_pos + 1)
+    kv_lo, kv_hi = split_range(q_pos, split, num_splits)
     head_off = kv_head.to(gl.int64)
     k_ptr += head_off * k_strides[2]
     ks_ptr += head_off * ks_strides[2]
@@ -642,12 +645,8 @@ def decode_q4_kernel(
         ks = ks_ring.index(stage).load(gl.SliceLayout(1, MMA))
         vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
         s = gl.where((start + sr < kv_hi)[:, None], s * (ks * scale)[:, None], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[None, :])
-        alpha = gl.exp2(m_i - m_safe)[None, :]
-        l_i = l_i * gl.exp2(m_i - m_safe) + gl.sum(p, axis=0)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+        alpha = alpha[None, :]
         pt = transpose_p((p * vs[:, None]).to(gl.float16))
         f = gl.inline_asm_elementwise(NIBBLE_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
                                       [w_ring.index(stage).load(TQ_UNITS)], dtype=(gl.float16,) * 8, is_pure=True,
@@ -810,10 +809,7 @@ def decode_dense_kernel(
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
-    seq = sequence_of(token, query_start_loc_ptr, num_seqs)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_pos = gl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
+    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
     DT: gl.constexpr = k_ptr.dtype.element_ty
 
     qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, PLAIN))
@@ -822,9 +818,7 @@ def decode_dense_kernel(
     qt = gl.load(q_at + qc[:, None], mask=(qh < GROUP)[None, :], other=0.0)
     qt = gl.convert_layout(qt.to(DT), B_OP)
 
-    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
-    kv_lo = split * chunk
-    kv_hi = gl.minimum(kv_lo + chunk, q_pos + 1)
+    kv_lo, kv_hi = split_range(q_pos, split, num_splits)
     head_off = kv_head.to(gl.int64)
     k_ptr += head_off * k_strides[2]
     v_ptr += head_off * v_strides[2]
@@ -851,12 +845,7 @@ def decode_dense_kernel(
         async_copy.wait_group(STAGES - 1)
         s = mma_v2(k_ring.index(stage).load(A_DT), qt, gl.full([16, 8], 0.0, gl.float32, MMA))
         s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[None, :])
-        alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         pt = transpose_p(p.to(DT))
         acc = mma_v2(v_ring.index(stage).permute((1, 0)).load(A_DT), pt, acc * alpha[None, :])
         stage = (stage + 1) % STAGES
@@ -915,6 +904,9 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
         reduce_splits(out, parts, view, dot_precision(query.dtype))
     return out
 
+# Each format's Gluon kernel: (whether it reads a decode, its launcher)
+KERNELS = {"q8": (supports, paged_attention), "q4": (supports_q4, paged_attention_q4),
+           "turboquant": (supports_tq, paged_attention_tq), "off": (supports_dense, paged_attention_dense)}
 # The formats whose Gluon kernel serves decode batches by default: each joins once it is timed faster than
 # `decode.py` (for `off`: the varlen / split-K kernels) on the GPU (BENCHMARKS.md). q8: 1.06-1.11x (2026-12-02).
 # TurboQuant, q4 and `off`: not yet timed.
@@ -924,10 +916,8 @@ DEFAULT_KERNELS = ("q8",)
 def launcher(fmt, query: torch.Tensor, block_size: int, **options):
     """The Gluon kernel's launcher for this decode when its format is in DEFAULT_KERNELS and the kernel reads it
     (`supports`, `supports_q4`, `supports_tq`; options: softcap, sliding_window, window), else None."""
-    kernels = {"q8": (supports, paged_attention), "q4": (supports_q4, paged_attention_q4),
-               "turboquant": (supports_tq, paged_attention_tq), "off": (supports_dense, paged_attention_dense)}
     for name in DEFAULT_KERNELS:
-        reads, launch = kernels[name]
+        reads, launch = KERNELS[name]
         if reads(fmt, query, block_size, **options):
             return launch
     return None
