@@ -100,7 +100,8 @@ def transpose_p(p):
 
 @gluon.jit
 def sequence_of(token, query_start_loc_ptr, num_seqs):
-    """The sequence whose query rows hold packed query token `token`: the last i with qsl[i] <= token."""
+    """The sequence whose query rows hold packed query token `token`: the last i with qsl[i] <= token
+    (`decode_io.token_sequence` in Gluon: a Gluon kernel cannot call a tile-language function)."""
     lo = 0
     hi = num_seqs
     while lo < hi:
