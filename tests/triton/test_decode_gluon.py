@@ -52,26 +52,30 @@ def test_gluon_decode_matches_reference(spec, kernel, shape, num_splits, dtype):
 
 
 def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read():
-    """`decode_gluon.launcher` (CPU: shapes and options only): q8 decodes by default; q4 and TurboQuant not
-    until timed (DEFAULT_KERNELS); nothing with a window, soft-capping, float32 queries or blocks of 5 slots."""
+    """`decode_gluon.launcher` (CPU: shapes and options only): q8, q4, TurboQuant and `off` decode by default
+    (DEFAULT_KERNELS, each timed faster), each with its split target; nothing with rotated KV-Quant keys, a window,
+    soft-capping, float32 queries or blocks of 5 slots."""
     from pagedkv.config import KVFormat
     from pagedkv.formats import make_format
     from pagedkv.ops.triton import decode_gluon
 
     query = torch.empty(4, 8, 128, dtype=torch.bfloat16)
     fmt = {spec: make_format(KVFormat.parse(spec), 2, 128, torch.bfloat16, "cpu")
-           for spec in ("q8", "q4", "turboquant", "q8:rotate_keys", "off")}
-    assert decode_gluon.launcher(fmt["q8"], query, 16) is decode_gluon.paged_attention
-    assert decode_gluon.launcher(fmt["q8"], query, 32) is decode_gluon.paged_attention
-    assert decode_gluon.launcher(fmt["q4"], query, 16) is None
-    assert decode_gluon.launcher(fmt["turboquant"], query, 16) is None
-    assert decode_gluon.launcher(fmt["off"], query, 16) is None
+           for spec in ("q8", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "q8:rotate_keys", "off", "q6")}
+    assert decode_gluon.launcher(fmt["q8"], query, 16) == (decode_gluon.paged_attention, 8)
+    assert decode_gluon.launcher(fmt["q8"], query, 32) == (decode_gluon.paged_attention, 8)
+    assert decode_gluon.launcher(fmt["q4"], query, 16) == (decode_gluon.paged_attention_q4, 8)
+    assert decode_gluon.launcher(fmt["turboquant"], query, 16) == (decode_gluon.paged_attention_tq, 16)
+    assert decode_gluon.launcher(fmt["turboquant:k=q4_0,v=q4_0"], query, 16) == (decode_gluon.paged_attention_tq, 8)
+    assert decode_gluon.launcher(fmt["off"], query, 16) == (decode_gluon.paged_attention_dense, 8)
+    assert decode_gluon.launcher(fmt["q6"], query, 16) is None
     assert decode_gluon.launcher(fmt["q8:rotate_keys"], query, 16) is None
-    assert decode_gluon.launcher(fmt["q8"], query, 5) is None
-    assert decode_gluon.launcher(fmt["q8"], query.float(), 16) is None
-    assert decode_gluon.launcher(fmt["q8"], query, 16, softcap=30.0) is None
-    assert decode_gluon.launcher(fmt["q8"], query, 16, sliding_window=64) is None
-    assert decode_gluon.launcher(fmt["q8"], query, 16, window=(query, query)) is None
+    for spec in ("q8", "q4", "turboquant", "off"):
+        assert decode_gluon.launcher(fmt[spec], query, 5) is None
+        assert decode_gluon.launcher(fmt[spec], query.float(), 16) is None
+        assert decode_gluon.launcher(fmt[spec], query, 16, softcap=30.0) is None
+        assert decode_gluon.launcher(fmt[spec], query, 16, sliding_window=64) is None
+        assert decode_gluon.launcher(fmt[spec], query, 16, window=(query, query)) is None
     # every kernel reads its own format where timed in: the readers, without the default list
     assert decode_gluon.supports_q4(fmt["q4"], query, 16) and decode_gluon.supports_tq(fmt["turboquant"], query, 16)
     assert not decode_gluon.supports_tq(fmt["q4"], query, 16) and not decode_gluon.supports_q4(fmt["q8"], query, 16)

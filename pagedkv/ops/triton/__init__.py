@@ -110,8 +110,8 @@ def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
 
 
 def gluon_decode(query, fmt, meta, **options):
-    """The Gluon kernel that runs this batch (`decode_gluon.launcher`: decode-like batches on a GPU over pages it
-    reads and serves by default), else None."""
+    """(launcher, programs per multiprocessor) of the Gluon kernel that runs this batch (`decode_gluon.launcher`:
+    decode-like batches on a GPU over pages it reads and serves by default), else None."""
     from .decode import fast_conversions
     from .tuning import is_decode_like
 
@@ -170,10 +170,9 @@ def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap
     capacity = meta.block_table.shape[1] * meta.block_size
     gluon = gluon_decode(query, fmt, meta, sliding_window=sliding_window, softcap=softcap, window=window)
     if gluon is not None:
-        from .decode_gluon import PROGRAMS_PER_SM
-
-        num_splits = warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device, PROGRAMS_PER_SM)
-        return gluon(query, pages, fmt, meta, scale=scale, num_splits=num_splits)
+        launch, programs_per_sm = gluon
+        num_splits = warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device, programs_per_sm)
+        return launch(query, pages, fmt, meta, scale=scale, num_splits=num_splits)
     if window is not None or uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):
         from . import decode
 

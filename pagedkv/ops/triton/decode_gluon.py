@@ -19,9 +19,9 @@ One warp per program, programs over (query token, KV head, split) like the other
 states in `split_k.partial_states`' layout. Four kernels: q8 (head_dim 64 and 128), q4 and TurboQuant (q8_0 or
 q4_0 keys, q3_0 or q4_0 values; head_dim 128), dense pages (`off`, 64 and 128: `ldmatrix` from the ring, nothing
 to convert), none with soft-capping, sliding or dense recent window.
-`launcher` serves a decode batch with one where its format is in DEFAULT_KERNELS, measured faster than
-`decode.py` on an H200 (q8, `bench/gluon_probe.py`, 2026-12-02: 1.06-1.11x at every shape); q4, TurboQuant and
-`off` wait for their timing (`bash bench/h200_run.sh gluon`). Gluon has no interpreter: on the CPU they are compiled
+`launcher` serves a decode batch with one where its format is in DEFAULT_KERNELS, each measured faster than
+`decode.py` (for `off`, the varlen / split-K kernels) on an H200 at every shape (`bash bench/h200_run.sh gluon`,
+2026-12-02). Gluon has no interpreter: on the CPU they are compiled
 for sm_90 (`bench/kernel_report.py --gluon`) and their PTX look-ups run in an emulator; on the GPU they are
 checked against the reference path (`tests/triton/test_decode_gluon.py`).
 """
@@ -41,9 +41,17 @@ LOG2E = gl.constexpr(1.4426950408889634)
 # stages 1.0-1.1x faster than 3 or 4 (less shared memory, more programs resident); the next step's codes held in
 # registers instead (168 registers, 12 programs per multiprocessor) 1.2-1.3x slower than the ring
 STAGES = 2
-# resident programs per multiprocessor the split count aims at (`tuning.warp_split_splits`): 8 made the best
-# split count at every shape timed (batch 1 at 32,768 tokens: 128; 32 at 4,096: 4; 64 at 8,192: 2; 128 at 2,048: 1)
+# resident programs per multiprocessor the split count aims at (`tuning.warp_split_splits`). Measured on an H200
+# (`bench/gluon_probe.py`, 2026-12-02): 8 made the best split count, or within 3% of it, at every shape timed for
+# q8, q4, `off` and TurboQuant K q4_0 / V q4_0 (batch 1 at 32,768 tokens: 128; 32 at 4,096: 4; 64 at 8,192: 2; 128
+# at 2,048: 1); see TQ_TUNING for K q8_0 / V q3_0
 PROGRAMS_PER_SM = 8
+# TurboQuant (key, value) quantizers -> (registers per lane capped at, programs per multiprocessor). Measured on an
+# H200 (`bench/gluon_probe.py`, 2026-12-02): K q8_0 / V q3_0 uses 151 registers uncapped (13 programs fit a
+# multiprocessor); capped at 128 (no spills) with twice the splits it is 1.07-1.12x faster than `decode.py`
+# (batch 64 at 8,192 tokens: 383 us at 4 splits against 429 at 2). K q4_0 / V q4_0 (168 registers) capped at 128 was
+# 1.07-1.53x slower, so it keeps the defaults.
+TQ_TUNING = {("q8_0", "q3_0"): (128, 16)}
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
@@ -519,8 +527,8 @@ def group_scores(d, sc, z, qsum):
 
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None) -> torch.Tensor:
-    """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts (K q8_0 / V
-    q3_0: 150 registers on sm_90 uncapped, so 13 programs per multiprocessor; `max_registers` caps them)."""
+    """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
+    `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import partial_states, reduce_splits
@@ -538,6 +546,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R)
         q = (query.float() @ view.q_rotation).to(torch.float16)
     parts = partial_states(query, num_splits, head_dim)
+    if max_registers is None:
+        max_registers = TQ_TUNING.get((fmt.spec.k_quant, fmt.spec.v_quant), (None, None))[0]
     decode_tq_kernel[(num_tokens, view.num_kv_heads, num_splits)](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc,
@@ -909,16 +919,20 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
 KERNELS = {"q8": (supports, paged_attention), "q4": (supports_q4, paged_attention_q4),
            "turboquant": (supports_tq, paged_attention_tq), "off": (supports_dense, paged_attention_dense)}
 # The formats whose Gluon kernel serves decode batches by default: each joins once it is timed faster than
-# `decode.py` (for `off`: the varlen / split-K kernels) on the GPU (BENCHMARKS.md). q8: 1.06-1.11x (2026-12-02).
-# TurboQuant, q4 and `off`: not yet timed.
-DEFAULT_KERNELS = ("q8",)
+# `decode.py` (for `off`: the varlen / split-K kernels) at every shape of `bench/gluon_probe.py`, at the split count
+# PROGRAMS_PER_SM gives (BENCHMARKS.md, H200, 2026-12-02): q8 1.06-1.11x; TurboQuant K q8_0 / V q3_0 1.07-1.12x,
+# K q4_0 / V q4_0 1.03-1.08x; q4 1.03-1.08x; `off` 1.01-1.08x.
+DEFAULT_KERNELS = ("q8", "q4", "turboquant", "off")
 
 
 def launcher(fmt, query: torch.Tensor, block_size: int, **options):
-    """The Gluon kernel's launcher for this decode when its format is in DEFAULT_KERNELS and the kernel reads it
-    (`supports`, `supports_q4`, `supports_tq`; options: softcap, sliding_window, window), else None."""
+    """(launcher, resident programs per multiprocessor its split count aims at) of the Gluon kernel for this decode
+    when its format is in DEFAULT_KERNELS and the kernel reads it (`supports`, `supports_q4`, `supports_tq`,
+    `supports_dense`; options: softcap, sliding_window, window), else None."""
     for name in DEFAULT_KERNELS:
         reads, launch = KERNELS[name]
         if reads(fmt, query, block_size, **options):
-            return launch
+            if name == "turboquant":
+                return launch, TQ_TUNING.get((fmt.spec.k_quant, fmt.spec.v_quant), (None, PROGRAMS_PER_SM))[1]
+            return launch, PROGRAMS_PER_SM
     return None
