@@ -13,7 +13,7 @@ import torch
 from pagedkv.formats.codebook import lloyd_max_codebook
 from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, INT8_PAIRS_ASM,
                                             NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM, NIBBLE_QUADS_ASM,
-                                            SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_PAIRS_ASM,
+                                            SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_SPREAD_ASM,
                                             SIX_BIT_QUADS_ASM)
 
 M32 = 0xFFFFFFFF
@@ -48,8 +48,18 @@ def _sub_f16x2(a, b):
     return lanes[0] | (lanes[1] << 16)
 
 
+def _fma_f16x2(a, b, c):
+    """a * b + c per float16 half, rounded once (the exact product and sum in float64, then to float16)."""
+    lanes = []
+    for h in (0, 16):
+        x, y, z = (float(np.array([(v >> h) & 0xFFFF], dtype=np.uint16).view(np.float16)[0]) for v in (a, b, c))
+        lanes.append(int(np.array([x * y + z], dtype=np.float64).astype(np.float16).view(np.uint16)[0]))
+    return lanes[0] | (lanes[1] << 16)
+
+
 OPS = {
     "sub.f16x2": _sub_f16x2,
+    "fma.rn.f16x2": _fma_f16x2,
     "mov.b32": lambda a: a,
     "prmt.b32": _prmt,
     "shr.b32": lambda a, n: (a & M32) >> n,
@@ -149,13 +159,15 @@ def test_codebook4_key_pairs_asm_pairs_two_keys_per_channel():
 
 
 def test_signed_nibble_asms_give_the_codes_minus_seven():
-    """KV-Quant 4-bit (code + 7): one word's low and high nibbles, and two keys' words paired per channel."""
+    """KV-Quant 4-bit (code + 7): one word's low and high nibbles (the bytes in the order 0, 2, 1, 3), and two
+    keys' words paired per channel."""
     order = [0, 2, 1, 3, 4, 6, 5, 7]
+    spread = [0, 2, 1, 3]
     words = _bytes(np.random.default_rng(6), 200)
     for first, second in zip(words, words[1:] + words[:1]):
         nib = lambda w, c: ((w >> (4 * c)) & 15) - 7  # noqa: E731
-        got = _f16(_lanes(run_ptx(SIGNED_NIBBLE_PAIRS_ASM.value, [first], 4)))
-        assert got == [nib(first, 2 * b) for b in range(4)] + [nib(first, 2 * b + 1) for b in range(4)], hex(first)
+        got = _f16(_lanes(run_ptx(SIGNED_NIBBLE_SPREAD_ASM.value, [first], 4)))
+        assert got == [nib(first, 2 * b) for b in spread] + [nib(first, 2 * b + 1) for b in spread], hex(first)
         got = _f16(_lanes(run_ptx(NIBBLE_KEY_PAIRS_ASM.value, [first, second], 8)))
         assert got == [nib(w, order[n]) for n in range(8) for w in (first, second)], (hex(first), hex(second))
 

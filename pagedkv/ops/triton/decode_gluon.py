@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .conversions import (CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM,
-                          SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_PAIRS_ASM)
+                          SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_SPREAD_ASM)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -50,8 +50,13 @@ PROGRAMS_PER_SM = 8
 # H200 (`bench/gluon_probe.py`, 2026-12-02): K q8_0 / V q3_0 uses 151 registers uncapped (13 programs fit a
 # multiprocessor); capped at 128 (no spills) with twice the splits it is 1.07-1.12x faster than `decode.py`
 # (batch 64 at 8,192 tokens: 383 us at 4 splits against 429 at 2). K q4_0 / V q4_0 (168 registers) capped at 128 was
-# 1.07-1.53x slower, so it keeps the defaults.
-TQ_TUNING = {("q8_0", "q3_0"): (128, 16)}
+# 1.07-1.53x slower, so it runs uncapped.
+# K q4_0 / V q4_0 itself, with 16 (`bench/gluon_probe.py`, 2026-12-02, the same call): 1.02-1.07x faster than
+# with 8 at batch 32, 64 and 128 (430 against 445 us at batch 64 and 8,192 tokens).
+TQ_TUNING = {("q8_0", "q3_0"): (128, 16), ("q4_0", "q4_0"): (None, 16)}
+# split counts at most: a batch of one 32,768-token sequence split 256 ways took 1.0-1.1x the time of 128 ways
+# for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
+MAX_SPLITS = 128
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
@@ -562,8 +567,9 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
 
 
 # KV-Quant q4 at head_dim 128 (codes + 7, two per byte, one scale per token and head). Keys: lane (g, q) reads
-# keys g and g + 8, bytes 16q .. 16q + 15, whose low (a = 0) and high (a = 1) nibbles of byte 16q + 2j + b are its
-# operand columns 16j + 8a + 2q + b. Values as TurboQuant's 4-bit ones (`tq4_value_tiles`), scales on P^T.
+# keys g and g + 8, bytes 16q .. 16q + 15, converted by SIGNED_NIBBLE_SPREAD_ASM (a word's bytes in the order 0, 2,
+# 1, 3): the low (a = 0) and high (a = 1) nibbles of byte 16q + 4 (j >> 1) + 2b + (j & 1) are its operand columns
+# 16j + 8a + 2q + b. Values as TurboQuant's 4-bit ones (`tq4_value_tiles`), scales on P^T.
 Q4_KEYS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
 
 
@@ -606,7 +612,7 @@ def decode_q4_kernel(
     c = gl.arange(0, 128, layout=gl.SliceLayout(1, PLAIN))
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
     q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
-    stored = 32 * ((c >> 1) & 3) + 4 * (c >> 4) + 2 * (c & 1) + ((c >> 3) & 1)
+    stored = 32 * ((c >> 1) & 3) + 8 * (c >> 5) + 4 * (c & 1) + 2 * ((c >> 4) & 1) + ((c >> 3) & 1)
     qt = gl.load(q_at + stored[:, None], mask=(qh < GROUP)[None, :], other=0.0)
     qt = gl.convert_layout(qt.to(gl.float16), B_OP)
 
@@ -649,7 +655,7 @@ def decode_q4_kernel(
                      vs_ring.index(ahead), BLOCK_SIZE)
         async_copy.wait_group(STAGES - 1)
         codes = k_ring.index(stage).load(Q4_KEYS)
-        lo, hi = gl.inline_asm_elementwise(SIGNED_NIBBLE_PAIRS_ASM, "=r,=r,=r,=r,r", [codes],
+        lo, hi = gl.inline_asm_elementwise(SIGNED_NIBBLE_SPREAD_ASM, "=r,=r,=r,=r,r", [codes],
                                            dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
         k = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [16, 4, 8, 2, 2]), (0, 2, 4, 1, 3)), [16, 128])
         s = mma_v2(gl.convert_layout(k, A_OP, assert_trivial=True), qt, zero)
