@@ -1,5 +1,5 @@
-"""The Gluon decode kernels (`ops/triton/decode_gluon.py`: q8, the default; TurboQuant, q4, off, not yet) against
-the reference path, on a CUDA device.
+"""The Gluon decode kernels (`ops/triton/decode_gluon.py`: q8, q4, TurboQuant and `off`) against the reference
+path, on a CUDA device.
 
 Gluon has no interpreter: on the CPU, `test_sm90_compile.py` compiles them for sm_90 and checks their loops
 (every page byte loaded into the matrix units' registers, no shared memory).

@@ -104,6 +104,30 @@ def reduce_splits_kernel(
              mask=offs_d < HEAD_DIM)
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def rotate_out_kernel(out_ptr, src_ptr, rotation_ptr, num_rows, stride_ot, stride_oh,
+                      NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """out rows = src rows (float32 [num_rows, HEAD_DIM], row = token * NUM_Q_HEADS + head) @ rotation, BLOCK_R
+    rows per program: the rotation matrix is read once per tile of rows, not once per row."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (rows < num_rows)[:, None]
+    x = tl.load(src_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
+    y = rotate_rows(x, rotation_ptr, HEAD_DIM, DOT_PRECISION)
+    token = (rows // NUM_Q_HEADS).to(tl.int64)
+    at = out_ptr + token[:, None] * stride_ot + (rows % NUM_Q_HEADS)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(at, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+ROTATE_ROWS = 32   # rows per program of `rotate_out_kernel`
+# Outputs to rotate back up to this many rows (query tokens x heads) are rotated row by row in the merge itself.
+# Measured on an H200 (`bench/profile_decode.py`, TurboQuant, 2026-12-02): at 32 rows (one sequence, 32 heads) the
+# merge with the rotation took 4.8 us against 2.8 + 4.3 for the merge then `rotate_out_kernel`; at 1,024 rows and
+# more, 15.6-41.4 us against 8.7-11.5 (the rotation matrix read once per row is what costs)
+ROTATE_IN_MERGE_ROWS = 64
+
+
 def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
     """Buffers for the splits' partial states of queries [num_tokens, num_q_heads, head_dim]: out
     [num_tokens, num_q_heads, num_splits, head_dim_pad], max and sum [num_tokens, num_q_heads, num_splits]
@@ -116,14 +140,24 @@ def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
 
 def reduce_splits(out: torch.Tensor, parts, view, precision: str) -> None:
     """Merge the partial states `parts` (`partial_states`) into out [num_tokens, num_q_heads, head_dim],
-    rotating back when the format accumulates values in a rotated domain."""
+    rotating back when the format accumulates values in a rotated domain: for more than ROTATE_IN_MERGE_ROWS
+    rows the merged rows go to a float32 buffer first and `rotate_out_kernel` rotates them a tile of rows at a
+    time."""
     part_out, part_m, part_l = parts
     num_tokens, num_q_heads, num_splits, head_dim_pad = part_out.shape
+    head_dim, num_rows = out.shape[-1], num_tokens * num_q_heads
+    tiled = view.rotate_out and num_rows > ROTATE_IN_MERGE_ROWS
+    merged = out.new_empty(out.shape, dtype=torch.float32) if tiled else out
     reduce_splits_kernel[(num_tokens, num_q_heads)](
-        out, part_out, part_m, part_l, view.aux("out_rotation"), out.stride(0), out.stride(1), num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, HEAD_DIM=out.shape[-1],
-        HEAD_DIM_PAD=head_dim_pad, ROTATE_OUT=view.rotate_out, DOT_PRECISION=precision, num_warps=4,
+        merged, part_out, part_m, part_l, view.aux("out_rotation"), merged.stride(0), merged.stride(1), num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, ROTATE_OUT=view.rotate_out and not tiled, DOT_PRECISION=precision, num_warps=4,
     )
+    if tiled:
+        rotate_out_kernel[(triton.cdiv(num_rows, ROTATE_ROWS),)](
+            out, merged, view.aux("out_rotation"), num_rows, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_R=ROTATE_ROWS, DOT_PRECISION=precision, num_warps=4,
+        )
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,

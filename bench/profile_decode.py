@@ -1,0 +1,62 @@
+"""GPU time of one decode call by kernel (torch.profiler): the decode kernel itself and the split reduce, per format
+and shape, so that the cost of the reduce is seen apart.
+
+    python bench/profile_decode.py --formats "off;q8;q4;turboquant" --out bench/results/h200
+"""
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels as kb  # noqa: E402
+from pagedkv.ops import triton as triton_ops  # noqa: E402
+
+SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
+
+
+def profile(spec: str, num_seqs: int, seq_len: int, gen: torch.Generator, calls: int = 20) -> dict:
+    n = num_seqs * seq_len
+    keys = torch.randn(n, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    fmt, pages, table = kb.paged_layer(spec, keys, values, num_seqs, seq_len, gen)
+    meta = kb.decode_meta(table, seq_len)
+    q = torch.randn(num_seqs, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
+    for _ in range(3):
+        triton_ops.paged_attention(q, pages, fmt, meta, scale=kb.SCALE)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            triton_ops.paged_attention(q, pages, fmt, meta, scale=kb.SCALE)
+        torch.cuda.synchronize()
+    us = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us[e.name] += e.device_time_total / calls if hasattr(e, "device_time_total") else e.cuda_time_total / calls
+    return {"format": spec, "batch": num_seqs, "context": seq_len, "kernels_us": dict(us)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--formats", default="off;q8;q4;turboquant")
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for num_seqs, seq_len in SHAPES:
+        for spec in args.formats.split(";"):
+            r = profile(spec, num_seqs, seq_len, gen)
+            rows.append(r)
+            print(f"{spec:26s} ({num_seqs:3d}, {seq_len:5d}): " + ", ".join(
+                f"{k[:40]} {v:.1f} us" for k, v in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1])), flush=True)
+        torch.cuda.empty_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "profile_decode.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

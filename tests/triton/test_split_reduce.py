@@ -1,0 +1,34 @@
+"""`split_k.reduce_splits`: the merge of the splits' partial states, and the rotation back for formats whose
+values accumulate in a rotated domain (a tile of rows per program), against the same in PyTorch."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedkv.ops.triton.split_k import ROTATE_IN_MERGE_ROWS, ROTATE_ROWS, reduce_splits
+
+
+@pytest.mark.parametrize("tokens", [3, 5], ids=["rows_in_merge", "row_tiles"])
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+def test_reduce_splits_merges_the_partial_states_and_rotates_back(rotate, tokens):
+    """Rotated in the merge (48 rows), and by `rotate_out_kernel` (80 rows: three tiles, the last one partial)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    heads, splits, d = 16, 5, 64
+    assert (tokens * heads > ROTATE_IN_MERGE_ROWS) == (tokens == 5) and tokens * heads % ROTATE_ROWS
+    part_out = torch.randn(tokens, heads, splits, d, generator=gen)
+    part_m = torch.randn(tokens, heads, splits, generator=gen)
+    part_l = torch.rand(tokens, heads, splits, generator=gen) + 0.5
+    part_m[0, 0, 1], part_l[0, 0, 1] = float("-inf"), 0.0   # a split that saw no key
+    rotation = torch.linalg.qr(torch.randn(d, d, generator=gen))[0].contiguous()
+    on_dev = rotation.to(dev)
+    view = SimpleNamespace(rotate_out=rotate, aux=lambda name: on_dev if name == "out_rotation" else None)
+    out = torch.zeros(tokens, 2 * heads, d, dtype=torch.bfloat16, device=dev)[:, ::2]   # strided rows
+    reduce_splits(out, tuple(t.to(dev) for t in (part_out, part_m, part_l)), view, "ieee")
+    out = out.cpu()
+    w = torch.exp2(part_m - part_m.amax(-1, keepdim=True))
+    want = (part_out * w[..., None]).sum(2) / (w * part_l).sum(-1)[..., None]
+    if rotate:
+        want = want @ rotation
+    assert torch.allclose(out.float(), want, atol=1e-2, rtol=1e-2), (out.float() - want).abs().max()
