@@ -23,7 +23,7 @@ SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 VARIANTS = json.loads(os.environ.get("VARIANTS", '{"ring2": {}}'))
 FORMAT = os.environ.get("FORMAT", "q8")
 LAUNCH = {"q8": decode_gluon.paged_attention, "q4": decode_gluon.paged_attention_q4,
-          "off": decode_gluon.paged_attention_dense}.get(FORMAT, decode_gluon.paged_attention_tq)
+          "q6": decode_gluon.paged_attention_q4, "off": decode_gluon.paged_attention_dense}.get(FORMAT, decode_gluon.paged_attention_tq)
 SPLITS = {1: [64, 128, 256], 32: [4, 8, 16], 64: [2, 4, 8], 128: [1, 2, 4]}
 
 

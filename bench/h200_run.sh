@@ -42,11 +42,11 @@ gluon-tests)   # the Gluon decode kernels against the reference (about 90 kernel
     run 560 python -m pytest -q -rf tests/triton/test_decode_gluon.py
     ;;
 gluon)   # each Gluon decode kernel beside the default decode
+    run 100 env FORMAT=q6 VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
     run 130 env FORMAT=turboquant VARIANTS='{"ring2": {}, "ring2_uncapped": {"max_registers": 0}}' python bench/gluon_probe.py
-    run 110 env FORMAT=turboquant:k=q4_0,v=q4_0 VARIANTS='{"ring2": {}, "ring2_r128": {"max_registers": 128}}' \
-        python bench/gluon_probe.py
-    run 100 env FORMAT=q4 VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
-    run 100 env FORMAT=off VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
+    run 110 env FORMAT=turboquant:k=q4_0,v=q4_0 VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
+    run 100 env FORMAT=q4 VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
+    run 100 env FORMAT=off VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
     ;;
 *)
     echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon-tests|gluon" >&2

@@ -184,6 +184,7 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
     JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
     try:
         launch = {"q8": decode_gluon.paged_attention, "q4": decode_gluon.paged_attention_q4,
+                  "q6": decode_gluon.paged_attention_q4,
                   "off": decode_gluon.paged_attention_dense}.get(spec, decode_gluon.paged_attention_tq)
         launch(torch.empty(batch, NUM_Q_HEADS, head_dim, dtype=dtype), fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta,
                scale=0.1, num_splits=num_splits)
@@ -314,7 +315,7 @@ def main() -> None:
                         help="print (JSON) how many kernels a run over several batch shapes compiles; 1 each is right")
     parser.add_argument("--gluon", action="store_true",
                         help="print (JSON) the Gluon decode kernels' registers, spills and loop opcodes (q8 per head_dim, "
-                             "dtype and split; TurboQuant q8_0/q3_0 and q4_0/q4_0, q4 and off, per dtype)")
+                             "dtype and split; TurboQuant q8_0/q3_0 and q4_0/q4_0, q4, q6 and off, per dtype)")
     args = parser.parse_args()
     driver.set_active(_Sm90Target())
     if args.gluon:
@@ -322,7 +323,7 @@ def main() -> None:
             for dtype in (torch.bfloat16, torch.float16):
                 for num_splits in (1, 4):
                     print(json.dumps(gluon_report(head_dim, dtype, num_splits)), flush=True)
-        for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0", "q4", "off"):
+        for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0", "q4", "q6", "off"):
             for dtype in (torch.bfloat16, torch.float16):
                 print(json.dumps(gluon_report(128, dtype, 4, spec)), flush=True)
         return

@@ -1,5 +1,5 @@
-"""The Gluon decode kernels (`ops/triton/decode_gluon.py`: q8, q4, TurboQuant and `off`) against the reference
-path, on a CUDA device.
+"""The Gluon decode kernels (`ops/triton/decode_gluon.py`: q8, q4, TurboQuant and `off`, serving by default; q6,
+not yet) against the reference path, on a CUDA device.
 
 Gluon has no interpreter: on the CPU, `test_sm90_compile.py` compiles them for sm_90 and checks their loops
 (every page byte loaded into the matrix units' registers, no shared memory).
@@ -26,8 +26,8 @@ TQ_SPECS = ["turboquant", "turboquant:k=q8_0,v=q3_0,rotate_keys", "turboquant:k=
             "turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant:k=q8_0,v=q4_0", "turboquant:k=q4_0,v=q3_0"]
 # (format, kernel name in decode_gluon.KERNELS, shape)
 CASES = ([("q8", "q8", shape) for shape in SHAPES] + [("off", "off", shape) for shape in SHAPES]
-         + [("q4", "q4", shape) for shape in TQ_SHAPES] + [(spec, "turboquant", shape) for spec in TQ_SPECS
-                                                          for shape in TQ_SHAPES])
+         + [("q4", "q4", shape) for shape in TQ_SHAPES] + [("q6", "q6", shape) for shape in TQ_SHAPES]
+         + [(spec, "turboquant", shape) for spec in TQ_SPECS for shape in TQ_SHAPES])
 
 
 @pytest.mark.gpu
@@ -78,6 +78,7 @@ def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read()
         assert decode_gluon.launcher(fmt[spec], query, 16, window=(query, query)) is None
     # every kernel reads its own format where timed in: the readers, without the default list
     assert decode_gluon.supports_q4(fmt["q4"], query, 16) and decode_gluon.supports_tq(fmt["turboquant"], query, 16)
+    assert decode_gluon.supports_q6(fmt["q6"], query, 16) and not decode_gluon.supports_q4(fmt["q6"], query, 16)
     assert not decode_gluon.supports_tq(fmt["q4"], query, 16) and not decode_gluon.supports_q4(fmt["q8"], query, 16)
     assert decode_gluon.supports_dense(fmt["off"], query, 16) and not decode_gluon.supports_dense(fmt["q8"], query, 16)
 

@@ -14,7 +14,7 @@ from pagedkv.formats.codebook import lloyd_max_codebook
 from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, INT8_PAIRS_ASM,
                                             NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM, NIBBLE_QUADS_ASM,
                                             SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_SPREAD_ASM,
-                                            SIX_BIT_QUADS_ASM)
+                                            SIX_BIT_KEY_PAIRS_ASM, SIX_BIT_QUADS_ASM, SIX_BIT_SPREAD_ASM)
 
 M32 = 0xFFFFFFFF
 
@@ -210,3 +210,19 @@ def test_six_bit_quads_asm_joins_the_two_planes():
         for i, reg in enumerate(outs):
             want = [((u >> (4 * i)) & 15) + 16 * ((f >> (2 * i)) & 3) - 31 for u, f in zip(units, fields)]
             assert _f16(_lanes([reg])) == want, (hex(word), hex(planes), i)
+
+
+def test_six_bit_lop3_asms_give_the_codes_of_both_planes():
+    """q6 (code + 31 = nibble + 16 * field): four nibble bytes beside the plane bytes of their channels (the bytes in
+    the order 0, 2, 1, 3), and two keys' words with their plane halfwords paired per channel."""
+    order = [0, 2, 1, 3, 4, 6, 5, 7]
+    spread = [0, 2, 1, 3]
+    words = _bytes(np.random.default_rng(7), 200)
+    planes = [w & 0xFFFF for w in _bytes(np.random.default_rng(8), 200)]
+    for first, second, pa, pb in zip(words, words[1:] + words[:1], planes, planes[::-1]):
+        code = lambda w, p, c: (((w >> (4 * c)) & 15) | (((p >> (2 * c)) & 3) << 4)) - 31  # noqa: E731
+        dup = (pa & 0xFF) * 0x0101 | ((pa >> 8) * 0x0101) << 16   # plane byte i >> 1 beside nibble byte i
+        got = _f16(_lanes(run_ptx(SIX_BIT_SPREAD_ASM.value, [first, dup], 4)))
+        assert got == [code(first, pa, 2 * i) for i in spread] + [code(first, pa, 2 * i + 1) for i in spread], hex(first)
+        got = _f16(_lanes(run_ptx(SIX_BIT_KEY_PAIRS_ASM.value, [first, second, pa, pb], 8)))
+        assert got == [code(w, p, order[n]) for n in range(8) for w, p in ((first, pa), (second, pb))], hex(first)

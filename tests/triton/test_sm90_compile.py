@@ -73,14 +73,14 @@ def test_the_warp_split_decode_kernel_compiles_in_both_orientations_for_every_fo
 
 
 def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conversions():
-    """`decode_gluon.py` for sm_90 (q8: head_dim 64 and 128, split and not; TurboQuant, q4, off), both 16-bit query
+    """`decode_gluon.py` for sm_90 (q8: head_dim 64 and 128, split and not; TurboQuant, q4, q6, off), both 16-bit query
     dtypes: its loop copies the page rows with cp.async (LDGSTS), reads them back (LDS), transposes P^T with
     MOVM, and stores nothing to shared memory itself (no layout conversion through it); no spills."""
     r = kernel_report("--gluon")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
     tq44 = "turboquant:k=q4_0,v=q4_0"
-    assert [row["format"] for row in rows] == ["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2 + ["off"] * 2, \
+    assert [row["format"] for row in rows] == ["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2 + ["q6"] * 2 + ["off"] * 2, \
         r.stdout
     for row in rows:
         ops = row["loop_ops"]

@@ -86,6 +86,40 @@ sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; fma.rn.f16x2 $2, $2, h, o; fma.rn.f16x
 sub.f16x2 $4, $4, b; sub.f16x2 $5, $5, b; fma.rn.f16x2 $6, $6, h, o; fma.rn.f16x2 $7, $7, h, o; }""")
 
 
+# KV-Quant q6 (code + 31 = nibble + 16 * field: the nibble plane and the 2-bit plane) in the same LOP3 form: each
+# output first takes its nibbles as float16 1024 + n (1024 + 16 n for high nibbles), then its 2-bit fields OR-ed in
+# as 16 * field (256 * field), then one subtraction (one fused multiply-add by 1/16) leaves the codes, exact (at most
+# 2,032 before it). Four nibble bytes ($4) and, byte i beside nibble byte i, the plane byte that holds its two
+# channels' fields (bits 4 (i & 1) .. + 3, so bytes P0, P0, P1, P1: $5) per call; outputs as
+# SIGNED_NIBBLE_SPREAD_ASM: the low nibbles' channels in $0, $1, the high ones' in $2, $3, bytes in the order 0, 2,
+# 1, 3.
+SIX_BIT_SPREAD_ASM = tl.constexpr("""{ .reg .b32 t, f, m, b, h, o;
+mov.b32 m, 0x64006400; mov.b32 b, 0x641F641F; mov.b32 h, 0x2C002C00; mov.b32 o, 0xD5F0D5F0;
+shr.b32 t, $4, 8;
+lop3.b32 $0, $4, 0x000F000F, m, 0xEA; shl.b32 f, $5, 4; lop3.b32 $0, f, 0x00300030, $0, 0xEA;
+lop3.b32 $1, t, 0x000F000F, m, 0xEA; shr.b32 f, $5, 8; lop3.b32 $1, f, 0x00300030, $1, 0xEA;
+lop3.b32 $2, $4, 0x00F000F0, m, 0xEA; shl.b32 f, $5, 6; lop3.b32 $2, f, 0x03000300, $2, 0xEA;
+lop3.b32 $3, t, 0x00F000F0, m, 0xEA; shr.b32 f, $5, 6; lop3.b32 $3, f, 0x03000300, $3, 0xEA;
+sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; fma.rn.f16x2 $2, $2, h, o; fma.rn.f16x2 $3, $3, h, o; }""")
+# q6 values of two keys paired per channel, as NIBBLE_KEY_PAIRS_ASM: nibble words $8, $9 (the same eight channels of
+# two keys), their 2-bit plane halfwords (channel c at bits 2c) zero-extended in $10, $11; $0..$7: channels 0, 2,
+# 1, 3, 4, 6, 5, 7 of the word, each a (first key, second key) pair of codes.
+SIX_BIT_KEY_PAIRS_ASM = tl.constexpr("""{ .reg .b32 i0, i1, t0, t1, p, f, m, b, h, o;
+mov.b32 m, 0x64006400; mov.b32 b, 0x641F641F; mov.b32 h, 0x2C002C00; mov.b32 o, 0xD5F0D5F0;
+prmt.b32 i0, $8, $9, 0x5410; prmt.b32 i1, $8, $9, 0x7632; prmt.b32 p, $10, $11, 0x5410;
+shr.b32 t0, i0, 8; shr.b32 t1, i1, 8;
+lop3.b32 $0, i0, 0x000F000F, m, 0xEA; shl.b32 f, p, 4; lop3.b32 $0, f, 0x00300030, $0, 0xEA;
+lop3.b32 $2, i0, 0x00F000F0, m, 0xEA; shl.b32 f, p, 6; lop3.b32 $2, f, 0x03000300, $2, 0xEA;
+lop3.b32 $1, t0, 0x000F000F, m, 0xEA; lop3.b32 $1, p, 0x00300030, $1, 0xEA;
+lop3.b32 $3, t0, 0x00F000F0, m, 0xEA; shl.b32 f, p, 2; lop3.b32 $3, f, 0x03000300, $3, 0xEA;
+lop3.b32 $4, i1, 0x000F000F, m, 0xEA; shr.b32 f, p, 4; lop3.b32 $4, f, 0x00300030, $4, 0xEA;
+lop3.b32 $6, i1, 0x00F000F0, m, 0xEA; shr.b32 f, p, 2; lop3.b32 $6, f, 0x03000300, $6, 0xEA;
+lop3.b32 $5, t1, 0x000F000F, m, 0xEA; shr.b32 f, p, 8; lop3.b32 $5, f, 0x00300030, $5, 0xEA;
+lop3.b32 $7, t1, 0x00F000F0, m, 0xEA; shr.b32 f, p, 6; lop3.b32 $7, f, 0x03000300, $7, 0xEA;
+sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; fma.rn.f16x2 $2, $2, h, o; fma.rn.f16x2 $3, $3, h, o;
+sub.f16x2 $4, $4, b; sub.f16x2 $5, $5, b; fma.rn.f16x2 $6, $6, h, o; fma.rn.f16x2 $7, $7, h, o; }""")
+
+
 def _positive_half_f16_byte_words(bits: int = 4) -> tuple[int, int, int, int]:
     """The positive half of the codebook in float16 as byte tables: (low bytes of entries 0-3, of 4-7, high bytes
     of entries 0-3, of 4-7), one byte per entry."""

@@ -16,12 +16,12 @@ fragment holds P^T with keys on the lane's row bits, while O^T = V^T P^T needs t
 step i + 1 are in flight while step i computes (`STAGES`), holding no register.
 
 One warp per program, programs over (query token, KV head, split) like the other decode kernels; partial
-states in `split_k.partial_states`' layout. Four kernels: q8 (head_dim 64 and 128), q4 and TurboQuant (q8_0 or
-q4_0 keys, q3_0 or q4_0 values; head_dim 128), dense pages (`off`, 64 and 128: `ldmatrix` from the ring, nothing
-to convert), none with soft-capping, sliding or dense recent window.
+states in `split_k.partial_states`' layout. Four kernels: q8 (head_dim 64 and 128), q4 and q6 (one kernel, head_dim
+128), TurboQuant (q8_0 or q4_0 keys, q3_0 or q4_0 values; head_dim 128), dense pages (`off`, 64 and 128: `ldmatrix`
+from the ring, nothing to convert), none with soft-capping, sliding or dense recent window.
 `launcher` serves a decode batch with one where its format is in DEFAULT_KERNELS, each measured faster than
 `decode.py` (for `off`, the varlen / split-K kernels) on an H200 at every shape (`bash bench/h200_run.sh gluon`,
-2026-12-02). Gluon has no interpreter: on the CPU they are compiled
+2026-12-02); q6 is not yet in it (not yet run on a GPU). Gluon has no interpreter: on the CPU they are compiled
 for sm_90 (`bench/kernel_report.py --gluon`) and their PTX look-ups run in an emulator; on the GPU they are
 checked against the reference path (`tests/triton/test_decode_gluon.py`).
 """
@@ -34,7 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .conversions import (CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM,
-                          SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_SPREAD_ASM)
+                          SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
+                          SIX_BIT_SPREAD_ASM)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -566,28 +567,39 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     return out
 
 
-# KV-Quant q4 at head_dim 128 (codes + 7, two per byte, one scale per token and head). Keys: lane (g, q) reads
-# keys g and g + 8, bytes 16q .. 16q + 15, converted by SIGNED_NIBBLE_SPREAD_ASM (a word's bytes in the order 0, 2,
-# 1, 3): the low (a = 0) and high (a = 1) nibbles of byte 16q + 4 (j >> 1) + 2b + (j & 1) are its operand columns
-# 16j + 8a + 2q + b. Values as TurboQuant's 4-bit ones (`tq4_value_tiles`), scales on P^T.
+# KV-Quant q4 and q6 at head_dim 128 (codes + 7 two per byte; q6: codes + 31, their low nibbles so, then a plane
+# of their 2-bit high fields; one scale per token and head). Keys: lane (g, q) reads keys g and g + 8, nibble bytes
+# 16q .. 16q + 15 (and q6 plane bytes 8q .. 8q + 7, each beside the two nibble bytes it completes), converted by
+# SIGNED_NIBBLE_SPREAD_ASM or SIX_BIT_SPREAD_ASM (a word's bytes in the order 0, 2, 1, 3): the low (a = 0) and high
+# (a = 1) nibbles of byte 16q + 4 (j >> 1) + 2b + (j & 1) are its operand columns 16j + 8a + 2q + b. Values as
+# TurboQuant's 4-bit ones (`tq4_value_tiles`: words 2g, 2g + 1 of keys 2q, 2q + 1, 2q + 8, 2q + 9; q6: with the
+# plane halfwords of the same channels), scales on P^T.
 Q4_KEYS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
+Q6_KEY_PLANE = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
 
 
 @gluon.jit
 def copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, ks_strides, v_strides, vs_strides,
-                 k_sm, ks_sm, w_sm, vs_sm, BLOCK_SIZE: gl.constexpr):
-    """Ask for the 16 q4 keys from `start` into one stage of the ring (cp.async, each lane its own runs): key
-    bytes, value words, the key and value scales (masked: zero)."""
+                 k_sm, ks_sm, w_sm, vs_sm, kp_sm, vp_sm, BLOCK_SIZE: gl.constexpr, BITS: gl.constexpr):
+    """Ask for the 16 q4 (q6) keys from `start` into one stage of the ring (cp.async, each lane its own runs): key
+    nibble bytes, value nibble words, q6's key plane bytes and value plane halfwords, the key and value scales
+    (masked: zero)."""
     block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
     slot = start % BLOCK_SIZE
     kr = gl.arange(0, 16, layout=gl.SliceLayout(1, Q4_KEYS))
     kc = gl.arange(0, 64, layout=gl.SliceLayout(0, Q4_KEYS))
-    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
-                                           + kc[None, :])
+    k_row = k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
+    async_copy.async_copy_global_to_shared(k_sm, k_row + kc[None, :])
     vr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_WORDS))
     vc = gl.arange(0, 16, layout=gl.SliceLayout(0, TQ_WORDS))
     v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
     async_copy.async_copy_global_to_shared(w_sm, v_row.to(gl.pointer_type(gl.int32)) + vc[None, :])
+    if BITS == 6:   # the 2-bit planes after the 64 nibble bytes of a row
+        pr = gl.arange(0, 16, layout=gl.SliceLayout(1, Q6_KEY_PLANE))
+        pc = gl.arange(0, 32, layout=gl.SliceLayout(0, Q6_KEY_PLANE))
+        p_row = k_ptr + block * k_strides[0] + (slot + pr[:, None]) * k_strides[1]
+        async_copy.async_copy_global_to_shared(kp_sm, p_row + 64 + pc[None, :])
+        async_copy.async_copy_global_to_shared(vp_sm, (v_row + 64).to(gl.pointer_type(gl.int16)) + vc[None, :])
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     s_ok = start + sr < kv_hi
     async_copy.async_copy_global_to_shared(ks_sm, ks_ptr + block * ks_strides[0] + (slot + sr) * ks_strides[1], s_ok)
@@ -602,7 +614,7 @@ def decode_q4_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
     num_seqs, num_splits, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
-    STAGES: gl.constexpr = 2,
+    STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4,
 ):
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -630,9 +642,16 @@ def decode_q4_kernel(
     w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], FLAT)
     ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], WORDS)
     vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], WORDS)
+    if BITS == 6:   # the 2-bit planes' rings (q4: names only, never read)
+        kp_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 32], FLAT)
+        vp_ring = gl.allocate_shared_memory(gl.int16, [STAGES, 16, 16], FLAT)
+    else:
+        kp_ring = k_ring
+        vp_ring = k_ring
     for st in gl.static_range(STAGES - 1):
         copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides, v_strides,
-                     vs_strides, k_ring.index(st), ks_ring.index(st), w_ring.index(st), vs_ring.index(st), BLOCK_SIZE)
+                     vs_strides, k_ring.index(st), ks_ring.index(st), w_ring.index(st), vs_ring.index(st),
+                     kp_ring.index(st), vp_ring.index(st), BLOCK_SIZE, BITS)
 
     zero = gl.full([16, 8], 0.0, gl.float32, MMA)
     acc0 = zero
@@ -652,11 +671,17 @@ def decode_q4_kernel(
         ahead = (stage + STAGES - 1) % STAGES
         copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, ks_strides,
                      v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead), w_ring.index(ahead),
-                     vs_ring.index(ahead), BLOCK_SIZE)
+                     vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead), BLOCK_SIZE, BITS)
         async_copy.wait_group(STAGES - 1)
         codes = k_ring.index(stage).load(Q4_KEYS)
-        lo, hi = gl.inline_asm_elementwise(SIGNED_NIBBLE_SPREAD_ASM, "=r,=r,=r,=r,r", [codes],
-                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        if BITS == 6:   # plane byte z beside nibble bytes 2z and 2z + 1
+            kp = kp_ring.index(stage).load(Q6_KEY_PLANE)
+            kp = gl.convert_layout(gl.reshape(gl.join(kp, kp), [16, 64]), Q4_KEYS, assert_trivial=True)
+            lo, hi = gl.inline_asm_elementwise(SIX_BIT_SPREAD_ASM, "=r,=r,=r,=r,r,r", [codes, kp],
+                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        else:
+            lo, hi = gl.inline_asm_elementwise(SIGNED_NIBBLE_SPREAD_ASM, "=r,=r,=r,=r,r", [codes],
+                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
         k = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [16, 4, 8, 2, 2]), (0, 2, 4, 1, 3)), [16, 128])
         s = mma_v2(gl.convert_layout(k, A_OP, assert_trivial=True), qt, zero)
         ks = ks_ring.index(stage).load(gl.SliceLayout(1, MMA))
@@ -665,9 +690,15 @@ def decode_q4_kernel(
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         alpha = alpha[None, :]
         pt = transpose_p((p * vs[:, None]).to(gl.float16))
-        f = gl.inline_asm_elementwise(NIBBLE_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                                      [w_ring.index(stage).load(TQ_UNITS)], dtype=(gl.float16,) * 8, is_pure=True,
-                                      pack=2)
+        if BITS == 6:
+            vp = vp_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFFFF
+            f = gl.inline_asm_elementwise(SIX_BIT_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+                                          [w_ring.index(stage).load(TQ_UNITS), vp], dtype=(gl.float16,) * 8,
+                                          is_pure=True, pack=2)
+        else:
+            f = gl.inline_asm_elementwise(NIBBLE_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                                          [w_ring.index(stage).load(TQ_UNITS)], dtype=(gl.float16,) * 8,
+                                          is_pure=True, pack=2)
         acc0 = mma_v2(value_tile(f[0]), pt, acc0 * alpha)
         acc1 = mma_v2(value_tile(f[1]), pt, acc1 * alpha)
         acc2 = mma_v2(value_tile(f[2]), pt, acc2 * alpha)
@@ -708,15 +739,25 @@ def supports_q4(fmt, query: torch.Tensor, block_size: int, *, softcap=None, slid
     """Whether `paged_attention_q4` reads this decode: KV-Quant q4 pages (keys not rotated), head_dim 128, groups
     of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping, sliding or dense
     recent window."""
-    spec = fmt.spec
-    return (spec.kind == "kvquant" and fmt.bits == 4 and fmt.key_signs is None and fmt.head_dim == 128
+    return fmt.spec.kind == "kvquant" and fmt.bits == 4 and _reads_q46(fmt, query, block_size, softcap, sliding_window,
+                                                                       window)
+
+
+def supports_q6(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
+    """The same for KV-Quant q6 pages (`paged_attention_q4` reads both)."""
+    return fmt.spec.kind == "kvquant" and fmt.bits == 6 and _reads_q46(fmt, query, block_size, softcap, sliding_window,
+                                                                       window)
+
+
+def _reads_q46(fmt, query, block_size, softcap, sliding_window, window) -> bool:
+    return (fmt.key_signs is None and fmt.head_dim == 128
             and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
             and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window and window is None)
 
 
 def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None) -> torch.Tensor:
-    """`reference.paged_attention`'s contract for the decodes `supports_q4` accepts."""
+    """`reference.paged_attention`'s contract for the decodes `supports_q4` accepts (q4 and q6 pages)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import partial_states, reduce_splits
@@ -736,7 +777,7 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
         meta.block_table.shape[0], num_splits, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size, SPLIT=split,
-        STAGES=stages, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        STAGES=stages, BITS=view.k_bits, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     if split:
         reduce_splits(out, parts, view, dot_precision(query.dtype))
     return out
@@ -923,11 +964,13 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
 
 # Each format's Gluon kernel: (whether it reads a decode, its launcher)
 KERNELS = {"q8": (supports, paged_attention), "q4": (supports_q4, paged_attention_q4),
-           "turboquant": (supports_tq, paged_attention_tq), "off": (supports_dense, paged_attention_dense)}
+           "q6": (supports_q6, paged_attention_q4), "turboquant": (supports_tq, paged_attention_tq),
+           "off": (supports_dense, paged_attention_dense)}
 # The formats whose Gluon kernel serves decode batches by default: each joins once it is timed faster than
 # `decode.py` (for `off`: the varlen / split-K kernels) at every shape of `bench/gluon_probe.py`, at the split count
 # PROGRAMS_PER_SM gives (BENCHMARKS.md, H200, 2026-12-02): q8 1.06-1.11x; TurboQuant K q8_0 / V q3_0 1.07-1.12x,
-# K q4_0 / V q4_0 1.03-1.08x; q4 1.03-1.08x; `off` 1.01-1.08x.
+# K q4_0 / V q4_0 1.03-1.08x; q4 1.03-1.08x; `off` 1.01-1.08x. q6 (the q4 kernel with the 2-bit planes): not yet
+# run on a GPU.
 DEFAULT_KERNELS = ("q8", "q4", "turboquant", "off")
 
 
