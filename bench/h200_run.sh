@@ -10,6 +10,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
 #   OUT=/some/dir bash bench/h200_run.sh gluon-tests  # the Gluon decode kernels' GPU tests
 #   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
+#   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: decode.py, then the Gluon kernels
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -41,6 +42,12 @@ engine)
 gluon-tests)   # the Gluon decode kernels against the reference (about 90 kernel variants to compile)
     run 560 python -m pytest -q -rf tests/triton/test_decode_gluon.py
     ;;
+gluon-window)   # decode with a dense recent window of 128: decode.py, then the Gluon kernels (window as a split)
+    run 200 python bench/kernels.py --formats "q8;q6;q4;turboquant" --recent-tokens 128 --skip prefill,write \
+        --out "$OUT/kernels_window"
+    run 200 python bench/kernels.py --formats "q8;q6;q4;turboquant" --recent-tokens 128 --skip prefill,write \
+        --gluon-window --out "$OUT/kernels_gluon_window"
+    ;;
 gluon)   # each Gluon decode kernel beside the default decode
     run 100 env FORMAT=q6 VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
     run 130 env FORMAT=turboquant VARIANTS='{"ring2": {}, "ring2_uncapped": {"max_registers": 0}}' python bench/gluon_probe.py
@@ -49,7 +56,7 @@ gluon)   # each Gluon decode kernel beside the default decode
     run 100 env FORMAT=off VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon-tests|gluon" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon-tests|gluon|gluon-window" >&2
     exit 2
     ;;
 esac

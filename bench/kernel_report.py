@@ -165,10 +165,11 @@ def loop_ops(loop: list[str]) -> Counter:
     return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
 
 
-def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str = "q8") -> dict:
-    """A Gluon decode kernel (`ops/triton/decode_gluon.py`: q8, or TurboQuant) compiled for sm_90: registers,
-    spills, shared memory and its loop's opcodes."""
-    from pagedkv.ops.metadata import AttentionMetadata
+def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str = "q8", window: bool = False) -> dict:
+    """A Gluon decode kernel (`ops/triton/decode_gluon.py`: q8, q4, q6, TurboQuant, off) compiled for sm_90:
+    registers, spills, shared memory and its loop's opcodes; with `window`, the variant whose splits stop where a
+    dense recent window (recent_tokens=128) begins."""
+    from pagedkv.ops.metadata import AttentionMetadata, WindowPlan
     from pagedkv.ops.triton import decode_gluon
 
     batch, context = 64, 8192
@@ -177,6 +178,15 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
     lens, qsl = [context] * batch, list(range(batch + 1))
     meta = AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
                              torch.arange(batch, dtype=torch.int64), None, lens, qsl, BLOCK_SIZE)
+    options = {}
+    if window:
+        num_ring_blocks = 128 // BLOCK_SIZE + 1
+        rows, first = list(range(batch)), [(context - 128) // BLOCK_SIZE] * batch
+        empty = torch.empty(0, dtype=torch.int64)
+        meta.window = WindowPlan(empty, empty, torch.tensor(rows, dtype=torch.int32), torch.tensor(first, dtype=torch.int32),
+                                 rows, first, num_ring_blocks)
+        options["window"] = tuple(torch.empty(batch, num_ring_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype=dtype)
+                                  for _ in range(2))
     compiled = []
     from triton.runtime.jit import JITFunction
 
@@ -187,12 +197,12 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
                   "q6": decode_gluon.paged_attention_q4,
                   "off": decode_gluon.paged_attention_dense}.get(spec, decode_gluon.paged_attention_tq)
         launch(torch.empty(batch, NUM_Q_HEADS, head_dim, dtype=dtype), fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta,
-               scale=0.1, num_splits=num_splits)
+               scale=0.1, num_splits=num_splits, **options)
     finally:
         JITFunction.run = run
     info, sass = assemble(compiled[0])
     ops = loop_ops(sass_loops(sass)[0])
-    return {"format": spec, "head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits,
+    return {"format": spec, "head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits, "window": window,
             "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
             "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
             "shared_bytes": compiled[0].metadata.shared, "loop_ops": dict(ops)}
@@ -315,7 +325,8 @@ def main() -> None:
                         help="print (JSON) how many kernels a run over several batch shapes compiles; 1 each is right")
     parser.add_argument("--gluon", action="store_true",
                         help="print (JSON) the Gluon decode kernels' registers, spills and loop opcodes (q8 per head_dim, "
-                             "dtype and split; TurboQuant q8_0/q3_0 and q4_0/q4_0, q4, q6 and off, per dtype)")
+                             "dtype and split; TurboQuant q8_0/q3_0 and q4_0/q4_0, q4, q6 and off, per dtype; q8, "
+                             "TurboQuant and q4 with a dense recent window)")
     args = parser.parse_args()
     driver.set_active(_Sm90Target())
     if args.gluon:
@@ -326,6 +337,8 @@ def main() -> None:
         for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0", "q4", "q6", "off"):
             for dtype in (torch.bfloat16, torch.float16):
                 print(json.dumps(gluon_report(128, dtype, 4, spec)), flush=True)
+        for spec in ("q8", "turboquant", "q4"):   # the pages' splits of a decode with a dense recent window
+            print(json.dumps(gluon_report(128, torch.bfloat16, 4, spec, window=True)), flush=True)
         return
     formats = args.formats.split(";") if ";" in args.formats else args.formats.split(",")
     if args.count_variants:

@@ -83,6 +83,28 @@ def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read()
     assert decode_gluon.supports_dense(fmt["off"], query, 16) and not decode_gluon.supports_dense(fmt["q8"], query, 16)
 
 
+def test_a_window_goes_to_the_gluon_kernels_only_once_they_serve_it(monkeypatch):
+    """Decode batches with a dense recent window: `decode.py` until `decode_gluon.WINDOW_DEFAULT` (not yet timed),
+    then the Gluon kernels of q8, q4, q6 and TurboQuant (dense pages never have a window)."""
+    from pagedkv.config import KVFormat
+    from pagedkv.formats import make_format
+    from pagedkv.ops.triton import decode_gluon
+
+    query = torch.empty(4, 8, 128, dtype=torch.bfloat16)
+    window = (query, query)
+    fmt = {spec: make_format(KVFormat.parse(spec), 2, 128, torch.bfloat16, "cpu") for spec in ("q8", "q4", "turboquant")}
+    assert not decode_gluon.WINDOW_DEFAULT
+    assert all(decode_gluon.launcher(f, query, 16, window=window) is None for f in fmt.values())
+    monkeypatch.setattr(decode_gluon, "WINDOW_DEFAULT", True)
+    assert decode_gluon.launcher(fmt["q8"], query, 16, window=window) == (decode_gluon.paged_attention, 8)
+    assert decode_gluon.launcher(fmt["q4"], query, 16, window=window) == (decode_gluon.paged_attention_q4, 8)
+    assert decode_gluon.launcher(fmt["turboquant"], query, 16, window=window)[0] is decode_gluon.paged_attention_tq
+    assert decode_gluon.supports_q6(make_format(KVFormat.parse("q6"), 2, 128, torch.bfloat16, "cpu"), query, 16,
+                                    window=window)
+    assert not decode_gluon.supports_dense(make_format(KVFormat.parse("off"), 2, 128, torch.bfloat16, "cpu"), query,
+                                           16, window=window)
+
+
 def test_gluon_is_used_only_with_the_triton_it_is_written_for(monkeypatch):
     import triton
 
@@ -93,3 +115,29 @@ def test_gluon_is_used_only_with_the_triton_it_is_written_for(monkeypatch):
     assert not gluon_available()
     monkeypatch.setattr(triton, "__version__", "3.7.0+git1234")
     assert gluon_available()
+
+
+WINDOW_CASES = [("q8", "q8", 64), ("q8", "q8", 128), ("q4", "q4", 128), ("q6", "q6", 128),
+                ("turboquant", "turboquant", 128), ("turboquant:k=q4_0,v=q4_0,rotate_keys", "turboquant", 128)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("spec,kernel,head_dim", WINDOW_CASES, ids=[f"{s}-d{d}" for s, _, d in WINDOW_CASES])
+def test_gluon_decode_reads_the_pages_then_the_window(spec, kernel, head_dim, num_splits):
+    """With a dense recent window the Gluon kernels' splits stop where each sequence's window begins and
+    `split_k.ring_partials` attends the window as one more split: against the reference reading the same rings
+    (all of a sequence from its ring, some, none; a verify-like run of 3)."""
+    import dataclasses
+
+    from pagedkv.ops.triton import decode_gluon
+    from test_triton_decode_window import window_case, window_reference
+
+    case, rings = window_case(spec, 8, 2, head_dim, dtype=torch.float16, seed=len(spec) + head_dim)
+    ref = window_reference(dataclasses.replace(case, query=case.query.float()), rings, scale=0.2)
+    out = decode_gluon.KERNELS[kernel][1](case.query, case.pages, case.fmt, case.meta, scale=0.2,
+                                          num_splits=num_splits, window=rings)
+    assert rel_err(out, ref) < TOL[torch.float16]
+    plain = decode_gluon.KERNELS[kernel][1](case.query, case.pages, case.fmt, case.meta, scale=0.2,
+                                            num_splits=num_splits)
+    assert rel_err(plain, ref) > 2 * rel_err(out, ref)   # the window's exact keys are what brought it closer

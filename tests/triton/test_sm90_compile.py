@@ -73,15 +73,20 @@ def test_the_warp_split_decode_kernel_compiles_in_both_orientations_for_every_fo
 
 
 def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conversions():
-    """`decode_gluon.py` for sm_90 (q8: head_dim 64 and 128, split and not; TurboQuant, q4, q6, off), both 16-bit query
-    dtypes: its loop copies the page rows with cp.async (LDGSTS), reads them back (LDS), transposes P^T with
-    MOVM, and stores nothing to shared memory itself (no layout conversion through it); no spills."""
+    """`decode_gluon.py` for sm_90 (q8: head_dim 64 and 128, split and not; TurboQuant, q4, q6, off; q8, TurboQuant
+    and q4 with a dense recent window), both 16-bit query dtypes: its loop copies the page rows with cp.async
+    (LDGSTS), reads them back (LDS), transposes P^T with MOVM, and stores nothing to shared memory itself (no
+    layout conversion through it); no spills."""
     r = kernel_report("--gluon")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
     tq44 = "turboquant:k=q4_0,v=q4_0"
-    assert [row["format"] for row in rows] == ["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2 + ["q6"] * 2 + ["off"] * 2, \
-        r.stdout
+    assert [row["format"] for row in rows] == (["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2 + ["q6"] * 2
+                                               + ["off"] * 2 + ["q8", "turboquant", "q4"]), r.stdout
+    # with a dense recent window the pages' splits only end earlier: the same loop
+    loop = {(row["format"], row["head_dim"], row["dtype"], row["window"]): row["loop_ops"] for row in rows}
+    for spec in ("q8", "turboquant", "q4"):
+        assert loop[spec, 128, "torch.bfloat16", True] == loop[spec, 128, "torch.bfloat16", False], spec
     for row in rows:
         ops = row["loop_ops"]
         mma_per_step = 2 * row["head_dim"] // 16   # S^T: head_dim / 16 k-steps; O^T: head_dim / 16 M-tiles

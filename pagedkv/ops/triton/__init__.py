@@ -175,7 +175,8 @@ def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap
         launch, programs_per_sm = gluon
         num_splits = min(MAX_SPLITS, warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device,
                                                        programs_per_sm))
-        return launch(query, pages, fmt, meta, scale=scale, num_splits=num_splits)
+        return launch(query, pages, fmt, meta, scale=scale, num_splits=num_splits,
+                      **({"window": window} if window is not None else {}))
     if window is not None or uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):
         from . import decode
 

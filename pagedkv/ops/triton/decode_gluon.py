@@ -18,7 +18,9 @@ step i + 1 are in flight while step i computes (`STAGES`), holding no register.
 One warp per program, programs over (query token, KV head, split) like the other decode kernels; partial
 states in `split_k.partial_states`' layout. Four kernels: q8 (head_dim 64 and 128), q4 and q6 (one kernel, head_dim
 128), TurboQuant (q8_0 or q4_0 keys, q3_0 or q4_0 values; head_dim 128), dense pages (`off`, 64 and 128: `ldmatrix`
-from the ring, nothing to convert), none with soft-capping, sliding or dense recent window.
+from the ring, nothing to convert), none with soft-capping or a sliding window. With a dense recent window (q8, q4,
+q6, TurboQuant) the page splits stop where each sequence's window begins and the window is one more split
+(`window_splits`).
 `launcher` serves a decode batch with one where its format is in DEFAULT_KERNELS, each measured faster than
 `decode.py` (for `off`, the varlen / split-K kernels) on an H200 at every shape (`bash bench/h200_run.sh gluon`,
 2026-12-02); q6 is not yet in it (not yet run on a GPU). Gluon has no interpreter: on the CPU they are compiled
@@ -55,6 +57,10 @@ PROGRAMS_PER_SM = 8
 # K q4_0 / V q4_0 itself, with 16 (`bench/gluon_probe.py`, 2026-12-02, the same call): 1.02-1.07x faster than
 # with 8 at batch 32, 64 and 128 (430 against 445 us at batch 64 and 8,192 tokens).
 TQ_TUNING = {("q8_0", "q3_0"): (128, 16), ("q4_0", "q4_0"): (None, 16)}
+# Whether decode batches with a dense recent window run the Gluon kernels (their page splits, then the window as one
+# more split, `window_splits`), or `decode.py`: not until timed on a GPU (`python bench/kernels.py --recent-tokens
+# 128 --gluon-window` sets it for a run)
+WINDOW_DEFAULT = False
 # split counts at most: a batch of one 32,768-token sequence split 256 ways took 1.0-1.1x the time of 128 ways
 # for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
 MAX_SPLITS = 128
@@ -137,11 +143,22 @@ def query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs):
 
 
 @gluon.jit
-def split_range(q_pos, split, num_splits):
-    """The keys [kv_lo, kv_hi) split `split` of a query at q_pos attends, in whole 16-key steps but the last."""
-    chunk = gl.cdiv(gl.cdiv(q_pos + 1, num_splits), 16) * 16
+def split_range(end, split, num_splits):
+    """The keys [kv_lo, kv_hi) of [0, end) split `split` attends, in whole 16-key steps but the last."""
+    chunk = gl.cdiv(gl.cdiv(end, num_splits), 16) * 16
     kv_lo = split * chunk
-    return kv_lo, gl.minimum(kv_lo + chunk, q_pos + 1)
+    return kv_lo, gl.minimum(kv_lo + chunk, end)
+
+
+@gluon.jit
+def pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE: gl.constexpr, WINDOW: gl.constexpr):
+    """The end of the keys a query at q_pos reads from the pages: q_pos + 1, or with a dense recent window
+    (WINDOW) the first key of its sequence's window (`split_k.ring_partials` attends the rest, as one more
+    split)."""
+    end = q_pos + 1
+    if WINDOW:
+        end = gl.minimum(end, gl.load(window_first_ptr + seq) * BLOCK_SIZE)
+    return end
 
 
 @gluon.jit
@@ -172,14 +189,15 @@ def copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr,
     async_copy.commit_group()
 
 
-@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_q8_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, window_first_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides, ks_strides, vs_strides,
-    num_seqs, num_splits, qk_scale,
+    num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr = 2,
+    WINDOW: gl.constexpr = False,
 ):
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -192,7 +210,7 @@ def decode_q8_kernel(
     qt = gl.load(q_at + key_channel(qc, HEAD_DIM)[:, None], mask=(qh < GROUP)[None, :], other=0.0)
     qt = gl.convert_layout(qt.to(gl.float16), B_OP)
 
-    kv_lo, kv_hi = split_range(q_pos, split, num_splits)
+    kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
     head_off = kv_head.to(gl.int64)
     k_ptr += head_off * k_strides[2]
     v_ptr += head_off * v_strides[2]
@@ -250,7 +268,7 @@ def decode_q8_kernel(
     head = kv_head * GROUP + oh
     chans = value_channel(oc, HEAD_DIM)[:, None]
     if SPLIT:
-        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_slots + split
         gl.store(part_m_ptr + state, m_i, mask=h_ok)
         gl.store(part_l_ptr + state, l_i, mask=h_ok)
         gl.store(part_out_ptr + state[None, :] * HEAD_DIM + chans, acc, mask=h_ok[None, :])
@@ -391,14 +409,14 @@ def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_s
     async_copy.commit_group()
 
 
-@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_tq_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, window_first_ptr,
     stride_qt, stride_qh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
-    num_seqs, num_splits, qk_scale,
+    num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
-    V_BITS: gl.constexpr, STAGES: gl.constexpr = 2,
+    V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back)."""
@@ -414,7 +432,7 @@ def decode_tq_kernel(
     q2, qs2 = tq_query_group(q_at, qh < GROUP, 2, K_BITS)
     q3, qs3 = tq_query_group(q_at, qh < GROUP, 3, K_BITS)
 
-    kv_lo, kv_hi = split_range(q_pos, split, num_splits)
+    kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
     head_off = kv_head.to(gl.int64)
     k_ptr += head_off * k_strides[2]
     ks_ptr += head_off * ks_strides[2]
@@ -498,7 +516,7 @@ def decode_tq_kernel(
 
     oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     h_ok = oh < GROUP
-    state = (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP + oh) * num_splits + split
+    state = (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP + oh) * num_slots + split
     gl.store(part_m_ptr + state, m_i, mask=h_ok)
     gl.store(part_l_ptr + state, l_i, mask=h_ok)
     o_at = part_out_ptr + state[None, :] * 128
@@ -531,13 +549,28 @@ def group_scores(d, sc, z, qsum):
     return d * sc[:, None] + (z * sc)[:, None] * qsum[None, :]
 
 
+def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: bool):
+    """(partial states or None, slots per (token, head), each sequence's first window block) of a Gluon decode
+    over `num_splits` splits of the pages, with a dense recent window `window` (`decode.paged_attention`'s) as one
+    more slot that `split_k.ring_partials` fills: the page splits then stop where each sequence's window begins
+    (without a window the last argument is a placeholder the kernel does not read)."""
+    from .split_k import partial_states
+
+    num_slots = num_splits + (window is not None)
+    parts = partial_states(query, num_slots, query.shape[-1]) if split or window is not None else None
+    window_first = meta.window.first_block if window is not None else meta.seq_lens
+    return parts, num_slots, window_first
+
+
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
-                       num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None) -> torch.Tensor:
+                       num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
+                       window=None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
-    `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap."""
+    `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
+    window (`window_splits`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import partial_states, reduce_splits
+    from .split_k import reduce_splits, ring_partials
 
     from .decode import check_scale_words
 
@@ -551,18 +584,20 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     q = query
     if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R)
         q = (query.float() @ view.q_rotation).to(torch.float16)
-    parts = partial_states(query, num_splits, head_dim)
+    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, True)
     if max_registers is None:
         max_registers = TQ_TUNING.get((fmt.spec.k_quant, fmt.spec.v_quant), (None, None))[0]
     decode_tq_kernel[(num_tokens, view.num_kv_heads, num_splits)](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
-        meta.block_table, meta.seq_lens, meta.query_start_loc,
+        meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
         q.stride(0), q.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
-        meta.block_table.shape[0], num_splits, float(scale),
+        meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
-        K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, num_warps=1,
+        K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}))
+    if window is not None:
+        ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
     reduce_splits(out, parts, view, dot_precision(query.dtype))
     return out
 
@@ -607,14 +642,14 @@ def copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, 
     async_copy.commit_group()
 
 
-@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_q4_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, window_first_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
-    num_seqs, num_splits, qk_scale,
+    num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
-    STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4,
+    STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False,
 ):
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -628,7 +663,7 @@ def decode_q4_kernel(
     qt = gl.load(q_at + stored[:, None], mask=(qh < GROUP)[None, :], other=0.0)
     qt = gl.convert_layout(qt.to(gl.float16), B_OP)
 
-    kv_lo, kv_hi = split_range(q_pos, split, num_splits)
+    kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
     head_off = kv_head.to(gl.int64)
     k_ptr += head_off * k_strides[2]
     ks_ptr += head_off * ks_strides[2]
@@ -716,7 +751,7 @@ def decode_q4_kernel(
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     rows = (16 * (r & 7) + 8 * (r >> 3))[:, None]   # row g + 8a of tile n: channel 8 (2g + a) + (0, 2, 1, 3, ..)[n]
     if SPLIT:
-        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_slots + split
         gl.store(part_m_ptr + state, m_i, mask=h_ok)
         gl.store(part_l_ptr + state, l_i, mask=h_ok)
         o_at = part_out_ptr + state[None, :] * 128 + rows
@@ -737,8 +772,8 @@ def decode_q4_kernel(
 
 def supports_q4(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
     """Whether `paged_attention_q4` reads this decode: KV-Quant q4 pages (keys not rotated), head_dim 128, groups
-    of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping, sliding or dense
-    recent window."""
+    of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping or sliding window; a
+    dense recent window where WINDOW_DEFAULT."""
     return fmt.spec.kind == "kvquant" and fmt.bits == 4 and _reads_q46(fmt, query, block_size, softcap, sliding_window,
                                                                        window)
 
@@ -752,15 +787,18 @@ def supports_q6(fmt, query: torch.Tensor, block_size: int, *, softcap=None, slid
 def _reads_q46(fmt, query, block_size, softcap, sliding_window, window) -> bool:
     return (fmt.key_signs is None and fmt.head_dim == 128
             and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
-            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window and window is None)
+            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window
+            and (window is None or WINDOW_DEFAULT))
 
 
 def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
-                       num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None) -> torch.Tensor:
-    """`reference.paged_attention`'s contract for the decodes `supports_q4` accepts (q4 and q6 pages)."""
+                       num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
+                       window=None) -> torch.Tensor:
+    """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
+    dense recent window (`window_splits`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import partial_states, reduce_splits
+    from .split_k import reduce_splits, ring_partials
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -768,47 +806,53 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    split = num_splits > 1
-    parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
+    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
     decode_q4_kernel[(num_tokens, view.num_kv_heads, num_splits)](
-        out, *parts, query, view.k, view.k_scale, view.v, view.v_scale,
-        meta.block_table, meta.seq_lens, meta.query_start_loc,
+        out, *(parts or (out, out, out)), query, view.k, view.k_scale, view.v, view.v_scale,
+        meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
-        meta.block_table.shape[0], num_splits, float(scale),
-        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size, SPLIT=split,
-        STAGES=stages, BITS=view.k_bits, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
-    if split:
+        meta.block_table.shape[0], num_splits, num_slots, float(scale),
+        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
+        SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, num_warps=1,
+        **({"maxnreg": max_registers} if max_registers else {}))
+    if window is not None:
+        ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
+    if parts is not None:
         reduce_splits(out, parts, view, dot_precision(query.dtype))
     return out
 
 
 def supports(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
     """Whether `paged_attention` here reads this decode: q8 pages, head_dim 64 or 128, groups of up to 8 query
-    heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping, sliding or dense recent window."""
+    heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping or sliding window; a dense recent
+    window where WINDOW_DEFAULT."""
     spec = fmt.spec
     return (spec.kind == "kvquant" and fmt.bits == 8 and fmt.key_signs is None and fmt.head_dim in (64, 128)
             and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
-            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window and window is None)
+            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window
+            and (window is None or WINDOW_DEFAULT))
 
 
 def supports_tq(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
     """Whether `paged_attention_tq` reads this decode: TurboQuant pages with q8_0 or q4_0 keys and q3_0 or q4_0
     values, head_dim 128, groups of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no
-    soft-capping, sliding or dense recent window."""
+    soft-capping or sliding window; a dense recent window where WINDOW_DEFAULT."""
     spec = fmt.spec
     return (spec.kind == "turboquant" and spec.k_quant in ("q8_0", "q4_0") and spec.v_quant in ("q3_0", "q4_0")
             and fmt.head_dim == 128
             and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
-            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window and window is None)
+            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window
+            and (window is None or WINDOW_DEFAULT))
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
-                    num_splits: int = 1, stages: int = STAGES) -> torch.Tensor:
-    """`reference.paged_attention`'s contract for the decodes `supports` accepts."""
+                    num_splits: int = 1, stages: int = STAGES, window=None) -> torch.Tensor:
+    """`reference.paged_attention`'s contract for the decodes `supports` accepts; `window`: a dense recent window
+    (`window_splits`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import partial_states, reduce_splits
+    from .split_k import reduce_splits, ring_partials
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -816,18 +860,19 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    split = num_splits > 1
-    parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
+    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
     decode_q8_kernel[(num_tokens, view.num_kv_heads, num_splits)](
-        out, *parts, query, view.k, view.v, view.k_scale, view.v_scale,
-        meta.block_table, meta.seq_lens, meta.query_start_loc,
+        out, *(parts or (out, out, out)), query, view.k, view.v, view.k_scale, view.v_scale,
+        meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
-        meta.block_table.shape[0], num_splits, float(scale),
+        meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, SPLIT=split, K_LOAD=key_load_layout(head_dim), V_LOAD=value_load_layout(head_dim),
-        STAGES=stages, num_warps=1)
-    if split:
+        BLOCK_SIZE=meta.block_size, SPLIT=parts is not None, K_LOAD=key_load_layout(head_dim),
+        V_LOAD=value_load_layout(head_dim), STAGES=stages, WINDOW=window is not None, num_warps=1)
+    if window is not None:
+        ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
+    if parts is not None:
         reduce_splits(out, parts, view, dot_precision(query.dtype))
     return out
 
@@ -876,7 +921,7 @@ def decode_dense_kernel(
     qt = gl.load(q_at + qc[:, None], mask=(qh < GROUP)[None, :], other=0.0)
     qt = gl.convert_layout(qt.to(DT), B_OP)
 
-    kv_lo, kv_hi = split_range(q_pos, split, num_splits)
+    kv_lo, kv_hi = split_range(q_pos + 1, split, num_splits)
     head_off = kv_head.to(gl.int64)
     k_ptr += head_off * k_strides[2]
     v_ptr += head_off * v_strides[2]
