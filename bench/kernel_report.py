@@ -112,29 +112,35 @@ def sass_loops(sass: str) -> list[list[str]]:
     return sorted(loops, key=len, reverse=True)
 
 
+def decode_batch(batch: int, context: int, window: bool, head_dim: int, dtype: torch.dtype):
+    """(metadata, rings or None) of a decode batch of `batch` sequences of `context` tokens (all block ids 0: the
+    compile sees the shapes only); with `window`, a dense recent window of 128 tokens planned and its rings."""
+    from pagedkv.ops.metadata import AttentionMetadata, WindowPlan
+
+    table = torch.zeros(batch, context // BLOCK_SIZE, dtype=torch.int32)
+    lens, qsl = [context] * batch, list(range(batch + 1))
+    meta = AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
+                             torch.arange(batch, dtype=torch.int64), None, lens, qsl, BLOCK_SIZE)
+    if not window:
+        return meta, None
+    num_ring_blocks = 128 // BLOCK_SIZE + 1
+    rows, first = list(range(batch)), [(context - 128) // BLOCK_SIZE] * batch
+    empty = torch.empty(0, dtype=torch.int64)
+    meta.window = WindowPlan(empty, empty, torch.tensor(rows, dtype=torch.int32), torch.tensor(first, dtype=torch.int32),
+                             rows, first, num_ring_blocks)
+    rings = tuple(torch.empty(batch, num_ring_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype=dtype) for _ in range(2))
+    return meta, rings
+
+
 def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192, window: bool = False):
     """The warp-split decode kernel (`ops/triton/decode.py`) with DecodeTiles `tiles`, compiled for sm_90; with
     `window`, the variant that reads a dense recent window (recent_tokens=128) beside the pages."""
-    from pagedkv.ops.metadata import AttentionMetadata, WindowPlan
     from pagedkv.ops.triton import decode
     from triton.runtime.jit import JITFunction
 
     fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
     pages = fmt.allocate_pages(4, BLOCK_SIZE)
-    table = torch.zeros(batch, context // BLOCK_SIZE, dtype=torch.int32)
-    lens = [context] * batch
-    qsl = list(range(batch + 1))
-    meta = AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
-                             torch.arange(batch, dtype=torch.int64), None, lens, qsl, BLOCK_SIZE)
-    rings = None
-    if window:
-        num_ring_blocks = 128 // BLOCK_SIZE + 1
-        rows, first = list(range(batch)), [(context - 128) // BLOCK_SIZE] * batch
-        empty = torch.empty(0, dtype=torch.int64)
-        meta.window = WindowPlan(empty, empty, torch.tensor(rows, dtype=torch.int32), torch.tensor(first, dtype=torch.int32),
-                                 rows, first, num_ring_blocks)
-        rings = tuple(torch.empty(batch, num_ring_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-                      for _ in range(2))
+    meta, rings = decode_batch(batch, context, window, HEAD_DIM, torch.bfloat16)
     q = torch.empty(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     compiled = []
     run = JITFunction.run
@@ -169,24 +175,12 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
     """A Gluon decode kernel (`ops/triton/decode_gluon.py`: q8, q4, q6, TurboQuant, off) compiled for sm_90:
     registers, spills, shared memory and its loop's opcodes; with `window`, the variant whose splits stop where a
     dense recent window (recent_tokens=128) begins."""
-    from pagedkv.ops.metadata import AttentionMetadata, WindowPlan
     from pagedkv.ops.triton import decode_gluon
 
     batch, context = 64, 8192
     fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, head_dim, dtype, "cpu")
-    table = torch.zeros(batch, context // BLOCK_SIZE, dtype=torch.int32)
-    lens, qsl = [context] * batch, list(range(batch + 1))
-    meta = AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
-                             torch.arange(batch, dtype=torch.int64), None, lens, qsl, BLOCK_SIZE)
-    options = {}
-    if window:
-        num_ring_blocks = 128 // BLOCK_SIZE + 1
-        rows, first = list(range(batch)), [(context - 128) // BLOCK_SIZE] * batch
-        empty = torch.empty(0, dtype=torch.int64)
-        meta.window = WindowPlan(empty, empty, torch.tensor(rows, dtype=torch.int32), torch.tensor(first, dtype=torch.int32),
-                                 rows, first, num_ring_blocks)
-        options["window"] = tuple(torch.empty(batch, num_ring_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_dim, dtype=dtype)
-                                  for _ in range(2))
+    meta, rings = decode_batch(batch, context, window, head_dim, dtype)
+    options = {"window": rings} if window else {}
     compiled = []
     from triton.runtime.jit import JITFunction
 

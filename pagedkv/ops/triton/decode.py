@@ -350,15 +350,22 @@ def ring_args(query: torch.Tensor, view, meta: AttentionMetadata,
     if window is None:
         return (query, view.k, view.k, meta.seq_lens, meta.seq_lens, 0, 0, (0, 0, 0)), dict(RING=False, NUM_RING_BLOCKS=1)
     plan = meta.window
+    rk, rv = ring_pages(view, meta, window)
+    return ((query, rk, rv, plan.rows, plan.first_block, query.stride(0), query.stride(1), stride3(rk)),
+            dict(RING=True, NUM_RING_BLOCKS=plan.num_ring_blocks))
+
+
+def ring_pages(view, meta: AttentionMetadata, window: tuple[torch.Tensor, torch.Tensor]):
+    """A dense recent window's rings of keys and values [num_rows, num_ring_blocks, block_size, H, D], checked
+    against the step's plan of them (`meta.window`), as pages [num_rows * num_ring_blocks, block_size, H, D]."""
+    plan = meta.window
     assert plan is not None, "reading a dense recent window needs the step's plan of it (meta.window)"
     keys, values = window
     assert keys.shape == values.shape and keys.stride() == values.stride(), "ring keys and values must share a layout"
     assert keys.shape[1:] == (plan.num_ring_blocks, meta.block_size, view.num_kv_heads, view.head_dim), \
         f"rings must be [num_rows, {plan.num_ring_blocks}, {meta.block_size}, {view.num_kv_heads}, {view.head_dim}], got {tuple(keys.shape)}"
     assert plan.rows.dtype == plan.first_block.dtype == torch.int32, "ring rows and first blocks must be int32"
-    rk, rv = keys.flatten(0, 1), values.flatten(0, 1)   # [num_rows * num_ring_blocks, block_size, H, D]: pages
-    return ((query, rk, rv, plan.rows, plan.first_block, query.stride(0), query.stride(1), stride3(rk)),
-            dict(RING=True, NUM_RING_BLOCKS=plan.num_ring_blocks))
+    return keys.flatten(0, 1), values.flatten(0, 1)
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,

@@ -52,10 +52,9 @@ PROGRAMS_PER_SM = 8
 # TurboQuant (key, value) quantizers -> (registers per lane capped at, programs per multiprocessor). Measured on an
 # H200 (`bench/gluon_probe.py`, 2026-12-02): K q8_0 / V q3_0 uses 151 registers uncapped (13 programs fit a
 # multiprocessor); capped at 128 (no spills) with twice the splits it is 1.07-1.12x faster than `decode.py`
-# (batch 64 at 8,192 tokens: 383 us at 4 splits against 429 at 2). K q4_0 / V q4_0 (168 registers) capped at 128 was
-# 1.07-1.53x slower, so it runs uncapped.
-# K q4_0 / V q4_0 itself, with 16 (`bench/gluon_probe.py`, 2026-12-02, the same call): 1.02-1.07x faster than
-# with 8 at batch 32, 64 and 128 (430 against 445 us at batch 64 and 8,192 tokens).
+# (batch 64 at 8,192 tokens: 383 us at 4 splits against 429 at 2). K q4_0 / V q4_0 (168 registers) runs uncapped
+# (capped at 128: 1.07-1.53x slower), and with 16 programs per multiprocessor 1.02-1.07x faster than with 8 at batch
+# 32, 64 and 128 (430 against 445 us at batch 64 and 8,192 tokens).
 TQ_TUNING = {("q8_0", "q3_0"): (128, 16), ("q4_0", "q4_0"): (None, 16)}
 # Whether decode batches with a dense recent window run the Gluon kernels (their page splits, then the window as one
 # more split, `window_splits`), or `decode.py`: not until timed on a GPU (`python bench/kernels.py --recent-tokens

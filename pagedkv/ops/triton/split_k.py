@@ -191,24 +191,20 @@ def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, pa
     """The dense recent window `window` (rings of keys and values, `decode.paged_attention`'s argument, planned in
     `meta.window`) attended as the last split of `parts` (`partial_states`, head_dim_pad = head_dim): the page
     kernel's splits must stop where each sequence's ring begins."""
+    from .decode import ring_pages
+
     plan = meta.window
-    assert plan is not None, "reading a dense recent window needs the step's plan of it (meta.window)"
-    keys, values = window
-    num_rows, num_ring_blocks = keys.shape[:2]
-    assert keys.shape == values.shape and keys.stride() == values.stride(), "ring keys and values must share a layout"
-    assert keys.shape[1:] == (plan.num_ring_blocks, meta.block_size, view.num_kv_heads, view.head_dim), \
-        f"rings must be [num_rows, {plan.num_ring_blocks}, {meta.block_size}, {view.num_kv_heads}, {view.head_dim}]"
+    rk, rv = ring_pages(view, meta, window)
     part_out, part_m, part_l = parts
     num_tokens, num_q_heads, num_slots, head_dim = part_out.shape
     assert head_dim == view.head_dim, "the ring's partial states are written unpadded"
     group = num_q_heads // view.num_kv_heads
-    rk, rv = keys.flatten(0, 1), values.flatten(0, 1)
     ring_partial_kernel[(num_tokens, view.num_kv_heads)](
         part_out, part_m, part_l, query, rk, rv, plan.rows, plan.first_block, view.aux("out_rotation"),
         meta.query_start_loc, meta.seq_lens, query.stride(0), query.stride(1), stride3(rk),
         meta.block_table.shape[0], num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, NUM_RING_BLOCKS=num_ring_blocks, ROTATE_OUT=view.rotate_out,
+        BLOCK_SIZE=meta.block_size, NUM_RING_BLOCKS=plan.num_ring_blocks, ROTATE_OUT=view.rotate_out,
         DOT_PRECISION=precision, num_warps=4)
 
 
