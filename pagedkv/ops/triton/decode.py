@@ -46,7 +46,7 @@ from .codecs import KVQUANT, TURBOQUANT
 from .conversions import int8_pairs_to_f16, int8_to_f16, sign_magnitude_to_f16
 from .decode_io import attend_ring, load_quads, load_rows, ring_accumulators, token_sequence
 from .decode_transposed import decode_kernel_transposed
-from .page_view import page_view, stride3, value_codebook
+from .page_view import page_view, ring_pages, stride3, value_codebook
 from .tiles import LOG2E, tanh
 from .tuning import DecodeTiles, warp_split_tiles
 
@@ -354,18 +354,6 @@ def ring_args(query: torch.Tensor, view, meta: AttentionMetadata,
     return ((query, rk, rv, plan.rows, plan.first_block, query.stride(0), query.stride(1), stride3(rk)),
             dict(RING=True, NUM_RING_BLOCKS=plan.num_ring_blocks))
 
-
-def ring_pages(view, meta: AttentionMetadata, window: tuple[torch.Tensor, torch.Tensor]):
-    """A dense recent window's rings of keys and values [num_rows, num_ring_blocks, block_size, H, D], checked
-    against the step's plan of them (`meta.window`), as pages [num_rows * num_ring_blocks, block_size, H, D]."""
-    plan = meta.window
-    assert plan is not None, "reading a dense recent window needs the step's plan of it (meta.window)"
-    keys, values = window
-    assert keys.shape == values.shape and keys.stride() == values.stride(), "ring keys and values must share a layout"
-    assert keys.shape[1:] == (plan.num_ring_blocks, meta.block_size, view.num_kv_heads, view.head_dim), \
-        f"rings must be [num_rows, {plan.num_ring_blocks}, {meta.block_size}, {view.num_kv_heads}, {view.head_dim}], got {tuple(keys.shape)}"
-    assert plan.rows.dtype == plan.first_block.dtype == torch.int32, "ring rows and first blocks must be int32"
-    return keys.flatten(0, 1), values.flatten(0, 1)
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,

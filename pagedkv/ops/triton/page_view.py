@@ -118,3 +118,16 @@ def is_supported(fmt: PageFormat) -> tuple[bool, str | None]:
             return False, f"head_dim: the quantized kernels need a power-of-two head_dim >= 32, got {d}"
         return True, None
     return False, f"no_kernel: no Triton kernel is built for {fmt.spec} pages"
+
+
+def ring_pages(view, meta, window: tuple[torch.Tensor, torch.Tensor]):
+    """A dense recent window's rings of keys and values [num_rows, num_ring_blocks, block_size, H, D], checked
+    against the step's plan of them (`meta.window`), as pages [num_rows * num_ring_blocks, block_size, H, D]."""
+    plan = meta.window
+    assert plan is not None, "reading a dense recent window needs the step's plan of it (meta.window)"
+    keys, values = window
+    assert keys.shape == values.shape and keys.stride() == values.stride(), "ring keys and values must share a layout"
+    assert keys.shape[1:] == (plan.num_ring_blocks, meta.block_size, view.num_kv_heads, view.head_dim), \
+        f"rings must be [num_rows, {plan.num_ring_blocks}, {meta.block_size}, {view.num_kv_heads}, {view.head_dim}], got {tuple(keys.shape)}"
+    assert plan.rows.dtype == plan.first_block.dtype == torch.int32, "ring rows and first blocks must be int32"
+    return keys.flatten(0, 1), values.flatten(0, 1)

@@ -17,7 +17,7 @@ import triton.language as tl
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .attention import PER_STEP_ARGS, check_inputs, dot_precision, launch_args, query_block_rows
-from .page_view import page_view, stride3
+from .page_view import page_view, ring_pages, stride3
 from .decode_io import token_sequence
 from .tiles import attend_range, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles, page_class
@@ -191,8 +191,6 @@ def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, pa
     """The dense recent window `window` (rings of keys and values, `decode.paged_attention`'s argument, planned in
     `meta.window`) attended as the last split of `parts` (`partial_states`, head_dim_pad = head_dim): the page
     kernel's splits must stop where each sequence's ring begins."""
-    from .decode import ring_pages
-
     plan = meta.window
     rk, rv = ring_pages(view, meta, window)
     part_out, part_m, part_l = parts
