@@ -18,7 +18,7 @@ from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .attention import PER_STEP_ARGS, check_inputs, dot_precision, launch_args, query_block_rows
 from .page_view import page_view, ring_pages, stride3
-from .decode_io import token_sequence
+from .decode_io import attend_ring, ring_rotated, token_sequence
 from .tiles import attend_range, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles, page_class
 
@@ -133,58 +133,38 @@ ROTATE_IN_MERGE_ROWS = 64
 def ring_partial_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr, rotation_ptr,
     query_start_loc_ptr, seq_lens_ptr, stride_qt, stride_qh, r_strides, num_seqs, num_slots, qk_scale,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr, ROTATE_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TILE_N: tl.constexpr = 16,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """A dense recent window as the last split: one program per (query token, KV head) attends the keys of its
-    sequence's ring (`pagedkv.window`: from block ring_first_ptr[seq] on, logical block b in ring slot b %
-    NUM_RING_BLOCKS of ring row ring_rows_ptr[seq], read as pages [num_rows * NUM_RING_BLOCKS, BLOCK_SIZE, H, D]
-    with strides r_strides) up to the query's position, with the model's queries, and writes its partial state to
-    slot num_slots - 1 (`partial_states`); the pages' splits hold the keys before it. With ROTATE_OUT its output
-    goes into the values' rotated domain (@ rotation^T), where the reduce expects every split's."""
+    """A dense recent window as the last split: one program per (query token, KV head) attends the keys its
+    sequence's ring holds up to the query's position (`decode_io.attend_ring`, as the tile-language decode kernel
+    does) and writes its partial state to slot num_slots - 1 (`partial_states`); the pages' splits hold the keys
+    before it. With ROTATE_OUT its output goes into the values' rotated domain (`decode_io.ring_rotated`), where
+    the reduce expects every split's."""
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = token_sequence(token, query_start_loc_ptr, num_seqs)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_pos = tl.load(seq_lens_ptr + seq) - (tl.load(query_start_loc_ptr + seq + 1) - q_start) + (token - q_start)
-    ring_from = tl.load(ring_first_ptr + seq) * BLOCK_SIZE
-    offs_h = tl.arange(0, GROUP_PAD)
+    offs_h = tl.arange(0, ROWS)
     h_ok = offs_h < GROUP
     head = kv_head * GROUP + offs_h
+    m_i = tl.full([1, ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([1, ROWS], tl.float32)
+    acc, m_i, l_i, _ = attend_ring(
+        seq, token, kv_head, head, h_ok, 0, q_pos + 1, m_i, l_i, q_ptr, rk_ptr, rv_ptr, ring_rows_ptr,
+        ring_first_ptr, stride_qt, stride_qh, r_strides, qk_scale, 1.0, HEAD_DIM, HEAD_DIM, BLOCK_SIZE,
+        NUM_RING_BLOCKS, False, DOT_PRECISION)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=h_ok[:, None], other=0.0)
-    ring_block0 = tl.load(ring_rows_ptr + seq).to(tl.int64) * NUM_RING_BLOCKS
-    rk_ptr += kv_head.to(tl.int64) * r_strides[2]
-    rv_ptr += kv_head.to(tl.int64) * r_strides[2]
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    scale = qk_scale * 1.4426950408889634
-    for start in range(ring_from, q_pos + 1, TILE_N):
-        offs_n = start + tl.arange(0, TILE_N)
-        ok = offs_n <= q_pos
-        row = ((ring_block0 + (offs_n // BLOCK_SIZE) % NUM_RING_BLOCKS) * r_strides[0]
-               + (offs_n % BLOCK_SIZE) * r_strides[1])
-        k = tl.load(rk_ptr + row[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale             # [GROUP_PAD, TILE_N]
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-        v = tl.load(rv_ptr + row[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    if ROTATE_OUT:   # out = out_rot @ rotation, so out_rot = out @ rotation^T
-        rot_t = tl.load(rotation_ptr + offs_d[None, :] * HEAD_DIM + offs_d[:, None])
-        acc = tl.dot(acc, rot_t, input_precision=DOT_PRECISION)
+    if ROTATE_OUT:
+        out = ring_rotated(acc, offs_d, rotation_ptr, HEAD_DIM, DOT_PRECISION)          # [ROWS, HEAD_DIM]
+    else:
+        out = tl.trans(acc)
     state = (token.to(tl.int64) * NUM_Q_HEADS + head) * num_slots + num_slots - 1
-    tl.store(part_m_ptr + state, m_i, mask=h_ok)
-    tl.store(part_l_ptr + state, l_i, mask=h_ok)
-    tl.store(part_out_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=h_ok[:, None])
+    tl.store(part_m_ptr + state, tl.max(m_i, axis=0), mask=h_ok)
+    tl.store(part_l_ptr + state, tl.sum(l_i, axis=0), mask=h_ok)
+    tl.store(part_out_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_ok[:, None])
 
 
 def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, parts, scale: float, precision: str):
@@ -201,7 +181,7 @@ def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, pa
         part_out, part_m, part_l, query, rk, rv, plan.rows, plan.first_block, view.aux("out_rotation"),
         meta.query_start_loc, meta.seq_lens, query.stride(0), query.stride(1), stride3(rk),
         meta.block_table.shape[0], num_slots, float(scale),
-        NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, NUM_RING_BLOCKS=plan.num_ring_blocks, ROTATE_OUT=view.rotate_out,
         DOT_PRECISION=precision, num_warps=4)
 
