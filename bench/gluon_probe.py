@@ -22,8 +22,6 @@ import plotting  # noqa: E402  (bench/plotting.py)
 SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 VARIANTS = json.loads(os.environ.get("VARIANTS", '{"ring2": {}}'))
 FORMAT = os.environ.get("FORMAT", "q8")
-LAUNCH = {"q8": decode_gluon.paged_attention, "q4": decode_gluon.paged_attention_q4,
-          "q6": decode_gluon.paged_attention_q4, "off": decode_gluon.paged_attention_dense}.get(FORMAT, decode_gluon.paged_attention_tq)
 SPLITS = {1: [64, 128, 256], 32: [4, 8, 16], 64: [2, 4, 8], 128: [1, 2, 4]}
 
 
@@ -43,6 +41,7 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
         return [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)
                 for i, ((f, p, _), m) in enumerate(zip(layers, metas))]
 
+    launch, _ = decode_gluon.launcher(layers[0][0], queries[0], kb.BLOCK_SIZE, kernels=decode_gluon.KERNELS)
     k = min(num_seqs, 2)
     sub = kb.decode_meta(layers[0][2][:k], seq_len)
     ref = reference.paged_attention(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE)
@@ -50,10 +49,10 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
     row["default_us"] = kb.time_per_call(calls(lambda q, p, f, m: triton_ops.paged_attention(q, p, f, m, scale=kb.SCALE))) * 1e3
     for name, opts in VARIANTS.items():
         for sp in SPLITS[num_seqs]:
-            o = LAUNCH(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE, num_splits=sp, **opts)
+            o = launch(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE, num_splits=sp, **opts)
             row[f"gluon_{name}_split{sp}_err"] = kb.rel_err(o, ref)
             row[f"gluon_{name}_split{sp}_us"] = kb.time_per_call(calls(
-                lambda q, p, f, m, sp=sp, opts=opts: LAUNCH(q, p, f, m, scale=kb.SCALE, num_splits=sp, **opts))) * 1e3
+                lambda q, p, f, m, sp=sp, opts=opts: launch(q, p, f, m, scale=kb.SCALE, num_splits=sp, **opts))) * 1e3
     best = min((v, kk) for kk, v in row.items() if kk.startswith("gluon") and kk.endswith("_us"))
     print(f"{FORMAT} ({num_seqs}, {seq_len}): sdpa {row['sdpa_us']:.1f} us, default {row['default_us']:.1f} us "
           f"({row['default_us'] / row['sdpa_us']:.3f}), gluon best {best[1]} {best[0]:.1f} us ({best[0] / row['sdpa_us']:.3f}); "

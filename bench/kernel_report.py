@@ -187,11 +187,9 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
     run = JITFunction.run
     JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
     try:
-        launch = {"q8": decode_gluon.paged_attention, "q4": decode_gluon.paged_attention_q4,
-                  "q6": decode_gluon.paged_attention_q4,
-                  "off": decode_gluon.paged_attention_dense}.get(spec, decode_gluon.paged_attention_tq)
-        launch(torch.empty(batch, NUM_Q_HEADS, head_dim, dtype=dtype), fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta,
-               scale=0.1, num_splits=num_splits, **options)
+        q = torch.empty(batch, NUM_Q_HEADS, head_dim, dtype=dtype)
+        launch, _ = decode_gluon.launcher(fmt, q, BLOCK_SIZE, kernels=decode_gluon.KERNELS)
+        launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=num_splits, **options)
     finally:
         JITFunction.run = run
     info, sass = assemble(compiled[0])

@@ -585,7 +585,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         q = (query.float() @ view.q_rotation).to(torch.float16)
     parts, num_slots, window_first = window_splits(query, meta, num_splits, window, True)
     if max_registers is None:
-        max_registers = TQ_TUNING.get((fmt.spec.k_quant, fmt.spec.v_quant), (None, None))[0]
+        max_registers = tq_tuning(fmt.spec)[0]
     decode_tq_kernel[(num_tokens, view.num_kv_heads, num_splits)](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
@@ -1018,14 +1018,18 @@ KERNELS = {"q8": (supports, paged_attention), "q4": (supports_q4, paged_attentio
 DEFAULT_KERNELS = ("q8", "q4", "turboquant", "off")
 
 
-def launcher(fmt, query: torch.Tensor, block_size: int, **options):
+def tq_tuning(spec) -> tuple[int | None, int]:
+    """(register cap or None, programs per multiprocessor) of the TurboQuant kernel for format `spec`."""
+    return TQ_TUNING.get((spec.k_quant, spec.v_quant), (None, PROGRAMS_PER_SM))
+
+
+def launcher(fmt, query: torch.Tensor, block_size: int, kernels=DEFAULT_KERNELS, **options):
     """(launcher, resident programs per multiprocessor its split count aims at) of the Gluon kernel for this decode
-    when its format is in DEFAULT_KERNELS and the kernel reads it (`supports`, `supports_q4`, `supports_tq`,
-    `supports_dense`; options: softcap, sliding_window, window), else None."""
-    for name in DEFAULT_KERNELS:
+    when its format is in `kernels` (default: those that serve, DEFAULT_KERNELS; benchmarks pass KERNELS) and the
+    kernel reads it (`supports`, `supports_q4`, `supports_q6`, `supports_tq`, `supports_dense`; options: softcap,
+    sliding_window, window), else None."""
+    for name in kernels:
         reads, launch = KERNELS[name]
         if reads(fmt, query, block_size, **options):
-            if name == "turboquant":
-                return launch, TQ_TUNING.get((fmt.spec.k_quant, fmt.spec.v_quant), (None, PROGRAMS_PER_SM))[1]
-            return launch, PROGRAMS_PER_SM
+            return launch, tq_tuning(fmt.spec)[1] if name == "turboquant" else PROGRAMS_PER_SM
     return None
