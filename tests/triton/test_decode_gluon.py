@@ -52,7 +52,7 @@ def test_gluon_decode_matches_reference(spec, kernel, shape, num_splits, dtype):
 
 
 def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read():
-    """`decode_gluon.launcher` (CPU: shapes and options only): q8, q4, TurboQuant and `off` decode by default
+    """`decode_gluon.launcher` (CPU: shapes and options only): q8, q6, q4, TurboQuant and `off` decode by default
     (DEFAULT_KERNELS, each timed faster), each with its split target; nothing with rotated KV-Quant keys, a window,
     soft-capping, float32 queries or blocks of 5 slots."""
     from pagedkv.config import KVFormat
@@ -68,9 +68,9 @@ def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read()
     assert decode_gluon.launcher(fmt["turboquant"], query, 16) == (decode_gluon.paged_attention_tq, 16)
     assert decode_gluon.launcher(fmt["turboquant:k=q4_0,v=q4_0"], query, 16) == (decode_gluon.paged_attention_tq, 16)
     assert decode_gluon.launcher(fmt["off"], query, 16) == (decode_gluon.paged_attention_dense, 8)
-    assert decode_gluon.launcher(fmt["q6"], query, 16) is None
+    assert decode_gluon.launcher(fmt["q6"], query, 16) == (decode_gluon.paged_attention_q4, 8)
     assert decode_gluon.launcher(fmt["q8:rotate_keys"], query, 16) is None
-    for spec in ("q8", "q4", "turboquant", "off"):
+    for spec in ("q8", "q6", "q4", "turboquant", "off"):
         assert decode_gluon.launcher(fmt[spec], query, 5) is None
         assert decode_gluon.launcher(fmt[spec], query.float(), 16) is None
         assert decode_gluon.launcher(fmt[spec], query, 16, softcap=30.0) is None

@@ -23,7 +23,7 @@ q6, TurboQuant) the page splits stop where each sequence's window begins and the
 (`window_splits`).
 `launcher` serves a decode batch with one where its format is in DEFAULT_KERNELS, each measured faster than
 `decode.py` (for `off`, the varlen / split-K kernels) on an H200 at every shape (`bash bench/h200_run.sh gluon`,
-2026-12-02); q6 is not yet in it (not yet run on a GPU). Gluon has no interpreter: on the CPU they are compiled
+2026-12-02). Gluon has no interpreter: on the CPU they are compiled
 for sm_90 (`bench/kernel_report.py --gluon`) and their PTX look-ups run in an emulator; on the GPU they are
 checked against the reference path (`tests/triton/test_decode_gluon.py`).
 """
@@ -1013,9 +1013,8 @@ KERNELS = {"q8": (supports, paged_attention), "q4": (supports_q4, paged_attentio
 # The formats whose Gluon kernel serves decode batches by default: each joins once it is timed faster than
 # `decode.py` (for `off`: the varlen / split-K kernels) at every shape of `bench/gluon_probe.py`, at the split count
 # PROGRAMS_PER_SM gives (BENCHMARKS.md, H200, 2026-12-02): q8 1.06-1.11x; TurboQuant K q8_0 / V q3_0 1.07-1.12x,
-# K q4_0 / V q4_0 1.03-1.08x; q4 1.03-1.08x; `off` 1.01-1.08x. q6 (the q4 kernel with the 2-bit planes): not yet
-# run on a GPU.
-DEFAULT_KERNELS = ("q8", "q4", "turboquant", "off")
+# K q4_0 / V q4_0 1.03-1.08x; q4 1.03-1.08x; `off` 1.01-1.08x; q6 (the q4 kernel with the 2-bit planes) 1.29-1.37x.
+DEFAULT_KERNELS = ("q8", "q6", "q4", "turboquant", "off")
 
 
 def tq_tuning(spec) -> tuple[int | None, int]:
