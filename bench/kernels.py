@@ -527,13 +527,14 @@ def main() -> None:
     parser.add_argument("--recent-tokens", type=int, default=0,
                         help="also time decode with a dense recent window of this many tokens (quantized formats)")
     parser.add_argument("--gluon-window", action="store_true",
-                        help="decode with a dense recent window through the Gluon kernels (decode_gluon.WINDOW_DEFAULT)")
+                        help="decode every format with a dense recent window through the Gluon kernels, at any batch "
+                             "(by default: decode_gluon.WINDOW_KERNELS from WINDOW_MIN_TOKENS)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode,prefill,write")
     args = parser.parse_args()
     if args.gluon_window:
         from pagedkv.ops.triton import decode_gluon
 
-        decode_gluon.WINDOW_DEFAULT = True
+        decode_gluon.WINDOW_KERNELS, decode_gluon.WINDOW_MIN_TOKENS = tuple(decode_gluon.KERNELS), 0
     for item in filter(None, (args.warp_split_counts or "").split(";")):
         batch, counts = item.split(":")
         WARP_SPLIT_COUNTS[int(batch)] = [int(n) for n in counts.split(",")]

@@ -83,26 +83,33 @@ def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read()
     assert decode_gluon.supports_dense(fmt["off"], query, 16) and not decode_gluon.supports_dense(fmt["q8"], query, 16)
 
 
-def test_a_window_goes_to_the_gluon_kernels_only_once_they_serve_it(monkeypatch):
-    """Decode batches with a dense recent window: `decode.py` until `decode_gluon.WINDOW_DEFAULT` (not yet timed),
-    then the Gluon kernels of q8, q4, q6 and TurboQuant (dense pages never have a window)."""
+def test_a_window_goes_to_the_gluon_kernels_where_they_were_timed_faster():
+    """Decode batches with a dense recent window: the Gluon kernels of WINDOW_KERNELS (q6, TurboQuant) from
+    WINDOW_MIN_TOKENS query tokens on, `decode.py` for the other formats and smaller batches; every quantized
+    kernel reads a window (dense pages never have one)."""
     from pagedkv.config import KVFormat
     from pagedkv.formats import make_format
     from pagedkv.ops.triton import decode_gluon
 
-    query = torch.empty(4, 8, 128, dtype=torch.bfloat16)
-    window = (query, query)
-    fmt = {spec: make_format(KVFormat.parse(spec), 2, 128, torch.bfloat16, "cpu") for spec in ("q8", "q4", "turboquant")}
-    assert not decode_gluon.WINDOW_DEFAULT
-    assert all(decode_gluon.launcher(f, query, 16, window=window) is None for f in fmt.values())
-    monkeypatch.setattr(decode_gluon, "WINDOW_DEFAULT", True)
-    assert decode_gluon.launcher(fmt["q8"], query, 16, window=window) == (decode_gluon.paged_attention, 8)
-    assert decode_gluon.launcher(fmt["q4"], query, 16, window=window) == (decode_gluon.paged_attention_q4, 8)
-    assert decode_gluon.launcher(fmt["turboquant"], query, 16, window=window)[0] is decode_gluon.paged_attention_tq
-    assert decode_gluon.supports_q6(make_format(KVFormat.parse("q6"), 2, 128, torch.bfloat16, "cpu"), query, 16,
-                                    window=window)
-    assert not decode_gluon.supports_dense(make_format(KVFormat.parse("off"), 2, 128, torch.bfloat16, "cpu"), query,
-                                           16, window=window)
+    small = torch.empty(decode_gluon.WINDOW_MIN_TOKENS - 1, 8, 128, dtype=torch.bfloat16)
+    large = torch.empty(decode_gluon.WINDOW_MIN_TOKENS, 8, 128, dtype=torch.bfloat16)
+    specs = ("q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "off")
+    fmt = {spec: make_format(KVFormat.parse(spec), 2, 128, torch.bfloat16, "cpu") for spec in specs}
+    for query in (small, large):
+        window = (query, query)
+        assert all(decode_gluon.launcher(f, query, 16, window=window) is None for s, f in fmt.items()
+                   if s in ("q8", "q4", "off") or query is small)
+        assert all(decode_gluon.launcher(fmt[s], query, 16) is not None for s in specs)
+    window = (large, large)
+    assert decode_gluon.launcher(fmt["q6"], large, 16, window=window) == (decode_gluon.paged_attention_q4, 8)
+    assert decode_gluon.launcher(fmt["turboquant"], large, 16, window=window) == (decode_gluon.paged_attention_tq, 16)
+    assert decode_gluon.launcher(fmt["turboquant:k=q4_0,v=q4_0"], large, 16, window=window)[0] is \
+        decode_gluon.paged_attention_tq
+    assert decode_gluon.supports(fmt["q8"], large, 16, window=window)
+    assert decode_gluon.supports_q4(fmt["q4"], large, 16, window=window)
+    assert not decode_gluon.supports_dense(fmt["off"], large, 16, window=window)
+    # benchmarks serve every format so
+    assert decode_gluon.launcher(fmt["q8"], small, 16, kernels=decode_gluon.KERNELS, window=(small, small)) is None
 
 
 def test_gluon_is_used_only_with_the_triton_it_is_written_for(monkeypatch):

@@ -56,10 +56,15 @@ PROGRAMS_PER_SM = 8
 # (capped at 128: 1.07-1.53x slower), and with 16 programs per multiprocessor 1.02-1.07x faster than with 8 at batch
 # 32, 64 and 128 (430 against 445 us at batch 64 and 8,192 tokens).
 TQ_TUNING = {("q8_0", "q3_0"): (128, 16), ("q4_0", "q4_0"): (None, 16)}
-# Whether decode batches with a dense recent window run the Gluon kernels (their page splits, then the window as one
-# more split, `window_splits`), or `decode.py`: not until timed on a GPU (`python bench/kernels.py --recent-tokens
-# 128 --gluon-window` sets it for a run)
-WINDOW_DEFAULT = False
+# The formats whose decode batches with a dense recent window run the Gluon kernels (their page splits, then the
+# window as one more split, `window_splits`) from WINDOW_MIN_TOKENS query tokens on; the others, and smaller
+# batches, run `decode.py`, which reads the window in the same kernel. Timed side by side on an H200 (2026-12-02,
+# window of 128, `python bench/kernels.py --recent-tokens 128 --gluon-window` serves every format this way): q6
+# 1.10-1.27x and TurboQuant 1.07-1.13x faster at (32, 4096) and (64, 8192), q6 1.22x and TurboQuant 0.99x at
+# (128, 2048); q8 and q4 0.95-1.03x; at one sequence every format 0.77-0.92x (the window's own kernel runs
+# after the pages', its latency not hidden).
+WINDOW_KERNELS = ("q6", "turboquant")
+WINDOW_MIN_TOKENS = 32
 # split counts at most: a batch of one 32,768-token sequence split 256 ways took 1.0-1.1x the time of 128 ways
 # for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
 MAX_SPLITS = 128
@@ -772,7 +777,7 @@ def decode_q4_kernel(
 def supports_q4(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
     """Whether `paged_attention_q4` reads this decode: KV-Quant q4 pages (keys not rotated), head_dim 128, groups
     of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping or sliding window; a
-    dense recent window where WINDOW_DEFAULT."""
+    dense recent window or not."""
     return fmt.spec.kind == "kvquant" and fmt.bits == 4 and _reads_q46(fmt, query, block_size, softcap, sliding_window,
                                                                        window)
 
@@ -786,8 +791,7 @@ def supports_q6(fmt, query: torch.Tensor, block_size: int, *, softcap=None, slid
 def _reads_q46(fmt, query, block_size, softcap, sliding_window, window) -> bool:
     return (fmt.key_signs is None and fmt.head_dim == 128
             and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
-            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window
-            and (window is None or WINDOW_DEFAULT))
+            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window)
 
 
 def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
@@ -825,24 +829,22 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
 def supports(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
     """Whether `paged_attention` here reads this decode: q8 pages, head_dim 64 or 128, groups of up to 8 query
     heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping or sliding window; a dense recent
-    window where WINDOW_DEFAULT."""
+    window or not."""
     spec = fmt.spec
     return (spec.kind == "kvquant" and fmt.bits == 8 and fmt.key_signs is None and fmt.head_dim in (64, 128)
             and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
-            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window
-            and (window is None or WINDOW_DEFAULT))
+            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window)
 
 
 def supports_tq(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
     """Whether `paged_attention_tq` reads this decode: TurboQuant pages with q8_0 or q4_0 keys and q3_0 or q4_0
     values, head_dim 128, groups of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no
-    soft-capping or sliding window; a dense recent window where WINDOW_DEFAULT."""
+    soft-capping or sliding window; a dense recent window or not."""
     spec = fmt.spec
     return (spec.kind == "turboquant" and spec.k_quant in ("q8_0", "q4_0") and spec.v_quant in ("q3_0", "q4_0")
             and fmt.head_dim == 128
             and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
-            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window
-            and (window is None or WINDOW_DEFAULT))
+            and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window)
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
@@ -1026,7 +1028,12 @@ def launcher(fmt, query: torch.Tensor, block_size: int, kernels=DEFAULT_KERNELS,
     """(launcher, resident programs per multiprocessor its split count aims at) of the Gluon kernel for this decode
     when its format is in `kernels` (default: those that serve, DEFAULT_KERNELS; benchmarks pass KERNELS) and the
     kernel reads it (`supports`, `supports_q4`, `supports_q6`, `supports_tq`, `supports_dense`; options: softcap,
-    sliding_window, window), else None."""
+    sliding_window, window), else None. With a window only the formats in WINDOW_KERNELS from WINDOW_MIN_TOKENS
+    query tokens on."""
+    if options.get("window") is not None:
+        if query.shape[0] < WINDOW_MIN_TOKENS:
+            return None
+        kernels = [name for name in kernels if name in WINDOW_KERNELS]
     for name in kernels:
         reads, launch = KERNELS[name]
         if reads(fmt, query, block_size, **options):

@@ -127,6 +127,10 @@ ROTATE_ROWS = 32   # rows per program of `rotate_out_kernel`
 # merge with the rotation took 4.8 us against 2.8 + 4.3 for the merge then `rotate_out_kernel`; at 1,024 rows and
 # more, 15.6-41.4 us against 8.7-11.5 (the rotation matrix read once per row is what costs)
 ROTATE_IN_MERGE_ROWS = 64
+# Warps of `ring_partial_kernel`, each attending its own 16 keys of the window a step: 4 and 8 were slower than one
+# at 32 sequences and more (H200, window of 128: q8 at (128, 2048) 188 and 267 us against 158), faster only for
+# one sequence (36.6 against 39.5 us), which `decode_gluon.WINDOW_MIN_TOKENS` leaves to `decode.py`
+RING_WARPS = 1
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_slots"])
@@ -135,7 +139,7 @@ def ring_partial_kernel(
     query_start_loc_ptr, seq_lens_ptr, stride_qt, stride_qh, r_strides, num_seqs, num_slots, qk_scale,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr, ROTATE_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, RING_WARPS: tl.constexpr,
 ):
     """A dense recent window as the last split: one program per (query token, KV head) attends the keys its
     sequence's ring holds up to the query's position (`decode_io.attend_ring`, as the tile-language decode kernel
@@ -150,8 +154,8 @@ def ring_partial_kernel(
     offs_h = tl.arange(0, ROWS)
     h_ok = offs_h < GROUP
     head = kv_head * GROUP + offs_h
-    m_i = tl.full([1, ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([1, ROWS], tl.float32)
+    m_i = tl.full([RING_WARPS, ROWS], float("-inf"), tl.float32)    # each warp on its own 16 keys a step
+    l_i = tl.zeros([RING_WARPS, ROWS], tl.float32)
     acc, m_i, l_i, _ = attend_ring(
         seq, token, kv_head, head, h_ok, 0, q_pos + 1, m_i, l_i, q_ptr, rk_ptr, rv_ptr, ring_rows_ptr,
         ring_first_ptr, stride_qt, stride_qh, r_strides, qk_scale, 1.0, HEAD_DIM, HEAD_DIM, BLOCK_SIZE,
@@ -183,7 +187,7 @@ def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, pa
         meta.block_table.shape[0], num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, NUM_RING_BLOCKS=plan.num_ring_blocks, ROTATE_OUT=view.rotate_out,
-        DOT_PRECISION=precision, num_warps=4)
+        DOT_PRECISION=precision, RING_WARPS=RING_WARPS, num_warps=RING_WARPS)
 
 
 def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
