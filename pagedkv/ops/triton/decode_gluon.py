@@ -646,6 +646,38 @@ def copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, 
     async_copy.commit_group()
 
 
+@gluon.jit
+def q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, BITS: gl.constexpr):
+    """S^T [16 keys, 8 heads] of the q4 (q6) keys in ring stage `stage`, times their scales (unmasked)."""
+    codes = k_ring.index(stage).load(Q4_KEYS)
+    if BITS == 6:   # plane byte z beside nibble bytes 2z and 2z + 1
+        kp = kp_ring.index(stage).load(Q6_KEY_PLANE)
+        kp = gl.convert_layout(gl.reshape(gl.join(kp, kp), [16, 64]), Q4_KEYS, assert_trivial=True)
+        lo, hi = gl.inline_asm_elementwise(SIX_BIT_SPREAD_ASM, "=r,=r,=r,=r,r,r", [codes, kp],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+    else:
+        lo, hi = gl.inline_asm_elementwise(SIGNED_NIBBLE_SPREAD_ASM, "=r,=r,=r,=r,r", [codes],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+    k = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [16, 4, 8, 2, 2]), (0, 2, 4, 1, 3)), [16, 128])
+    s = mma_v2(gl.convert_layout(k, A_OP, assert_trivial=True), qt, zero)
+    return s * ks_ring.index(stage).load(gl.SliceLayout(1, MMA))[:, None]
+
+
+@gluon.jit
+def q4_values(w_ring, vp_ring, stage, BITS: gl.constexpr):
+    """The eight V^T tiles' units (`value_tile`) of the q4 (q6) values in ring stage `stage`."""
+    if BITS == 6:
+        vp = vp_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFFFF
+        f = gl.inline_asm_elementwise(SIX_BIT_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+                                      [w_ring.index(stage).load(TQ_UNITS), vp], dtype=(gl.float16,) * 8,
+                                      is_pure=True, pack=2)
+    else:
+        f = gl.inline_asm_elementwise(NIBBLE_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                                      [w_ring.index(stage).load(TQ_UNITS)], dtype=(gl.float16,) * 8,
+                                      is_pure=True, pack=2)
+    return f
+
+
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_q4_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr,
@@ -653,8 +685,10 @@ def decode_q4_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
-    STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False,
+    STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
 ):
+    """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
+    then has 4 stages), else 16 keys a step with STAGES - 1 ahead."""
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -677,17 +711,19 @@ def decode_q4_kernel(
 
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    k_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 64], gl.SwizzledSharedLayout(16, 1, 4, [1, 0]))
-    w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], FLAT)
-    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], WORDS)
-    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], WORDS)
+    RING: gl.constexpr = 4 if PAIRS else STAGES
+    AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
+    k_ring = gl.allocate_shared_memory(gl.uint8, [RING, 16, 64], gl.SwizzledSharedLayout(16, 1, 4, [1, 0]))
+    w_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], FLAT)
+    ks_ring = gl.allocate_shared_memory(gl.float32, [RING, 16], WORDS)
+    vs_ring = gl.allocate_shared_memory(gl.float32, [RING, 16], WORDS)
     if BITS == 6:   # the 2-bit planes' rings (q4: names only, never read)
-        kp_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 32], FLAT)
-        vp_ring = gl.allocate_shared_memory(gl.int16, [STAGES, 16, 16], FLAT)
+        kp_ring = gl.allocate_shared_memory(gl.uint8, [RING, 16, 32], FLAT)
+        vp_ring = gl.allocate_shared_memory(gl.int16, [RING, 16, 16], FLAT)
     else:
         kp_ring = k_ring
         vp_ring = k_ring
-    for st in gl.static_range(STAGES - 1):
+    for st in gl.static_range(AHEAD):
         copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides, v_strides,
                      vs_strides, k_ring.index(st), ks_ring.index(st), w_ring.index(st), vs_ring.index(st),
                      kp_ring.index(st), vp_ring.index(st), BLOCK_SIZE, BITS)
@@ -706,47 +742,65 @@ def decode_q4_kernel(
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     stage = 0
-    for start in range(kv_lo, kv_hi, 16):
-        ahead = (stage + STAGES - 1) % STAGES
-        copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, ks_strides,
-                     v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead), w_ring.index(ahead),
-                     vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead), BLOCK_SIZE, BITS)
-        async_copy.wait_group(STAGES - 1)
-        codes = k_ring.index(stage).load(Q4_KEYS)
-        if BITS == 6:   # plane byte z beside nibble bytes 2z and 2z + 1
-            kp = kp_ring.index(stage).load(Q6_KEY_PLANE)
-            kp = gl.convert_layout(gl.reshape(gl.join(kp, kp), [16, 64]), Q4_KEYS, assert_trivial=True)
-            lo, hi = gl.inline_asm_elementwise(SIX_BIT_SPREAD_ASM, "=r,=r,=r,=r,r,r", [codes, kp],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-        else:
-            lo, hi = gl.inline_asm_elementwise(SIGNED_NIBBLE_SPREAD_ASM, "=r,=r,=r,=r,r", [codes],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-        k = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [16, 4, 8, 2, 2]), (0, 2, 4, 1, 3)), [16, 128])
-        s = mma_v2(gl.convert_layout(k, A_OP, assert_trivial=True), qt, zero)
-        ks = ks_ring.index(stage).load(gl.SliceLayout(1, MMA))
-        vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
-        s = gl.where((start + sr < kv_hi)[:, None], s * (ks * scale)[:, None], float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        alpha = alpha[None, :]
-        pt = transpose_p((p * vs[:, None]).to(gl.float16))
-        if BITS == 6:
-            vp = vp_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFFFF
-            f = gl.inline_asm_elementwise(SIX_BIT_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
-                                          [w_ring.index(stage).load(TQ_UNITS), vp], dtype=(gl.float16,) * 8,
-                                          is_pure=True, pack=2)
-        else:
-            f = gl.inline_asm_elementwise(NIBBLE_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                                          [w_ring.index(stage).load(TQ_UNITS)], dtype=(gl.float16,) * 8,
-                                          is_pure=True, pack=2)
-        acc0 = mma_v2(value_tile(f[0]), pt, acc0 * alpha)
-        acc1 = mma_v2(value_tile(f[1]), pt, acc1 * alpha)
-        acc2 = mma_v2(value_tile(f[2]), pt, acc2 * alpha)
-        acc3 = mma_v2(value_tile(f[3]), pt, acc3 * alpha)
-        acc4 = mma_v2(value_tile(f[4]), pt, acc4 * alpha)
-        acc5 = mma_v2(value_tile(f[5]), pt, acc5 * alpha)
-        acc6 = mma_v2(value_tile(f[6]), pt, acc6 * alpha)
-        acc7 = mma_v2(value_tile(f[7]), pt, acc7 * alpha)
-        stage = (stage + 1) % STAGES
+    if PAIRS:
+        for start in range(kv_lo, kv_hi, 32):
+            for st in gl.static_range(2):
+                ahead = (stage + 2 + st) % 4
+                copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start + 32 + 16 * st, kv_hi, k_strides,
+                             ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
+                             w_ring.index(ahead), vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead),
+                             BLOCK_SIZE, BITS)
+            async_copy.wait_group(2)
+            nxt = stage + 1
+            sa = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, BITS)
+            sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, zero, BITS)
+            sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
+            sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            pa = gl.exp2(sa - m_safe[None, :])
+            pb = gl.exp2(sb - m_safe[None, :])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(pa + pb, axis=0)
+            m_i = m_new
+            alpha = alpha[None, :]
+            pta = transpose_p((pa * vs_ring.index(stage).load(gl.SliceLayout(1, MMA))[:, None]).to(gl.float16))
+            ptb = transpose_p((pb * vs_ring.index(nxt).load(gl.SliceLayout(1, MMA))[:, None]).to(gl.float16))
+            fa = q4_values(w_ring, vp_ring, stage, BITS)
+            fb = q4_values(w_ring, vp_ring, nxt, BITS)
+            acc0 = mma_v2(value_tile(fb[0]), ptb, mma_v2(value_tile(fa[0]), pta, acc0 * alpha))
+            acc1 = mma_v2(value_tile(fb[1]), ptb, mma_v2(value_tile(fa[1]), pta, acc1 * alpha))
+            acc2 = mma_v2(value_tile(fb[2]), ptb, mma_v2(value_tile(fa[2]), pta, acc2 * alpha))
+            acc3 = mma_v2(value_tile(fb[3]), ptb, mma_v2(value_tile(fa[3]), pta, acc3 * alpha))
+            acc4 = mma_v2(value_tile(fb[4]), ptb, mma_v2(value_tile(fa[4]), pta, acc4 * alpha))
+            acc5 = mma_v2(value_tile(fb[5]), ptb, mma_v2(value_tile(fa[5]), pta, acc5 * alpha))
+            acc6 = mma_v2(value_tile(fb[6]), ptb, mma_v2(value_tile(fa[6]), pta, acc6 * alpha))
+            acc7 = mma_v2(value_tile(fb[7]), ptb, mma_v2(value_tile(fa[7]), pta, acc7 * alpha))
+            stage = (stage + 2) % 4
+    else:
+        for start in range(kv_lo, kv_hi, 16):
+            ahead = (stage + STAGES - 1) % STAGES
+            copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides,
+                         ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
+                         w_ring.index(ahead), vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead),
+                         BLOCK_SIZE, BITS)
+            async_copy.wait_group(STAGES - 1)
+            s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, BITS)
+            s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
+            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+            alpha = alpha[None, :]
+            vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
+            pt = transpose_p((p * vs[:, None]).to(gl.float16))
+            f = q4_values(w_ring, vp_ring, stage, BITS)
+            acc0 = mma_v2(value_tile(f[0]), pt, acc0 * alpha)
+            acc1 = mma_v2(value_tile(f[1]), pt, acc1 * alpha)
+            acc2 = mma_v2(value_tile(f[2]), pt, acc2 * alpha)
+            acc3 = mma_v2(value_tile(f[3]), pt, acc3 * alpha)
+            acc4 = mma_v2(value_tile(f[4]), pt, acc4 * alpha)
+            acc5 = mma_v2(value_tile(f[5]), pt, acc5 * alpha)
+            acc6 = mma_v2(value_tile(f[6]), pt, acc6 * alpha)
+            acc7 = mma_v2(value_tile(f[7]), pt, acc7 * alpha)
+            stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
     oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
@@ -796,9 +850,9 @@ def _reads_q46(fmt, query, block_size, softcap, sliding_window, window) -> bool:
 
 def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None) -> torch.Tensor:
+                       window=None, pairs: bool = False) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
-    dense recent window (`window_splits`)."""
+    dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import reduce_splits, ring_partials
@@ -817,8 +871,8 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
-        SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, num_warps=1,
-        **({"maxnreg": max_registers} if max_registers else {}))
+        SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, PAIRS=pairs,
+        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     if window is not None:
         ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
     if parts is not None:
