@@ -647,8 +647,9 @@ def copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, 
 
 
 @gluon.jit
-def q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, BITS: gl.constexpr):
-    """S^T [16 keys, 8 heads] of the q4 (q6) keys in ring stage `stage`, times their scales (unmasked)."""
+def q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS: gl.constexpr):
+    """S^T [16 keys, 8 heads] of the q4 (q6) keys in ring stage `stage`, times their scales and `scale`
+    (unmasked)."""
     codes = k_ring.index(stage).load(Q4_KEYS)
     if BITS == 6:   # plane byte z beside nibble bytes 2z and 2z + 1
         kp = kp_ring.index(stage).load(Q6_KEY_PLANE)
@@ -660,7 +661,7 @@ def q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, BITS: gl.constexpr):
                                            dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
     k = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [16, 4, 8, 2, 2]), (0, 2, 4, 1, 3)), [16, 128])
     s = mma_v2(gl.convert_layout(k, A_OP, assert_trivial=True), qt, zero)
-    return s * ks_ring.index(stage).load(gl.SliceLayout(1, MMA))[:, None]
+    return s * (ks_ring.index(stage).load(gl.SliceLayout(1, MMA)) * scale)[:, None]
 
 
 @gluon.jit
@@ -752,10 +753,10 @@ def decode_q4_kernel(
                              BLOCK_SIZE, BITS)
             async_copy.wait_group(2)
             nxt = stage + 1
-            sa = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, BITS)
-            sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, zero, BITS)
-            sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
-            sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
+            sa = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS)
+            sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, zero, scale, BITS)
+            sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
+            sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=0))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             pa = gl.exp2(sa - m_safe[None, :])
@@ -785,8 +786,8 @@ def decode_q4_kernel(
                          w_ring.index(ahead), vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead),
                          BLOCK_SIZE, BITS)
             async_copy.wait_group(STAGES - 1)
-            s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, BITS)
-            s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
+            s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS)
+            s = gl.where((start + sr < kv_hi)[:, None], s, float("-inf"))
             p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
             alpha = alpha[None, :]
             vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
