@@ -10,7 +10,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
 #   OUT=/some/dir bash bench/h200_run.sh gluon-tests  # the Gluon decode kernels' GPU tests
 #   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
-#   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: decode.py, then the Gluon kernels
+#   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: as served, then all through Gluon
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -42,7 +42,7 @@ engine)
 gluon-tests)   # the Gluon decode kernels against the reference (about 90 kernel variants to compile)
     run 560 python -m pytest -q -rf tests/triton/test_decode_gluon.py
     ;;
-gluon-window)   # decode with a dense recent window of 128: decode.py, then the Gluon kernels (window as a split)
+gluon-window)   # decode with a dense recent window of 128: as served (WINDOW_KERNELS), then every format's Gluon kernel
     run 200 python bench/kernels.py --formats "q8;q6;q4;turboquant" --recent-tokens 128 --skip prefill,write \
         --out "$OUT/kernels_window"
     run 200 python bench/kernels.py --formats "q8;q6;q4;turboquant" --recent-tokens 128 --skip prefill,write \
