@@ -48,11 +48,12 @@ gluon-window)   # decode with a dense recent window of 128: as served (WINDOW_KE
     run 200 python bench/kernels.py --formats "q8;q6;q4;turboquant" --recent-tokens 128 --skip prefill,write \
         --gluon-window --out "$OUT/kernels_gluon_window"
     ;;
-gluon)   # each Gluon decode kernel beside the default decode
-    run 100 env FORMAT=q6 VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
-    run 130 env FORMAT=turboquant VARIANTS='{"ring2": {}, "ring2_uncapped": {"max_registers": 0}}' python bench/gluon_probe.py
-    run 110 env FORMAT=turboquant:k=q4_0,v=q4_0 VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
-    run 100 env FORMAT=q4 VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
+gluon)   # each Gluon decode kernel beside the default decode, 16 and 32 keys a step
+    run 130 env FORMAT=turboquant VARIANTS='{"ring2": {}, "pairs": {"pairs": true}}' python bench/gluon_probe.py
+    run 110 env FORMAT=turboquant:k=q4_0,v=q4_0 VARIANTS='{"ring2": {}, "pairs": {"pairs": true}}' \
+        python bench/gluon_probe.py
+    run 100 env FORMAT=q4 VARIANTS='{"ring2": {}, "pairs": {"pairs": true}}' python bench/gluon_probe.py
+    run 100 env FORMAT=q6 VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
     run 100 env FORMAT=off VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
     ;;
 *)

@@ -413,6 +413,55 @@ def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_s
     async_copy.commit_group()
 
 
+@gluon.jit
+def tq_scores(k_ring, ks_ring, kz_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS: gl.constexpr):
+    """S^T [16 keys, 8 heads] of the TurboQuant keys in ring stage `stage` (unmasked, before the softmax scale)."""
+    ks = ks_ring.index(stage).load(gl.SliceLayout(1, MMA))
+    kz = kz_ring.index(stage).load(gl.SliceLayout(1, MMA))
+    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 0, K_BITS), q0, zero), column(ks, 0), column(kz, 0), qs0)
+    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 1, K_BITS), q1, zero), column(ks, 1), column(kz, 1), qs1)
+    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, zero), column(ks, 2), column(kz, 2), qs2)
+    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 3, K_BITS), q3, zero), column(ks, 3), column(kz, 3), qs3)
+    return s
+
+
+@gluon.jit
+def tq_attend_values(p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha,
+                     V_BITS: gl.constexpr, RESCALE: gl.constexpr = True):
+    """The eight accumulators (times alpha [1, 8] where RESCALE) plus V^T P^T of the TurboQuant values in ring
+    stage `stage` (p: P^T [16 keys, 8 heads] float32, unnormalised)."""
+    if V_BITS == 3:   # a tile lies in one scale group: the scales go on P^T, once per group
+        vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
+        p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
+        p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
+        p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
+        p3 = transpose_p((p * column(vs, 3)[:, None]).to(gl.float16))
+        v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage)
+    else:             # a lane's values lie in one scale group: the scales go on the values
+        p0 = transpose_p(p.to(gl.float16))
+        p1 = p0
+        p2 = p0
+        p3 = p0
+        vs = vs_ring.index(stage).load(gl.SliceLayout(1, TQ_UNITS))
+        v0, v1, v2, v3, v4, v5, v6, v7 = tq4_value_tiles(m_ring, stage, vs)
+    acc0 = mma_v2(v0, p0, rescaled(acc0, alpha, RESCALE))
+    acc1 = mma_v2(v1, p0, rescaled(acc1, alpha, RESCALE))
+    acc2 = mma_v2(v2, p1, rescaled(acc2, alpha, RESCALE))
+    acc3 = mma_v2(v3, p1, rescaled(acc3, alpha, RESCALE))
+    acc4 = mma_v2(v4, p2, rescaled(acc4, alpha, RESCALE))
+    acc5 = mma_v2(v5, p2, rescaled(acc5, alpha, RESCALE))
+    acc6 = mma_v2(v6, p3, rescaled(acc6, alpha, RESCALE))
+    acc7 = mma_v2(v7, p3, rescaled(acc7, alpha, RESCALE))
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@gluon.jit
+def rescaled(acc, alpha, RESCALE: gl.constexpr):
+    if RESCALE:
+        acc = acc * alpha
+    return acc
+
+
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_tq_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr,
@@ -420,10 +469,10 @@ def decode_tq_kernel(
     stride_qt, stride_qh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
-    V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False,
+    V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
-    splits, even one, and rotates back)."""
+    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s."""
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -447,18 +496,20 @@ def decode_tq_kernel(
 
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    k_ring = gl.allocate_shared_memory(gl.int8 if K_BITS == 8 else gl.uint8, [STAGES, 16, 128 * K_BITS // 8],
+    RING: gl.constexpr = 4 if PAIRS else STAGES
+    AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
+    k_ring = gl.allocate_shared_memory(gl.int8 if K_BITS == 8 else gl.uint8, [RING, 16, 128 * K_BITS // 8],
                                        gl.SwizzledSharedLayout(K_BITS, 1, 8, [1, 0]))
-    ks_ring = gl.allocate_shared_memory(gl.int64, [STAGES, 16], WORDS)
-    kz_ring = gl.allocate_shared_memory(gl.int64, [STAGES, 16], WORDS)
-    vs_ring = gl.allocate_shared_memory(gl.int64, [STAGES, 16], WORDS)
+    ks_ring = gl.allocate_shared_memory(gl.int64, [RING, 16], WORDS)
+    kz_ring = gl.allocate_shared_memory(gl.int64, [RING, 16], WORDS)
+    vs_ring = gl.allocate_shared_memory(gl.int64, [RING, 16], WORDS)
     if V_BITS == 3:
-        m_ring = gl.allocate_shared_memory(gl.int16, [STAGES, 16, 16], FLAT)
-        n_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 16, 16], FLAT)
+        m_ring = gl.allocate_shared_memory(gl.int16, [RING, 16, 16], FLAT)
+        n_ring = gl.allocate_shared_memory(gl.uint8, [RING, 16, 16], FLAT)
     else:
-        m_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 16], FLAT)
+        m_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], FLAT)
         n_ring = m_ring
-    for st in gl.static_range(STAGES - 1):
+    for st in gl.static_range(AHEAD):
         copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
                      v_strides, vs_strides, k_ring.index(st), ks_ring.index(st), kz_ring.index(st),
                      m_ring.index(st), n_ring.index(st), vs_ring.index(st), BLOCK_SIZE, K_BITS, V_BITS)
@@ -477,45 +528,49 @@ def decode_tq_kernel(
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     stage = 0
-    for start in range(kv_lo, kv_hi, 16):
-        ahead = (stage + STAGES - 1) % STAGES
-        copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides,
-                     ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
-                     kz_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), vs_ring.index(ahead), BLOCK_SIZE,
-                     K_BITS, V_BITS)
-        async_copy.wait_group(STAGES - 1)
-        ks = ks_ring.index(stage).load(gl.SliceLayout(1, MMA))
-        kz = kz_ring.index(stage).load(gl.SliceLayout(1, MMA))
-        s = group_scores(mma_v2(tq_key_group(k_ring, stage, 0, K_BITS), q0, zero), column(ks, 0), column(kz, 0), qs0)
-        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 1, K_BITS), q1, zero), column(ks, 1), column(kz, 1), qs1)
-        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, zero), column(ks, 2), column(kz, 2), qs2)
-        s += group_scores(mma_v2(tq_key_group(k_ring, stage, 3, K_BITS), q3, zero), column(ks, 3), column(kz, 3), qs3)
-        s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        alpha = alpha[None, :]
-        if V_BITS == 3:   # a tile lies in one scale group: the scales go on P^T, once per group
-            vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
-            p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
-            p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
-            p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
-            p3 = transpose_p((p * column(vs, 3)[:, None]).to(gl.float16))
-            v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage)
-        else:             # a lane's values lie in one scale group: the scales go on the values
-            p0 = transpose_p(p.to(gl.float16))
-            p1 = p0
-            p2 = p0
-            p3 = p0
-            vs = vs_ring.index(stage).load(gl.SliceLayout(1, TQ_UNITS))
-            v0, v1, v2, v3, v4, v5, v6, v7 = tq4_value_tiles(m_ring, stage, vs)
-        acc0 = mma_v2(v0, p0, acc0 * alpha)
-        acc1 = mma_v2(v1, p0, acc1 * alpha)
-        acc2 = mma_v2(v2, p1, acc2 * alpha)
-        acc3 = mma_v2(v3, p1, acc3 * alpha)
-        acc4 = mma_v2(v4, p2, acc4 * alpha)
-        acc5 = mma_v2(v5, p2, acc5 * alpha)
-        acc6 = mma_v2(v6, p3, acc6 * alpha)
-        acc7 = mma_v2(v7, p3, acc7 * alpha)
-        stage = (stage + 1) % STAGES
+    if PAIRS:
+        for start in range(kv_lo, kv_hi, 32):
+            for st in gl.static_range(2):
+                ahead = (stage + 2 + st) % 4
+                copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 32 + 16 * st, kv_hi, k_strides,
+                             ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
+                             kz_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), vs_ring.index(ahead),
+                             BLOCK_SIZE, K_BITS, V_BITS)
+            async_copy.wait_group(2)
+            nxt = stage + 1
+            sa = tq_scores(k_ring, ks_ring, kz_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
+            sb = tq_scores(k_ring, ks_ring, kz_ring, nxt, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
+            sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
+            sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            pa = gl.exp2(sa - m_safe[None, :])
+            pb = gl.exp2(sb - m_safe[None, :])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(pa + pb, axis=0)
+            m_i = m_new
+            alpha = alpha[None, :]
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
+                pa, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
+                pb, m_ring, n_ring, vs_ring, nxt, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
+                RESCALE=False)
+            stage = (stage + 2) % 4
+    else:
+        for start in range(kv_lo, kv_hi, 16):
+            ahead = (stage + STAGES - 1) % STAGES
+            copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides,
+                         ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
+                         kz_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), vs_ring.index(ahead),
+                         BLOCK_SIZE, K_BITS, V_BITS)
+            async_copy.wait_group(STAGES - 1)
+            s = tq_scores(k_ring, ks_ring, kz_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
+            s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
+            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+            alpha = alpha[None, :]
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
+                p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
+            stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
     oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
@@ -568,10 +623,10 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
 
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None) -> torch.Tensor:
+                       window=None, pairs: bool = False) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
-    window (`window_splits`)."""
+    window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import reduce_splits, ring_partials
@@ -598,8 +653,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
-        K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, num_warps=1,
-        **({"maxnreg": max_registers} if max_registers else {}))
+        K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
+        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     if window is not None:
         ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
     reduce_splits(out, parts, view, dot_precision(query.dtype))
