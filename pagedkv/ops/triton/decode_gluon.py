@@ -176,6 +176,18 @@ def softmax_step(s, m_i, l_i):
 
 
 @gluon.jit
+def softmax_pair(sa, sb, m_i, l_i):
+    """One online-softmax step over two masked score^T tiles of 16 keys (a 32-key loop step): (pa, pb, alpha
+    [1, 8], m_i, l_i)."""
+    m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    pa = gl.exp2(sa - m_safe[None, :])
+    pb = gl.exp2(sb - m_safe[None, :])
+    alpha = gl.exp2(m_i - m_safe)
+    return pa, pb, alpha[None, :], m_new, l_i * alpha + gl.sum(pa + pb, axis=0)
+
+
+@gluon.jit
 def copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc, sr, k_strides, v_strides,
               ks_strides, vs_strides, k_sm, v_sm, ks_sm, vs_sm, BLOCK_SIZE: gl.constexpr):
     """Ask for the 16 keys from `start` into one stage of the shared ring (cp.async: no register holds them in
@@ -426,6 +438,14 @@ def tq_scores(k_ring, ks_ring, kz_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs
 
 
 @gluon.jit
+def rescaled(acc, alpha, RESCALE: gl.constexpr):
+    """acc * alpha, or acc as it is (the second half of a 32-key step, already rescaled)."""
+    if RESCALE:
+        acc = acc * alpha
+    return acc
+
+
+@gluon.jit
 def tq_attend_values(p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha,
                      V_BITS: gl.constexpr, RESCALE: gl.constexpr = True):
     """The eight accumulators (times alpha [1, 8] where RESCALE) plus V^T P^T of the TurboQuant values in ring
@@ -453,13 +473,6 @@ def tq_attend_values(p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, 
     acc6 = mma_v2(v6, p3, rescaled(acc6, alpha, RESCALE))
     acc7 = mma_v2(v7, p3, rescaled(acc7, alpha, RESCALE))
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
-@gluon.jit
-def rescaled(acc, alpha, RESCALE: gl.constexpr):
-    if RESCALE:
-        acc = acc * alpha
-    return acc
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
@@ -542,14 +555,7 @@ def decode_tq_kernel(
             sb = tq_scores(k_ring, ks_ring, kz_ring, nxt, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
             sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            pa = gl.exp2(sa - m_safe[None, :])
-            pb = gl.exp2(sb - m_safe[None, :])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(pa + pb, axis=0)
-            m_i = m_new
-            alpha = alpha[None, :]
+            pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 pa, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
@@ -720,8 +726,11 @@ def q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS: gl.constex
 
 
 @gluon.jit
-def q4_values(w_ring, vp_ring, stage, BITS: gl.constexpr):
-    """The eight V^T tiles' units (`value_tile`) of the q4 (q6) values in ring stage `stage`."""
+def q4_attend_values(p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha,
+                     BITS: gl.constexpr, RESCALE: gl.constexpr = True):
+    """The eight accumulators (times alpha [1, 8] where RESCALE) plus V^T P^T of the q4 (q6) values in ring stage
+    `stage` (p: P^T [16 keys, 8 heads] float32, unnormalised; the value scales go on P^T)."""
+    pt = transpose_p((p * vs_ring.index(stage).load(gl.SliceLayout(1, MMA))[:, None]).to(gl.float16))
     if BITS == 6:
         vp = vp_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFFFF
         f = gl.inline_asm_elementwise(SIX_BIT_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
@@ -731,7 +740,15 @@ def q4_values(w_ring, vp_ring, stage, BITS: gl.constexpr):
         f = gl.inline_asm_elementwise(NIBBLE_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
                                       [w_ring.index(stage).load(TQ_UNITS)], dtype=(gl.float16,) * 8,
                                       is_pure=True, pack=2)
-    return f
+    acc0 = mma_v2(value_tile(f[0]), pt, rescaled(acc0, alpha, RESCALE))
+    acc1 = mma_v2(value_tile(f[1]), pt, rescaled(acc1, alpha, RESCALE))
+    acc2 = mma_v2(value_tile(f[2]), pt, rescaled(acc2, alpha, RESCALE))
+    acc3 = mma_v2(value_tile(f[3]), pt, rescaled(acc3, alpha, RESCALE))
+    acc4 = mma_v2(value_tile(f[4]), pt, rescaled(acc4, alpha, RESCALE))
+    acc5 = mma_v2(value_tile(f[5]), pt, rescaled(acc5, alpha, RESCALE))
+    acc6 = mma_v2(value_tile(f[6]), pt, rescaled(acc6, alpha, RESCALE))
+    acc7 = mma_v2(value_tile(f[7]), pt, rescaled(acc7, alpha, RESCALE))
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
@@ -812,26 +829,12 @@ def decode_q4_kernel(
             sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, zero, scale, BITS)
             sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            pa = gl.exp2(sa - m_safe[None, :])
-            pb = gl.exp2(sb - m_safe[None, :])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(pa + pb, axis=0)
-            m_i = m_new
-            alpha = alpha[None, :]
-            pta = transpose_p((pa * vs_ring.index(stage).load(gl.SliceLayout(1, MMA))[:, None]).to(gl.float16))
-            ptb = transpose_p((pb * vs_ring.index(nxt).load(gl.SliceLayout(1, MMA))[:, None]).to(gl.float16))
-            fa = q4_values(w_ring, vp_ring, stage, BITS)
-            fb = q4_values(w_ring, vp_ring, nxt, BITS)
-            acc0 = mma_v2(value_tile(fb[0]), ptb, mma_v2(value_tile(fa[0]), pta, acc0 * alpha))
-            acc1 = mma_v2(value_tile(fb[1]), ptb, mma_v2(value_tile(fa[1]), pta, acc1 * alpha))
-            acc2 = mma_v2(value_tile(fb[2]), ptb, mma_v2(value_tile(fa[2]), pta, acc2 * alpha))
-            acc3 = mma_v2(value_tile(fb[3]), ptb, mma_v2(value_tile(fa[3]), pta, acc3 * alpha))
-            acc4 = mma_v2(value_tile(fb[4]), ptb, mma_v2(value_tile(fa[4]), pta, acc4 * alpha))
-            acc5 = mma_v2(value_tile(fb[5]), ptb, mma_v2(value_tile(fa[5]), pta, acc5 * alpha))
-            acc6 = mma_v2(value_tile(fb[6]), ptb, mma_v2(value_tile(fa[6]), pta, acc6 * alpha))
-            acc7 = mma_v2(value_tile(fb[7]), ptb, mma_v2(value_tile(fa[7]), pta, acc7 * alpha))
+            pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
+                pa, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
+                pb, w_ring, vp_ring, vs_ring, nxt, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS,
+                RESCALE=False)
             stage = (stage + 2) % 4
     else:
         for start in range(kv_lo, kv_hi, 16):
@@ -844,18 +847,9 @@ def decode_q4_kernel(
             s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS)
             s = gl.where((start + sr < kv_hi)[:, None], s, float("-inf"))
             p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-            alpha = alpha[None, :]
-            vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
-            pt = transpose_p((p * vs[:, None]).to(gl.float16))
-            f = q4_values(w_ring, vp_ring, stage, BITS)
-            acc0 = mma_v2(value_tile(f[0]), pt, acc0 * alpha)
-            acc1 = mma_v2(value_tile(f[1]), pt, acc1 * alpha)
-            acc2 = mma_v2(value_tile(f[2]), pt, acc2 * alpha)
-            acc3 = mma_v2(value_tile(f[3]), pt, acc3 * alpha)
-            acc4 = mma_v2(value_tile(f[4]), pt, acc4 * alpha)
-            acc5 = mma_v2(value_tile(f[5]), pt, acc5 * alpha)
-            acc6 = mma_v2(value_tile(f[6]), pt, acc6 * alpha)
-            acc7 = mma_v2(value_tile(f[7]), pt, acc7 * alpha)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
+                p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                alpha[None, :], BITS)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
@@ -888,17 +882,15 @@ def supports_q4(fmt, query: torch.Tensor, block_size: int, *, softcap=None, slid
     """Whether `paged_attention_q4` reads this decode: KV-Quant q4 pages (keys not rotated), head_dim 128, groups
     of up to 8 query heads, blocks of a multiple of 16 slots, 16-bit queries, no soft-capping or sliding window; a
     dense recent window or not."""
-    return fmt.spec.kind == "kvquant" and fmt.bits == 4 and _reads_q46(fmt, query, block_size, softcap, sliding_window,
-                                                                       window)
+    return fmt.spec.kind == "kvquant" and fmt.bits == 4 and _reads_q46(fmt, query, block_size, softcap, sliding_window)
 
 
 def supports_q6(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None, window=None) -> bool:
     """The same for KV-Quant q6 pages (`paged_attention_q4` reads both)."""
-    return fmt.spec.kind == "kvquant" and fmt.bits == 6 and _reads_q46(fmt, query, block_size, softcap, sliding_window,
-                                                                       window)
+    return fmt.spec.kind == "kvquant" and fmt.bits == 6 and _reads_q46(fmt, query, block_size, softcap, sliding_window)
 
 
-def _reads_q46(fmt, query, block_size, softcap, sliding_window, window) -> bool:
+def _reads_q46(fmt, query, block_size, softcap, sliding_window) -> bool:
     return (fmt.key_signs is None and fmt.head_dim == 128
             and query.shape[1] // fmt.num_kv_heads <= 8 and block_size % 16 == 0
             and query.dtype in (torch.float16, torch.bfloat16) and not softcap and not sliding_window)
