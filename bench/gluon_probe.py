@@ -2,6 +2,11 @@
 same pages, at each of a few split counts and VARIANTS (JSON: name -> keyword arguments of its launcher).
 
     FORMAT=turboquant VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
+    FORMAT=q4 SHAPES='[[128, 4096]]' ORDERED=1 python bench/gluon_probe.py   # other shapes; blocks in order
+
+SHAPES (JSON list of [batch, context]) replaces the four target shapes; a batch without its own split counts gets
+half, one and two times the split count that fills PROGRAMS_PER_SM programs per multiprocessor. ORDERED=1 lays
+each sequence's blocks out in order instead of shuffled.
 """
 import json
 import os
@@ -19,10 +24,19 @@ from pagedkv.ops import triton as triton_ops  # noqa: E402
 from pagedkv.ops.triton import decode_gluon  # noqa: E402
 import plotting  # noqa: E402  (bench/plotting.py)
 
-SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
+SHAPES = [tuple(s) for s in json.loads(os.environ.get("SHAPES", "[[1, 32768], [32, 4096], [64, 8192], [128, 2048]]"))]
 VARIANTS = json.loads(os.environ.get("VARIANTS", '{"ring2": {}}'))
 FORMAT = os.environ.get("FORMAT", "q8")
 SPLITS = {1: [64, 128, 256], 32: [4, 8, 16], 64: [2, 4, 8], 128: [1, 2, 4]}
+ORDERED = os.environ.get("ORDERED", "0") == "1"
+
+
+def splits_for(num_seqs: int) -> list[int]:
+    if num_seqs in SPLITS:
+        return SPLITS[num_seqs]
+    sms = torch.cuda.get_device_properties(kb.DEV).multi_processor_count
+    s = max(1, decode_gluon.PROGRAMS_PER_SM * sms // (num_seqs * kb.NUM_KV_HEADS))
+    return sorted({max(1, s // 2), s, 2 * s})
 
 
 def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
@@ -33,7 +47,7 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
     queries = [torch.randn(num_seqs, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
                for _ in range(copies)]
     sdpa_ms, _, _, _ = kb.sdpa_decode(keys, values, num_seqs, seq_len, queries, copies)
-    layers = [kb.paged_layer(FORMAT, keys, values, num_seqs, seq_len, gen)
+    layers = [kb.paged_layer(FORMAT, keys, values, num_seqs, seq_len, None if ORDERED else gen)
               for _ in range(kb.copies_for(n * kb.NUM_KV_HEADS * 264))]
     metas = [kb.decode_meta(t, seq_len) for _, _, t in layers]
 
@@ -48,7 +62,7 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
     row = {"batch": num_seqs, "context": seq_len, "sdpa_us": sdpa_ms * 1e3}
     row["default_us"] = kb.time_per_call(calls(lambda q, p, f, m: triton_ops.paged_attention(q, p, f, m, scale=kb.SCALE))) * 1e3
     for name, opts in VARIANTS.items():
-        for sp in SPLITS[num_seqs]:
+        for sp in splits_for(num_seqs):
             o = launch(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE, num_splits=sp, **opts)
             row[f"gluon_{name}_split{sp}_err"] = kb.rel_err(o, ref)
             row[f"gluon_{name}_split{sp}_us"] = kb.time_per_call(calls(

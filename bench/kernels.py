@@ -41,7 +41,7 @@ from pagedkv.ops.triton import attention, split_k, tuning  # noqa: E402
 from pagedkv.ops.triton.tuning import DecodeTiles, TileConfig  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-HEAD_MAJOR = "--head-major" in sys.argv
+SLOT_MAJOR = "--slot-major" in sys.argv
 DECODE_SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 PREFILL_CHUNK, PREFILL_CONTEXTS = 2048, [0, 8192]
 FORMATS = ["off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "turboquant:k=q8_0,v=q4_0",
@@ -128,15 +128,15 @@ def copy_bandwidth() -> dict:
 # ------------------------------------------------------------------------------------------------
 # data
 def paged_layer(fmt_spec: str, keys: torch.Tensor, values: torch.Tensor, num_seqs: int, seq_len: int, gen):
-    """Pages of one layer holding `keys`/`values` [num_seqs * seq_len, H, D] on shuffled blocks."""
+    """Pages of one layer holding `keys`/`values` [num_seqs * seq_len, H, D] on blocks shuffled by `gen` (in order
+    when None)."""
     blocks_per_seq = math.ceil(seq_len / BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
     fmt = make_format(KVFormat.parse(fmt_spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, DEV)
     pages = fmt.allocate_pages(num_blocks, BLOCK_SIZE)
-    if HEAD_MAJOR:  # each head's tokens of a block side by side in memory: [blocks, heads, slots, width] viewed as usual
-        pages = {name: torch.empty(t.shape[0], t.shape[2], t.shape[1], *t.shape[3:], dtype=t.dtype, device=t.device)
-                 .transpose(1, 2) for name, t in pages.items()}
-    perm = torch.randperm(num_blocks, generator=gen).to(DEV, torch.int32)
+    if SLOT_MAJOR:  # the layout before head-major pages: a block's slots one after another, all heads in each
+        pages = {name: torch.empty(t.shape, dtype=t.dtype, device=t.device) for name, t in pages.items()}
+    perm = (torch.arange(num_blocks) if gen is None else torch.randperm(num_blocks, generator=gen)).to(DEV, torch.int32)
     table = perm.view(num_seqs, blocks_per_seq)
     pos = torch.arange(seq_len, device=DEV)
     slots = (table[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE).reshape(-1)
@@ -523,7 +523,8 @@ def main() -> None:
                         help="with --warp-split, these transposed configs instead: KEYS:WARPS:REGISTERS,...")
     parser.add_argument("--warp-split-counts", default=None,
                         help="with --warp-split, the split counts to time per batch: BATCH:N,N;BATCH:N,...")
-    parser.add_argument("--head-major", action="store_true", help="pages stored head-major inside a block (experiment)")
+    parser.add_argument("--slot-major", action="store_true",
+                        help="pages stored slot-major (the layout before head-major pages), for comparison")
     parser.add_argument("--recent-tokens", type=int, default=0,
                         help="also time decode with a dense recent window of this many tokens (quantized formats)")
     parser.add_argument("--gluon-window", action="store_true",

@@ -23,6 +23,7 @@ from .config import CacheConfig
 from .devices import concrete_device, same_device
 from .errors import CacheCapacityError, CacheMismatchError, ConfigError
 from .formats import PageFormat, make_format
+from .formats.base import grown
 from .mirror import DequantMirror
 from .ops.metadata import AttentionMetadata
 from .pool import BlockPool
@@ -141,8 +142,7 @@ class PagedKVCache(Cache):
             if layer_pages is None:
                 continue
             for name, page in layer_pages.items():
-                extra = page.new_empty((new_num_blocks - old, *page.shape[1:]))
-                layer_pages[name] = torch.cat([page, extra], dim=0)
+                layer_pages[name] = grown(page, new_num_blocks)
 
     # ------------------------------------------------------------------------------------------
     # sequences

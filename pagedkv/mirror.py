@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .formats.base import read_slots
+
 MIRROR, DIRECT = "mirror", "direct"
 
 
@@ -58,7 +60,7 @@ class DequantMirror:
         if done < length:
             positions = torch.arange(done, length, device=block_ids.device)
             slots = block_ids[positions // block_size] * block_size + positions % block_size
-            parts = {name: page.view(-1, *page.shape[2:]).index_select(0, slots) for name, page in pages.items()}
+            parts = {name: read_slots(page, slots) for name, page in pages.items()}
             k, v = fmt.decode(parts)  # [n_new, H, D]
             buf = self._extend(seq_id, layer_idx, buf, done, k.to(fmt.mirror_dtype), v.to(fmt.mirror_dtype))
             self.dequant_tokens += length - done

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import CacheCapacityError, SnapshotError
+from .formats.base import read_slots, write_slots
 from .identity import cache_identity, differences
 
 FILE_FORMAT = "pagedkv-snapshot"
@@ -60,7 +61,7 @@ def take(cache, seq_id: int) -> Snapshot:
     for pages, fmt in zip(cache.pages, cache.formats):
         ids = torch.tensor(cache.block_table(seq_id), dtype=torch.long, device=fmt.device)
         slots = _slots(ids, num_tokens, cache.block_size)
-        layers.append({name: _to_host(page.view(-1, *page.shape[2:]).index_select(0, slots))
+        layers.append({name: _to_host(read_slots(page, slots))
                        for name, page in pages.items()})
     if any(f.device.type == "cuda" for f in cache.formats):
         torch.cuda.synchronize()
@@ -131,10 +132,9 @@ def restore_many(cache, snaps: list[Snapshot], *, device=None) -> list[int]:
             (slots,) = cache.reserve([seq_id], [snap.num_tokens])
             for pages, layer in zip(cache.pages, snap.layers):
                 for name, page in pages.items():
-                    flat = page.view(-1, *page.shape[2:])
-                    index = torch.tensor(slots, dtype=torch.long, device=flat.device)
+                    index = torch.tensor(slots, dtype=torch.long, device=page.device)
                     with torch.inference_mode(page.is_inference()):  # pages grown inside a forward are inference tensors
-                        flat.index_copy_(0, index, layer[name].to(flat.device, non_blocking=True))
+                        write_slots(page, index, layer[name].to(page.device, non_blocking=True))
     except CacheCapacityError:
         for seq_id in reversed(added):
             cache.free(seq_id)

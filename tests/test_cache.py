@@ -95,6 +95,27 @@ def test_dynamic_growth_is_geometric():
     torch.testing.assert_close(k[4:], ks[4:])
 
 
+@pytest.mark.parametrize("kv_format", ["off", "q4", "turboquant"])
+def test_pages_stay_head_major_through_growth(kv_format):
+    """Each KV head's slots of a block lie side by side in memory (what the decode kernels read fastest), from the
+    first allocation and after the pool grows, and what was written reads back across the growth."""
+    from pagedkv.formats.base import stored_blocks
+
+    cache = PagedKVCache(block_size=4, num_blocks=2, dynamic=True, kv_format=kv_format)
+    s = cache.add_sequence()
+    ks, vs = torch.randn(24, H, 64), torch.randn(24, H, 64)
+    for i in range(0, 24, 4):
+        append(cache, s, ks[i:i + 4], vs[i:i + 4], layers=1)
+        for name, page in cache.pages[0].items():
+            assert stored_blocks(page).is_contiguous(), (name, page.stride())
+            assert page.stride(1) == page.shape[3] and page.stride(2) == page.shape[1] * page.shape[3]
+    assert cache.paged_stats()["grow_events"] >= 2
+    want_k, want_v = cache.formats[0].decode(cache.formats[0].encode(ks, vs))
+    k, v = cache.read(s, 0)
+    torch.testing.assert_close(k, want_k.to(k.dtype))
+    torch.testing.assert_close(v, want_v.to(v.dtype))
+
+
 def test_growth_stops_at_the_context_window_cap():
     cache = PagedKVCache(block_size=4, num_blocks=1, dynamic=True, context_window_tokens=16)
     s = cache.add_sequence()

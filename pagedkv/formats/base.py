@@ -2,8 +2,9 @@
 
 A format says which tensors one page slot needs (per KV head: a width and a dtype), how to encode new
 keys/values into them, and how to decode them back (PyTorch, any device). Page tensors are
-`[num_blocks, block_size, num_kv_heads, width]`; scales live in sibling tensors of the same layout.
-Kernels specialise on a format through compile-time constants and are tested against `decode`.
+`[num_blocks, block_size, num_kv_heads, width]`, stored head-major (`empty_pages`); scales live in sibling
+tensors of the same layout. Kernels specialise on a format through compile-time constants and are tested
+against `decode`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,41 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..config import KVFormat
+
+
+def empty_pages(num_blocks: int, block_size: int, num_kv_heads: int, width: int, dtype: torch.dtype,
+                device) -> torch.Tensor:
+    """A page tensor indexed `[num_blocks, block_size, num_kv_heads, width]`, stored head-major (in memory
+    `[num_blocks, num_kv_heads, block_size, width]`): a block's slots of one KV head lie side by side, so a decode
+    program, which reads one head, copies whole runs of `block_size * width` bytes instead of `width`-byte pieces
+    (H200: q4 decode 1.14-1.19x, q6 1.05-1.13x, TurboQuant 1.04-1.11x faster; BENCHMARKS.md, 2026-12-02).
+    Not zeroed: no path reads a slot before it is written (kernels mask every load past a sequence's length
+    with `other=0`, the reference gathers only written slots), and on the CPU untouched pages cost no resident
+    memory until they are used."""
+    return torch.empty(num_blocks, num_kv_heads, block_size, width, dtype=dtype, device=device).transpose(1, 2)
+
+
+def stored_blocks(page: torch.Tensor) -> torch.Tensor:
+    """`page` as stored: [num_blocks, num_kv_heads, block_size, width], contiguous."""
+    return page.transpose(1, 2)
+
+
+def grown(page: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A page tensor of `num_blocks` blocks (at least as many as `page`'s) holding `page`'s blocks first, stored
+    the same way."""
+    out = empty_pages(num_blocks, page.shape[1], page.shape[2], page.shape[3], page.dtype, page.device)
+    out[:page.shape[0]].copy_(page)
+    return out
+
+
+def read_slots(page: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows [len(slots), num_kv_heads, width] of `page` at flat slot indices (block * block_size + offset)."""
+    return page[slots // page.shape[1], slots % page.shape[1]]
+
+
+def write_slots(page: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """`page` at flat slot indices `slots` (distinct) = `rows` [len(slots), num_kv_heads, width]."""
+    page.index_put_((slots // page.shape[1], slots % page.shape[1]), rows.to(page.dtype))
 
 
 class PageFormat(ABC):
@@ -67,10 +103,5 @@ class PageFormat(ABC):
         return self.bytes_per_token_per_head() * self.num_kv_heads
 
     def allocate_pages(self, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
-        # Not zeroed: no path reads a slot before it is written (kernels mask every load past a
-        # sequence's length with `other=0`, the reference gathers only written slots), and on the CPU
-        # untouched pages cost no resident memory until they are used.
-        return {
-            name: torch.empty(num_blocks, block_size, self.num_kv_heads, width, dtype=dt, device=self.device)
-            for name, (width, dt) in self.page_spec().items()
-        }
+        return {name: empty_pages(num_blocks, block_size, self.num_kv_heads, width, dt, self.device)
+                for name, (width, dt) in self.page_spec().items()}

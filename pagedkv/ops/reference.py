@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..formats.base import PageFormat
+from ..formats.base import PageFormat, write_slots
 from .metadata import AttentionMetadata
 
 QUERY_CHUNK = 512
@@ -29,8 +29,7 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
         key, value, slots = key[meta.token_index], value[meta.token_index], slots[meta.token_index]
     parts = fmt.encode(key, value)
     for name, part in parts.items():
-        page = pages[name]  # [num_blocks, block_size, H, width]
-        page.view(-1, *page.shape[2:]).index_copy_(0, slots, part.to(page.dtype))
+        write_slots(pages[name], slots, part)
 
 
 def gather_sequence(pages: dict[str, torch.Tensor], block_ids: torch.Tensor, length: int) -> dict[str, torch.Tensor]:

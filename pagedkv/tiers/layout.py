@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats.base import stored_blocks
+
 ALIGN = 16
 
 
@@ -46,7 +48,7 @@ class _Part:
     offset: int
     nbytes: int
     dtype: torch.dtype
-    shape: tuple[int, ...]  # one block: [block_size, num_kv_heads, width]
+    shape: tuple[int, ...]  # one block as stored: [num_kv_heads, block_size, width]
 
 
 class BlockLayout:
@@ -56,7 +58,7 @@ class BlockLayout:
             for name, page in pages.items():
                 nbytes = page[0].numel() * page.element_size() if page.shape[0] else \
                     torch.Size(page.shape[1:]).numel() * page.element_size()
-                parts.append(_Part(layer, name, offset, nbytes, page.dtype, tuple(page.shape[1:])))
+                parts.append(_Part(layer, name, offset, nbytes, page.dtype, tuple(stored_blocks(page).shape[1:])))
                 offset += -(-nbytes // ALIGN) * ALIGN
         self.parts = parts
         self.block_bytes = offset
@@ -80,7 +82,7 @@ class BlockLayout:
         ids = self._index(block_ids)
         out = torch.empty(n, self.block_bytes, dtype=torch.uint8, device=self.device)
         for p in self.parts:
-            page = cache.pages[p.layer][p.name]  # [num_blocks, block_size, H, width]
+            page = stored_blocks(cache.pages[p.layer][p.name])  # [num_blocks, H, block_size, width]
             torch.index_select(page.view(page.shape[0], -1), 0, ids,
                                out=out[:, p.offset:p.offset + p.nbytes].view(p.dtype))
         return out
@@ -92,7 +94,7 @@ class BlockLayout:
         src = words(rows).to(self.device, non_blocking=True).view(torch.uint8)
         for p in self.parts:
             part = src[:, p.offset:p.offset + p.nbytes].view(p.dtype).view(n, *p.shape)
-            page = cache.pages[p.layer][p.name]
+            page = stored_blocks(cache.pages[p.layer][p.name])
             with torch.inference_mode(page.is_inference()):  # pages grown inside a forward are inference tensors
                 page.index_copy_(0, ids, part)
 

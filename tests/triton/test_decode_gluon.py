@@ -53,13 +53,15 @@ def test_gluon_decode_matches_reference(spec, kernel, shape, num_splits, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("pairs", [False, True], ids=["steps_of_16", "steps_of_32"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("spec,shape", [(spec, shape) for spec in ("q4", "q6", "turboquant", "turboquant:k=q4_0,v=q4_0")
                                         for shape in TQ_SHAPES[:3]],
                          ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
-def test_gluon_in_steps_of_32_keys_matches_reference(spec, shape, num_splits):
-    """The q4 / q6 and TurboQuant kernels with PAIRS (32 keys a loop step, one softmax step for both halves):
-    sequences whose keys end in either half of a step, or past it."""
+def test_gluon_in_steps_of_16_and_32_keys_matches_reference(spec, shape, num_splits, pairs):
+    """The q4 / q6 and TurboQuant kernels in either loop step, whichever is their default (`decode_gluon.PAIRS`):
+    16 keys, or 32 (PAIRS, one softmax step for both halves): sequences whose keys end in either half of a step, or
+    past it."""
     from pagedkv.ops.triton import decode_gluon
 
     launch = decode_gluon.KERNELS["turboquant" if spec.startswith("turboquant") else "q4"][1]
@@ -69,7 +71,7 @@ def test_gluon_in_steps_of_32_keys_matches_reference(spec, shape, num_splits):
                       ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=torch.bfloat16)
     scale = d ** -0.5
     ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
-    out = launch(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits, pairs=True)
+    out = launch(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits, pairs=pairs)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 

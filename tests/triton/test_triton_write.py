@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from pagedkv.formats.base import read_slots
 from pagedkv.ops import reference
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.triton import kv_write
@@ -31,7 +32,7 @@ def assert_same_pages(got, want, fmt, keys=None, values=None, slots=None):
         if name in rotated:
             continue
         assert bool(same.all()), f"{name}: {(~same).sum().item()} of {same.numel()} entries differ"
-    parts = lambda pages: {n: p.view(-1, *p.shape[2:])[slots] for n, p in pages.items()}  # noqa: E731
+    parts = lambda pages: {n: read_slots(p, slots) for n, p in pages.items()}  # noqa: E731
     if fmt.spec.kind == "kvquant" and rotated_keys:   # one scale per token and head: absmax / qmax
         got_scale, want_scale = parts(got)["k_scale"], parts(want)["k_scale"]
         torch.testing.assert_close(got_scale, want_scale, rtol=1e-5, atol=0)
