@@ -136,7 +136,6 @@ class PagedKVCache(Cache):
         self.grow_events += 1
 
     def _resize(self, new_num_blocks: int) -> None:
-        old = self.pool.num_blocks
         self.pool.grow(new_num_blocks)
         for layer_pages in self.pages:
             if layer_pages is None:
