@@ -49,11 +49,11 @@ gluon-window)   # decode with a dense recent window of 128: as served (WINDOW_KE
         --gluon-window --out "$OUT/kernels_gluon_window"
     ;;
 gluon)   # each Gluon decode kernel beside the default decode, 16 and 32 keys a step
-    run 130 env FORMAT=turboquant VARIANTS='{"ring2": {}, "pairs": {"pairs": true}}' python bench/gluon_probe.py
-    run 110 env FORMAT=turboquant:k=q4_0,v=q4_0 VARIANTS='{"ring2": {}, "pairs": {"pairs": true}}' \
+    run 130 env FORMAT=turboquant VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
+    run 110 env FORMAT=turboquant:k=q4_0,v=q4_0 VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' \
         python bench/gluon_probe.py
-    run 100 env FORMAT=q4 VARIANTS='{"ring2": {}, "pairs": {"pairs": true}}' python bench/gluon_probe.py
-    run 100 env FORMAT=q6 VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
+    run 100 env FORMAT=q4 VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
+    run 100 env FORMAT=q6 VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
     run 100 env FORMAT=off VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
     ;;
 *)

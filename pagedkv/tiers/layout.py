@@ -1,7 +1,7 @@
 """`BlockLayout`: every layer's page tensors of one block, side by side in one row of bytes.
 
-A block moves between tiers whole: its rows of every layer's page tensors (`[block_size, num_kv_heads,
-width]` each, keys, values and scales) packed into one contiguous uint8 row of `block_bytes`, each part
+A block moves between tiers whole: its rows of every layer's page tensors (`[num_kv_heads, block_size,
+width]` each as stored, head-major: keys, values and scales) packed into one contiguous uint8 row of `block_bytes`, each part
 at an offset aligned to 16 bytes. Copies go in large pieces: one per page tensor for a batch of blocks
 (`gather`, `scatter`, on the device), and one device<->host copy per run of consecutive rows (`copy_runs`).
 """
