@@ -120,8 +120,8 @@ class Runner:
 
     @torch.inference_mode()
     def forward(self, cache, ids: torch.Tensor, logits_to_keep: int = 0, step: int = PREFILL_CHUNK) -> torch.Tensor:
-        """Feed ids [1, n] through `cache` in chunks of `step` tokens; log-probs [keep, vocab] (float32) of the
-        last positions."""
+        """Feed ids [1, n] through `cache` in chunks of `step` tokens; log-probs [keep, vocab] (float32, or
+        float64 for a float64 model) of the last positions."""
         n = ids.shape[1]
         keep = n if logits_to_keep == 0 else logits_to_keep
         outs = []
@@ -130,7 +130,8 @@ class Runner:
             want = max(0, keep - (n - start - chunk.shape[1]))  # positions of this chunk that are kept
             out = self.model(input_ids=chunk, logits_to_keep=max(want, 1), **{self.cache_kwarg: cache})
             if want:
-                outs.append(out.logits[0, -want:].float().log_softmax(-1))
+                logits = out.logits[0, -want:]
+                outs.append(logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1))
         return torch.cat(outs)
 
 
@@ -168,6 +169,13 @@ def score_step(cache) -> int:
 PROFILE_CHUNK = 256  # tokens the context profile moves all formats forward at a time (a multiple of any block)
 
 
+def kl_per_token(reference: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """KL(reference || lp) per row of log-probs [n, vocab], summed in float64: float32 sums over the vocabulary
+    carry ~1e-7 of rounding, as much as the KL of a near-lossless format, and differ with the number of rows."""
+    reference = reference.double()
+    return (reference.exp() * (reference - lp.double())).sum(-1)
+
+
 def profile_scores(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor) -> dict:
     """ids [L] -> {fmt: (nll [L - 1], kl [L - 1])} for tokens 1..L-1, float64, KL(fmts[0] || fmt) per token.
 
@@ -195,7 +203,7 @@ def profile_scores(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor) ->
                 reference = lp
             n = lp.shape[0]
             out[f][0].append(-lp.gather(-1, targets[start:start + n, None]).squeeze(-1).double())
-            out[f][1].append((reference.exp() * (reference - lp)).sum(-1).double())
+            out[f][1].append(kl_per_token(reference, lp))
         start += n
     return {f: (torch.cat(nll), torch.cat(kl)) for f, (nll, kl) in out.items()}
 
@@ -285,7 +293,7 @@ def measure_windows(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor, w
             if reference is None:
                 reference = lp
             acc[f]["nll"].append(-lp.gather(-1, targets[:, None]).squeeze(-1).double())
-            acc[f]["kl"] += float((reference.exp() * (reference - lp)).sum())
+            acc[f]["kl"] += float(kl_per_token(reference, lp).sum())
             acc[f]["top1"] += int((reference.argmax(-1) == lp.argmax(-1)).sum())
             bar.update(window)
     scored = num_windows * (window - window // 2)
