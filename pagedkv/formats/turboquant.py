@@ -174,4 +174,4 @@ class TurboQuantFormat(PageFormat):
         return self._decode_keys(parts), self._decode_values(parts)
 
     def attention_output(self, out):
-        return out.float() @ self.value_rotation.T
+        return rotate_with(out, self.value_rotation.T)

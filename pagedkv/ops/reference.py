@@ -74,16 +74,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, s
            softcap: float | None) -> torch.Tensor:
     """Causal attention of the last `nq` positions of a sequence over all `L` of its keys.
 
-    q: [nq, Hq, D]; k, v: [L, Hkv, D]; returns [nq, Hq, Dv] float32. Without a softcap this is one fused
+    q: [nq, Hq, D]; k, v: [L, Hkv, D]; returns [nq, Hq, Dv] float32 (float64 for float64 queries: a float32
+    product's rounding depends on how many queries a call holds, which could move a later layer's code between a
+    verify and a decode step). Without a softcap this is one fused
     SDPA call per query chunk (the G query heads of a KV head ride along the query axis, so keys and
     values are never repeated); with a softcap the scores are formed explicitly.
     """
     nq, hq, d = q.shape
     length, hkv, dv = v.shape
     group = hq // hkv
-    qf = q.float().view(nq, hkv, group, d)
-    kf, vf = k.float(), v.float()
-    out = torch.empty(nq, hkv, group, dv, dtype=torch.float32, device=q.device)
+    dt = torch.promote_types(q.dtype, torch.float32)
+    qf = q.to(dt).view(nq, hkv, group, d)
+    kf, vf = k.to(dt), v.to(dt)
+    out = torch.empty(nq, hkv, group, dv, dtype=dt, device=q.device)
     key_pos = torch.arange(length, device=q.device)
     for start in range(0, nq, QUERY_CHUNK):
         stop = min(nq, start + QUERY_CHUNK)
