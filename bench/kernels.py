@@ -133,9 +133,11 @@ def paged_layer(fmt_spec: str, keys: torch.Tensor, values: torch.Tensor, num_seq
     blocks_per_seq = math.ceil(seq_len / BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
     fmt = make_format(KVFormat.parse(fmt_spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, DEV)
-    pages = fmt.allocate_pages(num_blocks, BLOCK_SIZE)
     if SLOT_MAJOR:  # the layout before head-major pages: a block's slots one after another, all heads in each
-        pages = {name: torch.empty(t.shape, dtype=t.dtype, device=t.device) for name, t in pages.items()}
+        pages = {name: torch.empty(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, width, dtype=dt, device=DEV)
+                 for name, (width, dt) in fmt.page_spec().items()}
+    else:
+        pages = fmt.allocate_pages(num_blocks, BLOCK_SIZE)
     perm = (torch.arange(num_blocks) if gen is None else torch.randperm(num_blocks, generator=gen)).to(DEV, torch.int32)
     table = perm.view(num_seqs, blocks_per_seq)
     pos = torch.arange(seq_len, device=DEV)

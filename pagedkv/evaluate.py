@@ -169,11 +169,13 @@ def score_step(cache) -> int:
 PROFILE_CHUNK = 256  # tokens the context profile moves all formats forward at a time (a multiple of any block)
 
 
-def kl_per_token(reference: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
-    """KL(reference || lp) per row of log-probs [n, vocab], summed in float64: float32 sums over the vocabulary
-    carry ~1e-7 of rounding, as much as the KL of a near-lossless format, and differ with the number of rows."""
-    reference = reference.double()
-    return (reference.exp() * (reference - lp.double())).sum(-1)
+def kl_against(reference: torch.Tensor):
+    """lp -> KL(reference || lp) per row of log-probs [n, vocab], summed in float64 (float32 sums over the
+    vocabulary carry ~1e-7 of rounding, as much as the KL of a near-lossless format, and differ with the number
+    of rows); the reference's float64 log-probs and probabilities are made once, for every format."""
+    ref = reference.double()
+    probs = ref.exp()
+    return lambda lp: (probs * (ref - lp.double())).sum(-1)
 
 
 def profile_scores(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor) -> dict:
@@ -195,15 +197,15 @@ def profile_scores(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor) ->
     out = {f: ([], []) for f in fmts}
     start = 0
     while start < targets.shape[0]:
-        reference = None
+        kl = None
         chunk = ids[None, start:min(start + PROFILE_CHUNK, targets.shape[0])]
         for f in fmts:
             lp = runner.forward(caches[f], chunk, step=steps[f])  # [n, vocab]
-            if reference is None:
-                reference = lp
+            if kl is None:
+                kl = kl_against(lp)
             n = lp.shape[0]
             out[f][0].append(-lp.gather(-1, targets[start:start + n, None]).squeeze(-1).double())
-            out[f][1].append(kl_per_token(reference, lp))
+            out[f][1].append(kl(lp))
         start += n
     return {f: (torch.cat(nll), torch.cat(kl)) for f, (nll, kl) in out.items()}
 
@@ -291,9 +293,9 @@ def measure_windows(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor, w
             bar.set_description(f"perplexity window {w + 1}/{num_windows} {f.label}")
             lp = window_logprobs(runner, f, tokens)  # [scored, vocab]
             if reference is None:
-                reference = lp
+                reference, kl = lp, kl_against(lp)
             acc[f]["nll"].append(-lp.gather(-1, targets[:, None]).squeeze(-1).double())
-            acc[f]["kl"] += float(kl_per_token(reference, lp).sum())
+            acc[f]["kl"] += float(kl(lp).sum())
             acc[f]["top1"] += int((reference.argmax(-1) == lp.argmax(-1)).sum())
             bar.update(window)
     scored = num_windows * (window - window // 2)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats.base import read_slots
+from .formats.base import read_positions
 
 MIRROR, DIRECT = "mirror", "direct"
 
@@ -59,8 +59,7 @@ class DequantMirror:
         done = min(buf.length, length) if buf is not None else 0
         if done < length:
             positions = torch.arange(done, length, device=block_ids.device)
-            slots = block_ids[positions // block_size] * block_size + positions % block_size
-            parts = {name: read_slots(page, slots) for name, page in pages.items()}
+            parts = {name: read_positions(page, block_ids, positions) for name, page in pages.items()}
             k, v = fmt.decode(parts)  # [n_new, H, D]
             buf = self._extend(seq_id, layer_idx, buf, done, k.to(fmt.mirror_dtype), v.to(fmt.mirror_dtype))
             self.dequant_tokens += length - done

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import CacheCapacityError, SnapshotError
-from .formats.base import read_slots, write_slots
+from .formats.base import read_positions, write_slots
 from .identity import cache_identity, differences
 
 FILE_FORMAT = "pagedkv-snapshot"
@@ -60,17 +60,11 @@ def take(cache, seq_id: int) -> Snapshot:
     layers = []
     for pages, fmt in zip(cache.pages, cache.formats):
         ids = torch.tensor(cache.block_table(seq_id), dtype=torch.long, device=fmt.device)
-        slots = _slots(ids, num_tokens, cache.block_size)
-        layers.append({name: _to_host(read_slots(page, slots))
-                       for name, page in pages.items()})
+        positions = torch.arange(num_tokens, device=fmt.device)
+        layers.append({name: _to_host(read_positions(page, ids, positions)) for name, page in pages.items()})
     if any(f.device.type == "cuda" for f in cache.formats):
         torch.cuda.synchronize()
     return Snapshot(cache_identity(cache), num_tokens, layers)
-
-
-def _slots(block_ids: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
-    positions = torch.arange(num_tokens, device=block_ids.device)
-    return block_ids[positions // block_size] * block_size + positions % block_size
 
 
 def _has_layers(cache) -> bool:

@@ -41,6 +41,11 @@ def grown(page: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return out
 
 
+def read_positions(page: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows [len(positions), num_kv_heads, width] of one sequence at `positions`, its blocks `block_ids` (int64)."""
+    return page[block_ids[positions // page.shape[1]], positions % page.shape[1]]
+
+
 def read_slots(page: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows [len(slots), num_kv_heads, width] of `page` at flat slot indices (block * block_size + offset)."""
     return page[slots // page.shape[1], slots % page.shape[1]]

@@ -59,9 +59,9 @@ def test_gluon_decode_matches_reference(spec, kernel, shape, num_splits, dtype):
                                         for shape in TQ_SHAPES[:3]],
                          ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
 def test_gluon_in_steps_of_16_and_32_keys_matches_reference(spec, shape, num_splits, pairs):
-    """The q4 / q6 and TurboQuant kernels in either loop step, whichever is their default (`decode_gluon.PAIRS`):
-    16 keys, or 32 (PAIRS, one softmax step for both halves): sequences whose keys end in either half of a step, or
-    past it."""
+    """The q4 / q6 and TurboQuant kernels in either loop step, whichever is their default
+    (`decode_gluon.Q4_PAIRS_BITS`, `TQ_PAIRS`): 16 keys, or 32 (PAIRS, one softmax step for both halves):
+    sequences whose keys end in either half of a step, or past it."""
     from pagedkv.ops.triton import decode_gluon
 
     launch = decode_gluon.KERNELS["turboquant" if spec.startswith("turboquant") else "q4"][1]

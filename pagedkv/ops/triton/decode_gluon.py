@@ -56,11 +56,12 @@ PROGRAMS_PER_SM = 8
 # (capped at 128: 1.07-1.53x slower), and with 16 programs per multiprocessor 1.02-1.07x faster than with 8 at batch
 # 32, 64 and 128 (430 against 445 us at batch 64 and 8,192 tokens).
 TQ_TUNING = {("q8_0", "q3_0"): (128, 16), ("q4_0", "q4_0"): (None, 16)}
-# The kernels that read 32 keys a loop step (PAIRS) by default: q4 pages (`paged_attention_q4`, by bits) and
-# TurboQuant (key, value) quantizers. Timed on an H200 with head-major pages (`bench/gluon_probe.py`, 2026-12-02):
+# The kernels that read 32 keys a loop step (PAIRS) by default: the q4 / q6 kernel for these bits per code, the
+# TurboQuant kernel for these (key, value) quantizers. Timed on an H200 with head-major pages (`bench/gluon_probe.py`, 2026-12-02):
 # q4 1.05-1.13x faster than 16 keys a step at every shape, K q4_0 / V q4_0 1.00-1.04x; K q8_0 / V q3_0 within 1%
 # either way; q6 slower with slot-major pages (as was q4 at 8,192 tokens and more), not timed head-major.
-PAIRS = {4, ("q4_0", "q4_0")}
+Q4_PAIRS_BITS = (4,)
+TQ_PAIRS = (("q4_0", "q4_0"),)
 # The formats whose decode batches with a dense recent window run the Gluon kernels (their page splits, then the
 # window as one more split, `window_splits`) from WINDOW_MIN_TOKENS query tokens on; the others, and smaller
 # batches, run `decode.py`, which reads the window in the same kernel. Timed side by side on an H200 (2026-12-02,
@@ -637,7 +638,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
                        window=None, pairs: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
-    window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `PAIRS`)."""
+    window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import reduce_splits, ring_partials
@@ -658,7 +659,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     if max_registers is None:
         max_registers = tq_tuning(fmt.spec)[0]
     if pairs is None:
-        pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in PAIRS
+        pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
     decode_tq_kernel[(num_tokens, view.num_kv_heads, num_splits)](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
@@ -908,7 +909,7 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
                        window=None, pairs: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
     dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed,
-    `PAIRS`)."""
+    `Q4_PAIRS_BITS`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import reduce_splits, ring_partials
@@ -921,7 +922,7 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         return out
     parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
     if pairs is None:
-        pairs = view.k_bits in PAIRS
+        pairs = view.k_bits in Q4_PAIRS_BITS
     decode_q4_kernel[(num_tokens, view.num_kv_heads, num_splits)](
         out, *(parts or (out, out, out)), query, view.k, view.k_scale, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
