@@ -173,19 +173,24 @@ def loop_ops(loop: list[str]) -> Counter:
 
 def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str = "q8", window: bool = False) -> dict:
     """A Gluon decode kernel (`ops/triton/decode_gluon.py`: q8, q4, q6, TurboQuant, off) compiled for sm_90:
-    registers, spills, shared memory and its loop's opcodes; with `window`, the variant whose splits stop where a
-    dense recent window (recent_tokens=128) begins."""
+    registers, spills, shared memory, keys a loop step (16, or 32 where the launcher picks PAIRS) and its loop's
+    opcodes; with `window`, the variant whose splits stop where a dense recent window (recent_tokens=128) begins."""
     from pagedkv.ops.triton import decode_gluon
 
     batch, context = 64, 8192
     fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, head_dim, dtype, "cpu")
     meta, rings = decode_batch(batch, context, window, head_dim, dtype)
     options = {"window": rings} if window else {}
-    compiled = []
+    compiled, pairs = [], []
     from triton.runtime.jit import JITFunction
 
     run = JITFunction.run
-    JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
+
+    def compile_only(fn, *a, grid, warmup, **kw):
+        pairs.append(bool(kw.get("PAIRS", False)))
+        compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
+
+    JITFunction.run = compile_only
     try:
         q = torch.empty(batch, NUM_Q_HEADS, head_dim, dtype=dtype)
         launch, _ = decode_gluon.launcher(fmt, q, BLOCK_SIZE, kernels=decode_gluon.KERNELS)
@@ -195,7 +200,7 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
     info, sass = assemble(compiled[0])
     ops = loop_ops(sass_loops(sass)[0])
     return {"format": spec, "head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits, "window": window,
-            "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+            "keys_per_step": 32 if pairs[0] else 16, "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
             "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
             "shared_bytes": compiled[0].metadata.shared, "loop_ops": dict(ops)}
 

@@ -255,10 +255,18 @@ def test_completion_logprobs_through_the_openai_client(client, smollm2):
         assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-4
     # greedy: each generated token is the most likely one, so it is its own top-1 alternative
     assert all(max(top, key=top.get) == tok for top, tok in zip(lp.top_logprobs[-3:], lp.tokens[-3:]))
+    # streamed, the same request's logprobs arrive piece by piece and equal the whole answer's. (Against the echo
+    # answer above only to 1e-4: with echo the prefill keeps a logits row per prompt token, and a matrix product
+    # over more rows may round the first new token's row differently in float32.)
+    plain = client.completions.create(model="default", prompt="The capital of France is", max_tokens=3,
+                                      temperature=0, logprobs=1).choices[0].logprobs
+    assert plain.tokens == lp.tokens[-3:]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(plain.token_logprobs, lp.token_logprobs[-3:]))
     streamed = client.completions.create(model="default", prompt="The capital of France is", max_tokens=3,
                                          temperature=0, logprobs=1, stream=True)
     pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
-    assert [x for p in pieces for x in p.token_logprobs] == lp.token_logprobs[-3:]
+    assert [t for p in pieces for t in p.tokens] == plain.tokens
+    assert [x for p in pieces for x in p.token_logprobs] == plain.token_logprobs
 
 
 def test_chat_logprobs_and_top_logprobs(client):

@@ -87,13 +87,17 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
     loop = {(row["format"], row["head_dim"], row["dtype"], row["window"]): row["loop_ops"] for row in rows}
     for spec in ("q8", "turboquant", "q4"):
         assert loop[spec, 128, "torch.bfloat16", True] == loop[spec, 128, "torch.bfloat16", False], spec
+    # q4 and TurboQuant K q4_0 / V q4_0 read 32 keys a loop step by default (decode_gluon.Q4_PAIRS_BITS, TQ_PAIRS)
+    assert {row["format"] for row in rows if row["keys_per_step"] == 32} == {"q4", tq44}, r.stdout
     for row in rows:
         ops = row["loop_ops"]
+        steps = row["keys_per_step"] // 16   # 16-key steps a loop iteration holds
         mma_per_step = 2 * row["head_dim"] // 16   # S^T: head_dim / 16 k-steps; O^T: head_dim / 16 M-tiles
         assert row["spill_bytes"] == 0, row
         assert row["registers"] <= (128 if row["format"] in ("q8", "q4", "off") else 168), row
         # P^T transposed once, or once per value scale group (3-bit TurboQuant values: four)
-        assert ops.get("HMMA") == mma_per_step and ops.get("MOVM") == (8 if row["format"] == "turboquant" else 2), row
-        assert ops.get("LDGSTS", 0) >= 8 and "STS" not in ops, row
+        assert ops.get("HMMA") == mma_per_step * steps, row
+        assert ops.get("MOVM") == (8 if row["format"] == "turboquant" else 2) * steps, row
+        assert ops.get("LDGSTS", 0) >= 8 * steps and "STS" not in ops, row
         # codes read back by the lane that copied them (LDS); dense rows through ldmatrix into the fragments
-        assert ops.get("LDSM", 0) == (mma_per_step if row["format"] == "off" else 0) and "LDS" in ops, row
+        assert ops.get("LDSM", 0) == (mma_per_step * steps if row["format"] == "off" else 0) and "LDS" in ops, row
