@@ -171,16 +171,18 @@ def loop_ops(loop: list[str]) -> Counter:
     return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
 
 
-def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str = "q8", window: bool = False) -> dict:
+def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str = "q8", window: bool = False,
+                 **launch_options) -> dict:
     """A Gluon decode kernel (`ops/triton/decode_gluon.py`: q8, q4, q6, TurboQuant, off) compiled for sm_90:
     registers, spills, shared memory, keys a loop step (16, or 32 where the launcher picks PAIRS) and its loop's
-    opcodes; with `window`, the variant whose splits stop where a dense recent window (recent_tokens=128) begins."""
+    opcodes; with `window`, the variant whose splits stop where a dense recent window (recent_tokens=128) begins;
+    `launch_options` go to the launch (`pairs=True`, `lazy=True`)."""
     from pagedkv.ops.triton import decode_gluon
 
     batch, context = 64, 8192
     fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, head_dim, dtype, "cpu")
     meta, rings = decode_batch(batch, context, window, head_dim, dtype)
-    options = {"window": rings} if window else {}
+    options = dict(launch_options, **({"window": rings} if window else {}))
     compiled, pairs = [], []
     from triton.runtime.jit import JITFunction
 

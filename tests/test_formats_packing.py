@@ -76,3 +76,21 @@ def test_sign_magnitude_planes_round_trip():
     c[3 + 16 * 5] = 7                                   # magnitude 3 at channel 83: unit 3, field 5
     mag = pack_sign_magnitude(c)[:32].view(torch.int16)
     assert mag.tolist() == [0, 0, 0, 3 << 10] + [0] * 12
+
+
+def test_code_nibbles_round_trip_in_the_planes_of_the_sign_magnitude_layout():
+    from pagedkv.formats.packing import pack_code_nibbles, packed_width, unpack_code_nibbles
+
+    for n in (64, 128):
+        codes = torch.randint(0, 8, (4, 3, n), generator=torch.Generator().manual_seed(n))
+        packed = pack_code_nibbles(codes)
+        assert packed.shape == (4, 3, packed_width(n, 3)) and packed.dtype == torch.uint8
+        assert torch.equal(unpack_code_nibbles(packed, n), codes)
+    # unit 3 of head_dim 128 holds channels 3, 19, .., 115: the M word's nibbles codes 0-3 (channels 3, 19, 35, 51),
+    # their spare bits bit 2 of codes 4, 6, 5, 7; the N byte bits 0-1 of codes 4-7
+    c = torch.zeros(128, dtype=torch.int64)
+    c[3], c[19], c[3 + 16 * 4], c[3 + 16 * 6], c[3 + 16 * 7] = 5, 2, 6, 4, 3
+    packed = pack_code_nibbles(c)
+    m = packed[:32].view(torch.int16)
+    assert [x & 0xFFFF for x in m.tolist()] == [0, 0, 0, 5 | 2 << 4 | 1 << 3 | 1 << 7] + [0] * 12
+    assert packed[32 + 3].item() == (6 & 3) | (3 & 3) << 6 and packed[32:].count_nonzero().item() == 1

@@ -98,3 +98,40 @@ def unpack_sign_magnitude(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
     negative = unpack_bits(packed[..., num_codes // 4:], 1, num_codes)
     c = torch.where(negative.bool(), 3 - magnitude, 4 + magnitude)             # unit order
     return c.reshape(*c.shape[:-1], num_codes // 8, 8).transpose(-1, -2).reshape(c.shape)
+
+
+
+# 3-bit codes as code nibbles: the same units as `pack_sign_magnitude` (unit u: channels u + (n / 8) j, j = 0..7),
+# each as a 16-bit word M and a byte N. Nibble k of M (k = 0..3) holds code k (bits 0-2) and, in its spare bit 3,
+# bit 2 of code NIBBLE_HIGH_BITS[k]; N holds bits 0-1 of codes 4..7 (code 4 + i at bits 2i). The M words go first
+# (n / 4 bytes), then the N bytes (n / 8): the planes and bytes per row of the sign-magnitude layout. A decode
+# then looks every code up as it is (a byte permute over the codebook) instead of splitting sign and magnitude.
+NIBBLE_HIGH_BITS = (4, 6, 5, 7)
+
+
+def pack_code_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., n] in [0, 8) -> [..., 3n / 8] uint8 as code nibbles (above)."""
+    n = codes.shape[-1]
+    c = codes.to(torch.int64).reshape(*codes.shape[:-1], 8, n // 8).transpose(-1, -2)   # [..., units, 8]
+    k = torch.arange(4, device=codes.device, dtype=torch.int64)
+    high = c[..., list(NIBBLE_HIGH_BITS)] >> 2
+    m = ((c[..., :4] & 7) << (4 * k)).sum(-1) | (high << (4 * k + 3)).sum(-1)          # [..., units]
+    nb = ((c[..., 4:] & 3) << (2 * k)).sum(-1)
+    m_bytes = torch.stack([m & 0xFF, m >> 8], dim=-1).flatten(-2)
+    return torch.cat([m_bytes, nb], dim=-1).to(torch.uint8)
+
+
+def unpack_code_nibbles(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
+    """The inverse of `pack_code_nibbles`: [..., 3n / 8] uint8 -> [..., n] int64 codes in [0, 8)."""
+    assert packed.shape[-1] == packed_width(num_codes, 3), f"expected {packed_width(num_codes, 3)} bytes per row"
+    units = num_codes // 8
+    b = packed.to(torch.int64)
+    m = b[..., 0:2 * units:2] | (b[..., 1:2 * units:2] << 8)                        # [..., units]
+    nb = b[..., 2 * units:]
+    k = torch.arange(4, device=packed.device, dtype=torch.int64)
+    low = (m[..., None] >> (4 * k)) & 7                                             # codes 0..3
+    rest = (nb[..., None] >> (2 * k)) & 3                                           # bits 0-1 of codes 4..7
+    high = (m[..., None] >> (4 * k + 3)) & 1                                        # bit 2 of NIBBLE_HIGH_BITS[k]
+    rest = rest | (high[..., [NIBBLE_HIGH_BITS.index(4 + i) for i in range(4)]] << 2)
+    c = torch.cat([low, rest], dim=-1)                                              # [..., units, 8]
+    return c.transpose(-1, -2).reshape(*packed.shape[:-1], num_codes)

@@ -75,6 +75,48 @@ def test_gluon_in_steps_of_16_and_32_keys_matches_reference(spec, shape, num_spl
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("pairs", [False, True], ids=["steps_of_16", "steps_of_32"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("spec,shape", [(spec, shape) for spec in ("turboquant", "turboquant:k=q4_0,v=q3_0,rotate_keys")
+                                        for shape in TQ_SHAPES],
+                         ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
+def test_gluon_reads_3_bit_values_laid_out_as_code_nibbles(spec, shape, num_splits, pairs):
+    """The TurboQuant kernel's CODE_NIBBLES variant over the same pages with their 3-bit values re-laid
+    (`decode_gluon.with_code_nibbles`) attends as the reference does over the sign-magnitude pages."""
+    from pagedkv.ops.triton import decode_gluon
+
+    hq, hkv, d, bs = shape
+    case = build_case(hash((spec, shape)) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=torch.bfloat16)
+    scale = d ** -0.5
+    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
+    pages = decode_gluon.with_code_nibbles(case.pages, d)
+    assert not torch.equal(pages["v"], case.pages["v"])
+    out = decode_gluon.paged_attention_tq(case.query, pages, case.fmt, case.meta, scale=scale, num_splits=num_splits,
+                                          pairs=pairs, code_nibbles=True)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_code_nibble_pages_hold_the_same_codes_in_the_same_storage():
+    """`decode_gluon.with_code_nibbles` (CPU): the value bytes re-laid, every code kept, the head-major storage order
+    and every other page tensor untouched; the kernel option refuses values that are not 3-bit."""
+    from pagedkv.formats.packing import unpack_code_nibbles, unpack_sign_magnitude
+    from pagedkv.ops.triton import decode_gluon
+
+    case = build_case(3, "turboquant", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16, ctx_lens=[40],
+                      new_lens=[1], dtype=torch.float16)
+    pages = decode_gluon.with_code_nibbles(case.pages, 128)
+    assert pages["v"].stride() == case.pages["v"].stride() and pages["v"].shape == case.pages["v"].shape
+    assert torch.equal(unpack_code_nibbles(pages["v"], 128), unpack_sign_magnitude(case.pages["v"], 128))
+    assert all(pages[name] is case.pages[name] for name in case.pages if name != "v")
+    four = build_case(3, "turboquant:k=q4_0,v=q4_0", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
+                      ctx_lens=[40], new_lens=[1], dtype=torch.float16)
+    with pytest.raises(ValueError, match="3-bit values"):
+        decode_gluon.paged_attention_tq(four.query, four.pages, four.fmt, four.meta, scale=0.1, code_nibbles=True)
+
+
 def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read():
     """`decode_gluon.launcher` (CPU: shapes and options only): q8, q6, q4, TurboQuant and `off` decode by default
     (DEFAULT_KERNELS, each timed faster), each with its split target; nothing with rotated KV-Quant keys, a window,

@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from pagedkv.formats.codebook import lloyd_max_codebook
-from pagedkv.ops.triton.conversions import (CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, INT8_PAIRS_ASM,
+from pagedkv.formats.packing import pack_code_nibbles
+from pagedkv.ops.triton.conversions import (CODE_NIBBLES_KEY_PAIRS_ASM, CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM,
+                                            INT8_ASM, INT8_PAIRS_ASM,
                                             NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM, NIBBLE_QUADS_ASM,
                                             SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_SPREAD_ASM,
                                             SIX_BIT_KEY_PAIRS_ASM, SIX_BIT_QUADS_ASM, SIX_BIT_SPREAD_ASM)
@@ -105,6 +107,24 @@ def test_sign_magnitude_asm_equals_the_codebook_for_every_field():
                 m, negative = (mag >> (2 * j)) & 3, (neg >> j) & 1
                 code = 3 - m if negative else 4 + m     # sign-magnitude -> sorted codebook index
                 assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[code], (j, lane, hex(mag), hex(neg))
+
+
+def test_code_nibbles_asm_pairs_two_keys_per_channel_for_every_code():
+    """Two keys' units packed by `packing.pack_code_nibbles` -> per field a (first key, second key) pair of
+    centroids, fields in the order 0, 1, 2, 3, 4, 6, 5, 7 (`decode_gluon`'s 3-bit value tiles, CODE_NIBBLES)."""
+    cb_bits = lloyd_max_codebook(3).half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    rng = np.random.default_rng(7)
+    codes = [rng.integers(0, 8, (2, 8)) for _ in range(400)]
+    codes += [np.array([[c] * 8, [7 - c] * 8]) for c in range(8)]           # every code in every field
+    codes += [np.array([np.roll(np.arange(8), r), np.arange(8)]) for r in range(8)]
+    order = [0, 1, 2, 3, 4, 6, 5, 7]
+    for pair_codes in codes:
+        packed = pack_code_nibbles(torch.tensor(pair_codes)).to(torch.int64)   # [2 keys, 3 bytes]: one unit each
+        words = [int(row[0] | row[1] << 8 | row[2] << 16) for row in packed]
+        out = run_ptx(CODE_NIBBLES_KEY_PAIRS_ASM.value, words, 8)
+        for n, pair in enumerate(out):
+            for lane in range(2):
+                assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[pair_codes[lane, order[n]]], (n, lane, pair_codes)
 
 
 def test_the_emulator_knows_the_byte_permute_and_lop3():

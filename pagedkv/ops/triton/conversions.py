@@ -53,6 +53,43 @@ SIGN_MAGNITUDE_ASM_LO = tl.constexpr(_sign_magnitude_asm(0))   # fields 0-3
 SIGN_MAGNITUDE_ASM_HI = tl.constexpr(_sign_magnitude_asm(4))   # fields 4-7
 
 
+def _codebook_f16_byte_words(bits: int = 3) -> tuple[int, int, int, int]:
+    """The whole 2^bits-entry codebook (bits <= 3) in float16 as byte tables for a byte permute indexed by the code
+    itself: (low bytes of entries 0-3, of 4-7, high bytes of entries 0-3, of 4-7)."""
+    half = [int(x) for x in lloyd_max_codebook(bits).half().view(torch.int16).to(torch.int64) & 0xFFFF]
+    lo, hi = [x & 0xFF for x in half], [x >> 8 for x in half]
+    word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
+    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+
+
+def _code_nibbles_key_pairs_asm() -> str:
+    """TurboQuant 3-bit values as code nibbles (`packing.pack_code_nibbles`), one unit of two keys ($8, $9: the
+    unit's M word in bits 0-15, its N byte in bits 16-23): $0..$7 the fields 0, 1, 2, 3, 4, 6, 5, 7 as float16
+    pairs (first key, second key). The two words' bytes are interleaved once, so that four codes sit in the
+    nibbles of 16 bits; each such selector (masked, or completed from the N bytes and the spare bits) looks its
+    four codes up in the low-byte and the high-byte tables of the codebook (two byte permutes), and two more
+    permutes pair the bytes into float16: 28 instructions for 16 values (the sign-magnitude form: 52)."""
+    def look_up(out0, out1):   # selector s: codes (x first, y first, x second, y second) -> $out0 = x, $out1 = y
+        return (f"prmt.b32 lo, l0, l1, s; prmt.b32 hi, h0, h1, s; "
+                f"prmt.b32 ${out0}, lo, hi, 0x6240; prmt.b32 ${out1}, lo, hi, 0x7351;")
+
+    return "\n".join([
+        "{ .reg .b32 l0, l1, h0, h1, t, u, s, lo, hi;",
+        "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;"
+        % _codebook_f16_byte_words(3),
+        "prmt.b32 t, $8, $9, 0x5140;",                    # M bytes: first.0, second.0, first.1, second.1
+        "and.b32 s, t, 0x7777; " + look_up(0, 1),          # codes 0, 1
+        "shr.b32 s, t, 16; and.b32 s, s, 0x7777; " + look_up(2, 3),   # codes 2, 3
+        "prmt.b32 u, $8, $9, 0x0062;",                    # N bytes: first, second (bits 0-1 of codes 4..7)
+        "shr.b32 s, t, 1; and.b32 s, s, 0x4444; lop3.b32 s, u, 0x3333, s, 0xEA; " + look_up(4, 5),   # codes 4, 6
+        "shr.b32 s, t, 17; and.b32 s, s, 0x4444; shr.b32 u, u, 2; lop3.b32 s, u, 0x3333, s, 0xEA; "
+        + look_up(6, 7),                                   # codes 5, 7
+        "}"])
+
+
+CODE_NIBBLES_KEY_PAIRS_ASM = tl.constexpr(_code_nibbles_key_pairs_asm())
+
+
 # 4-bit codes, two per byte (channel 2j in the low nibble of byte j, 2j + 1 in the high one), four bytes per
 # call: the low and the high nibbles, each as four float16 (two registers per output).
 NIBBLE_PAIRS_ASM = tl.constexpr("""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64006400;
