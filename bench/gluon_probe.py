@@ -3,9 +3,9 @@ same pages, at each of a few split counts and VARIANTS (JSON: name -> keyword ar
 
     FORMAT=turboquant VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
     FORMAT=q4 SHAPES='[[128, 4096]]' ORDERED=1 python bench/gluon_probe.py   # other shapes; blocks in order
-    FORMAT=turboquant VARIANTS='{"planes": {}, "nibbles": {"code_nibbles": true}}' python bench/gluon_probe.py
+    FORMAT=turboquant VARIANTS='{"planes": {}, "nibbles": {"nibbles": true}}' python bench/gluon_probe.py
 
-A variant with "code_nibbles" reads the same pages with their 3-bit values re-laid (`decode_gluon.with_code_nibbles`).
+A variant with "nibbles" reads the same pages with their values re-laid (`decode_gluon.with_value_nibbles`).
 
 SHAPES (JSON list of [batch, context]) replaces the four target shapes; a batch without its own split counts gets
 half, one and two times the split count that fills PROGRAMS_PER_SM programs per multiprocessor. ORDERED=1 lays
@@ -65,9 +65,8 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
     row = {"batch": num_seqs, "context": seq_len, "sdpa_us": sdpa_ms * 1e3}
     row["default_us"] = kb.time_per_call(calls(lambda q, p, f, m: triton_ops.paged_attention(q, p, f, m, scale=kb.SCALE))) * 1e3
     for name, opts in VARIANTS.items():
-        # a variant that reads 3-bit values as code nibbles gets the same pages with their value bytes re-laid
-        own = [(f, decode_gluon.with_code_nibbles(p, kb.HEAD_DIM), t) for f, p, t in layers] \
-            if opts.get("code_nibbles") else layers
+        # a variant with nibble look-ups gets the same pages with their value bytes re-laid
+        own = [(f, decode_gluon.with_value_nibbles(p, f), t) for f, p, t in layers] if opts.get("nibbles") else layers
         for sp in splits_for(num_seqs):
             o = launch(queries[0][:k], own[0][1], own[0][0], sub, scale=kb.SCALE, num_splits=sp, **opts)
             row[f"gluon_{name}_split{sp}_err"] = kb.rel_err(o, ref)

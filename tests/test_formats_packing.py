@@ -94,3 +94,15 @@ def test_code_nibbles_round_trip_in_the_planes_of_the_sign_magnitude_layout():
     m = packed[:32].view(torch.int16)
     assert [x & 0xFFFF for x in m.tolist()] == [0, 0, 0, 5 | 2 << 4 | 1 << 3 | 1 << 7] + [0] * 12
     assert packed[32 + 3].item() == (6 & 3) | (3 & 3) << 6 and packed[32:].count_nonzero().item() == 1
+
+
+def test_sign_nibbles_round_trip_and_keep_the_magnitude_in_the_low_bits():
+    from pagedkv.formats.packing import pack_sign_nibbles, unpack_sign_nibbles
+
+    codes = torch.randint(0, 16, (4, 3, 128), generator=torch.Generator().manual_seed(4))
+    packed = pack_sign_nibbles(codes)
+    assert packed.shape == (4, 3, 64) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_sign_nibbles(packed, 128), codes)
+    # code 9 (magnitude index 1, positive) and code 6 (magnitude index 1, negative) differ only in bit 3;
+    # channel 2j in the low nibble of byte j
+    assert pack_sign_nibbles(torch.tensor([9, 6])).item() == 0x1 | (0x8 | 0x1) << 4

@@ -135,3 +135,20 @@ def unpack_code_nibbles(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
     rest = rest | (high[..., [NIBBLE_HIGH_BITS.index(4 + i) for i in range(4)]] << 2)
     c = torch.cat([low, rest], dim=-1)                                              # [..., units, 8]
     return c.transpose(-1, -2).reshape(*packed.shape[:-1], num_codes)
+
+
+# 4-bit codes of a symmetric sorted codebook as sign nibbles: code c -> magnitude index (c - 8, or 7 - c below 8)
+# in bits 0-2 and the sign (c < 8) in bit 3, packed as `pack_bits` packs 4-bit codes. A decode looks the magnitude
+# up in the codebook's positive half (a byte permute over eight entries) and sets the sign bit.
+def pack_sign_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., n] in [0, 16) -> [..., n / 2] uint8 as sign nibbles (above)."""
+    c = codes.to(torch.int64)
+    negative = c < 8
+    return pack_bits(torch.where(negative, 7 - c, c - 8) | (negative.to(torch.int64) << 3), 4)
+
+
+def unpack_sign_nibbles(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
+    """The inverse of `pack_sign_nibbles`: [..., n / 2] uint8 -> [..., n] int64 codes in [0, 16)."""
+    nib = unpack_bits(packed, 4, num_codes)
+    m = nib & 7
+    return torch.where(nib >= 8, 7 - m, 8 + m)

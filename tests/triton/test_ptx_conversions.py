@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from pagedkv.formats.codebook import lloyd_max_codebook
-from pagedkv.formats.packing import pack_code_nibbles
+from pagedkv.formats.packing import pack_code_nibbles, pack_sign_nibbles
 from pagedkv.ops.triton.conversions import (CODE_NIBBLES_KEY_PAIRS_ASM, CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM,
-                                            INT8_ASM, INT8_PAIRS_ASM,
+                                            INT8_ASM, INT8_PAIRS_ASM, SIGN_NIBBLES_KEY_PAIRS_ASM,
                                             NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM, NIBBLE_QUADS_ASM,
                                             SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_SPREAD_ASM,
                                             SIX_BIT_KEY_PAIRS_ASM, SIX_BIT_QUADS_ASM, SIX_BIT_SPREAD_ASM)
@@ -122,6 +122,23 @@ def test_code_nibbles_asm_pairs_two_keys_per_channel_for_every_code():
         packed = pack_code_nibbles(torch.tensor(pair_codes)).to(torch.int64)   # [2 keys, 3 bytes]: one unit each
         words = [int(row[0] | row[1] << 8 | row[2] << 16) for row in packed]
         out = run_ptx(CODE_NIBBLES_KEY_PAIRS_ASM.value, words, 8)
+        for n, pair in enumerate(out):
+            for lane in range(2):
+                assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[pair_codes[lane, order[n]]], (n, lane, pair_codes)
+
+
+def test_sign_nibbles_asm_pairs_two_keys_per_channel_for_every_code():
+    """Two keys' words of eight 4-bit codes packed by `packing.pack_sign_nibbles` -> per channel a (first key,
+    second key) pair of centroids, channels in the order 0, 2, 1, 3, 4, 6, 5, 7 (as CODEBOOK4_KEY_PAIRS_ASM)."""
+    cb_bits = lloyd_max_codebook(4).half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    rng = np.random.default_rng(8)
+    codes = [rng.integers(0, 16, (2, 8)) for _ in range(400)]
+    codes += [np.array([[c] * 8, [15 - c] * 8]) for c in range(16)]         # every code in every channel
+    order = [0, 2, 1, 3, 4, 6, 5, 7]
+    for pair_codes in codes:
+        packed = pack_sign_nibbles(torch.tensor(pair_codes)).to(torch.int64)   # [2 keys, 4 bytes]
+        words = [int(sum(int(b) << (8 * i) for i, b in enumerate(row))) for row in packed]
+        out = run_ptx(SIGN_NIBBLES_KEY_PAIRS_ASM.value, words, 8)
         for n, pair in enumerate(out):
             for lane in range(2):
                 assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[pair_codes[lane, order[n]]], (n, lane, pair_codes)

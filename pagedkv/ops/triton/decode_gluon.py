@@ -36,9 +36,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .conversions import (CODE_NIBBLES_KEY_PAIRS_ASM, CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, NIBBLE_KEY_PAIRS_ASM,
-                          NIBBLE_PAIRS_ASM,
-                          SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
-                          SIX_BIT_SPREAD_ASM)
+                          NIBBLE_PAIRS_ASM, SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGN_NIBBLES_KEY_PAIRS_ASM,
+                          SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM, SIX_BIT_SPREAD_ASM)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -359,14 +358,14 @@ def column(words, G: gl.constexpr):
 
 
 @gluon.jit
-def tq3_value_tiles(m_ring, n_ring, stage, CODE_NIBBLES: gl.constexpr = False):
+def tq3_value_tiles(m_ring, n_ring, stage, NIBBLES: gl.constexpr = False):
     """The step's 3-bit values from the ring as the eight V^T tiles [16 channels, 16 keys] float16 (tile j: field
     j of every unit, channels 16j + u), rows named g + 8a for unit 2g + a. The ring holds each unit's 16-bit word
-    and byte: magnitudes and signs, or with CODE_NIBBLES the M word and N byte of `packing.pack_code_nibbles`."""
+    and byte: magnitudes and signs, or with NIBBLES the M word and N byte of `packing.pack_code_nibbles`."""
     mag = m_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFFFF
     neg = n_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFF
     both = mag | (neg << 16)   # a unit's word and byte; asm pairs: keys 2q, 2q + 1 (same unit)
-    if CODE_NIBBLES:
+    if NIBBLES:
         f = gl.inline_asm_elementwise(CODE_NIBBLES_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [both],
                                       dtype=(gl.float16,) * 8, is_pure=True, pack=2)   # fields 0, 1, 2, 3, 4, 6, 5, 7
         return (value_tile(f[0]), value_tile(f[1]), value_tile(f[2]), value_tile(f[3]),
@@ -381,15 +380,20 @@ def tq3_value_tiles(m_ring, n_ring, stage, CODE_NIBBLES: gl.constexpr = False):
 
 
 @gluon.jit
-def tq4_value_tiles(w_ring, stage, vs):
+def tq4_value_tiles(w_ring, stage, vs, NIBBLES: gl.constexpr = False):
     """The step's 4-bit values from the ring, each lane's scaled by its group's scale (vs: a key's four scales as
     one word, [16] along TQ_UNITS' keys), as the eight V^T tiles (tile n: channels 8w + (0, 2, 1, 3, 4, 6, 5,
-    7)[n] of word w), rows named g + 8a for word 2g + a."""
+    7)[n] of word w), rows named g + 8a for word 2g + a. The codes sorted, or with NIBBLES as sign nibbles
+    (`packing.pack_sign_nibbles`)."""
     words = w_ring.index(stage).load(TQ_UNITS)
     w = gl.arange(0, 16, layout=gl.SliceLayout(0, TQ_UNITS))
     sc = ((vs[:, None] >> (16 * (w[None, :] >> 2)).to(gl.int64)) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
-    f = gl.inline_asm_elementwise(CODEBOOK4_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
-                                  dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    if NIBBLES:
+        f = gl.inline_asm_elementwise(SIGN_NIBBLES_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                      dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    else:
+        f = gl.inline_asm_elementwise(CODEBOOK4_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                      dtype=(gl.float16,) * 8, is_pure=True, pack=2)
     return (value_tile(f[0] * sc), value_tile(f[1] * sc), value_tile(f[2] * sc), value_tile(f[3] * sc),
             value_tile(f[4] * sc), value_tile(f[5] * sc), value_tile(f[6] * sc), value_tile(f[7] * sc))
 
@@ -461,7 +465,7 @@ def rescaled(acc, alpha, RESCALE: gl.constexpr):
 
 @gluon.jit
 def tq_attend_values(p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha,
-                     V_BITS: gl.constexpr, RESCALE: gl.constexpr = True, CODE_NIBBLES: gl.constexpr = False):
+                     V_BITS: gl.constexpr, RESCALE: gl.constexpr = True, NIBBLES: gl.constexpr = False):
     """The eight accumulators (times alpha [1, 8] where RESCALE) plus V^T P^T of the TurboQuant values in ring
     stage `stage` (p: P^T [16 keys, 8 heads] float32, unnormalised)."""
     if V_BITS == 3:   # a tile lies in one scale group: the scales go on P^T, once per group
@@ -470,14 +474,14 @@ def tq_attend_values(p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, 
         p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
         p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
         p3 = transpose_p((p * column(vs, 3)[:, None]).to(gl.float16))
-        v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage, CODE_NIBBLES)
+        v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage, NIBBLES)
     else:             # a lane's values lie in one scale group: the scales go on the values
         p0 = transpose_p(p.to(gl.float16))
         p1 = p0
         p2 = p0
         p3 = p0
         vs = vs_ring.index(stage).load(gl.SliceLayout(1, TQ_UNITS))
-        v0, v1, v2, v3, v4, v5, v6, v7 = tq4_value_tiles(m_ring, stage, vs)
+        v0, v1, v2, v3, v4, v5, v6, v7 = tq4_value_tiles(m_ring, stage, vs, NIBBLES)
     acc0 = mma_v2(v0, p0, rescaled(acc0, alpha, RESCALE))
     acc1 = mma_v2(v1, p0, rescaled(acc1, alpha, RESCALE))
     acc2 = mma_v2(v2, p1, rescaled(acc2, alpha, RESCALE))
@@ -497,11 +501,11 @@ def decode_tq_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
-    CODE_NIBBLES: gl.constexpr = False,
+    NIBBLES: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
-    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. CODE_NIBBLES: 3-bit
-    values laid out as `packing.pack_code_nibbles` (`with_code_nibbles`)."""
+    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. NIBBLES: values laid
+    out for nibble look-ups (`with_value_nibbles`)."""
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -574,10 +578,10 @@ def decode_tq_kernel(
             pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 pa, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
-                CODE_NIBBLES=CODE_NIBBLES)
+                NIBBLES=NIBBLES)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 pb, m_ring, n_ring, vs_ring, nxt, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
-                RESCALE=False, CODE_NIBBLES=CODE_NIBBLES)
+                RESCALE=False, NIBBLES=NIBBLES)
             stage = (stage + 2) % 4
     else:
         for start in range(kv_lo, kv_hi, 16):
@@ -593,7 +597,7 @@ def decode_tq_kernel(
             alpha = alpha[None, :]
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
-                CODE_NIBBLES=CODE_NIBBLES)
+                NIBBLES=NIBBLES)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
@@ -645,24 +649,31 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
     return parts, num_slots, window_first
 
 
-def with_code_nibbles(pages: dict[str, torch.Tensor], head_dim: int) -> dict[str, torch.Tensor]:
-    """TurboQuant pages with 3-bit values, their value bytes re-laid as code nibbles (`packing.pack_code_nibbles`,
-    the same bytes per token, the storage order kept) for `paged_attention_tq(..., code_nibbles=True)`."""
-    from ...formats.packing import pack_code_nibbles, unpack_sign_magnitude
+def with_value_nibbles(pages: dict[str, torch.Tensor], fmt) -> dict[str, torch.Tensor]:
+    """TurboQuant pages with their value bytes re-laid for the nibble look-ups of `paged_attention_tq(...,
+    nibbles=True)`: 3-bit values as code nibbles (`packing.pack_code_nibbles`), 4-bit ones as sign nibbles
+    (`packing.pack_sign_nibbles`); the same bytes per token, the storage order kept."""
+    from ...formats import packing
 
+    bits, head_dim = fmt.value_bits, fmt.head_dim
+    if bits not in (3, 4):
+        raise ValueError(f"nibble look-ups read 3- or 4-bit values; {fmt.spec} has {bits}-bit values")
     v = pages["v"].clone()   # keeps the head-major storage
-    v.copy_(pack_code_nibbles(unpack_sign_magnitude(pages["v"], head_dim)))
+    if bits == 3:
+        v.copy_(packing.pack_code_nibbles(packing.unpack_sign_magnitude(pages["v"], head_dim)))
+    else:
+        v.copy_(packing.pack_sign_nibbles(packing.unpack_bits(pages["v"], 4, head_dim)))
     return dict(pages, v=v)
 
 
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None, pairs: bool | None = None, code_nibbles: bool = False) -> torch.Tensor:
+                       window=None, pairs: bool | None = None, nibbles: bool = False) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
-    `code_nibbles`: the 3-bit values of `pages` are laid out as code nibbles (`with_code_nibbles`; the cache
-    writes sign-magnitude planes: an experiment until it is timed)."""
+    `nibbles`: the values of `pages` are laid out for nibble look-ups (`with_value_nibbles`; the cache writes the
+    other layouts: an experiment until it is timed)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import reduce_splits, ring_partials
@@ -684,8 +695,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         max_registers = tq_tuning(fmt.spec)[0]
     if pairs is None:
         pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
-    if code_nibbles and view.v_bits != 3:
-        raise ValueError(f"code_nibbles lays out 3-bit values; {fmt.spec} has {view.v_bits}-bit values")
+    if nibbles and view.v_bits not in (3, 4):
+        raise ValueError(f"nibble look-ups read 3- or 4-bit values; {fmt.spec} has {view.v_bits}-bit values")
     decode_tq_kernel[(num_tokens, view.num_kv_heads, num_splits)](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
@@ -694,7 +705,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
-        CODE_NIBBLES=code_nibbles, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        NIBBLES=nibbles, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     if window is not None:
         ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
     reduce_splits(out, parts, view, dot_precision(query.dtype))
