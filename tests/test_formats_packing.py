@@ -106,3 +106,12 @@ def test_sign_nibbles_round_trip_and_keep_the_magnitude_in_the_low_bits():
     # code 9 (magnitude index 1, positive) and code 6 (magnitude index 1, negative) differ only in bit 3;
     # channel 2j in the low nibble of byte j
     assert pack_sign_nibbles(torch.tensor([9, 6])).item() == 0x1 | (0x8 | 0x1) << 4
+
+
+def test_unit_order_puts_code_j_of_every_unit_in_one_run_of_channels():
+    from pagedkv.formats.packing import channel_order, unit_order
+
+    c = torch.arange(128).repeat(2, 1)
+    u = unit_order(c)
+    assert u[0, :8].tolist() == [16 * j for j in range(8)] and u[1, 8 * 5 + 3].item() == 5 + 16 * 3
+    assert torch.equal(channel_order(u), c)

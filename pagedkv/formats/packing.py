@@ -81,11 +81,23 @@ def unpack_planes(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
     return lo | (hi << 4)
 
 
+def unit_order(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., n] (n a multiple of 8) in unit order: unit u (the 8 codes at 8u .. 8u + 7) holds channels
+    u + (n / 8) j, j = 0..7, so that code j of every unit lies in one run of n / 8 channels."""
+    n = codes.shape[-1]
+    return codes.reshape(*codes.shape[:-1], 8, n // 8).transpose(-1, -2).reshape(codes.shape)
+
+
+def channel_order(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of `unit_order`."""
+    n = codes.shape[-1]
+    return codes.reshape(*codes.shape[:-1], n // 8, 8).transpose(-1, -2).reshape(codes.shape)
+
+
 def pack_sign_magnitude(codes: torch.Tensor) -> torch.Tensor:
     """Codes [..., n] in [0, 8) of a symmetric sorted codebook -> [..., 3n / 8] uint8: magnitudes
     (code - 4, or 3 - code below 4) as a 2-bit stream, then the signs (code < 4) as a 1-bit stream."""
-    n = codes.shape[-1]
-    c = codes.to(torch.int64).reshape(*codes.shape[:-1], 8, n // 8).transpose(-1, -2).reshape(codes.shape)  # unit order
+    c = unit_order(codes.to(torch.int64))
     negative = c < 4
     magnitude = torch.where(negative, 3 - c, c - 4)
     return torch.cat([pack_bits(magnitude, 2), pack_bits(negative.to(torch.int64), 1)], dim=-1)
@@ -97,7 +109,7 @@ def unpack_sign_magnitude(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
     magnitude = unpack_bits(packed[..., :num_codes // 4], 2, num_codes)
     negative = unpack_bits(packed[..., num_codes // 4:], 1, num_codes)
     c = torch.where(negative.bool(), 3 - magnitude, 4 + magnitude)             # unit order
-    return c.reshape(*c.shape[:-1], num_codes // 8, 8).transpose(-1, -2).reshape(c.shape)
+    return channel_order(c)
 
 
 
@@ -112,7 +124,7 @@ NIBBLE_HIGH_BITS = (4, 6, 5, 7)
 def pack_code_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Codes [..., n] in [0, 8) -> [..., 3n / 8] uint8 as code nibbles (above)."""
     n = codes.shape[-1]
-    c = codes.to(torch.int64).reshape(*codes.shape[:-1], 8, n // 8).transpose(-1, -2)   # [..., units, 8]
+    c = unit_order(codes.to(torch.int64)).reshape(*codes.shape[:-1], n // 8, 8)   # [..., units, 8]
     k = torch.arange(4, device=codes.device, dtype=torch.int64)
     high = c[..., list(NIBBLE_HIGH_BITS)] >> 2
     m = ((c[..., :4] & 7) << (4 * k)).sum(-1) | (high << (4 * k + 3)).sum(-1)          # [..., units]
@@ -134,7 +146,7 @@ def unpack_code_nibbles(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
     high = (m[..., None] >> (4 * k + 3)) & 1                                        # bit 2 of NIBBLE_HIGH_BITS[k]
     rest = rest | (high[..., [NIBBLE_HIGH_BITS.index(4 + i) for i in range(4)]] << 2)
     c = torch.cat([low, rest], dim=-1)                                              # [..., units, 8]
-    return c.transpose(-1, -2).reshape(*packed.shape[:-1], num_codes)
+    return channel_order(c.reshape(*packed.shape[:-1], num_codes))
 
 
 # 4-bit codes of a symmetric sorted codebook as sign nibbles: code c -> magnitude index (c - 8, or 7 - c below 8)

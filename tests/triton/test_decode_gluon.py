@@ -116,7 +116,8 @@ def test_nibble_pages_hold_the_same_codes_in_the_same_storage(spec):
     if case.fmt.value_bits == 3:
         codes = packing.unpack_code_nibbles(pages["v"], 128), packing.unpack_sign_magnitude(case.pages["v"], 128)
     else:
-        codes = packing.unpack_sign_nibbles(pages["v"], 128), packing.unpack_bits(case.pages["v"], 4, 128)
+        codes = (packing.channel_order(packing.unpack_sign_nibbles(pages["v"], 128)),
+                 packing.unpack_bits(case.pages["v"], 4, 128))
     assert torch.equal(*codes)
     assert all(pages[name] is case.pages[name] for name in case.pages if name != "v")
     eight = build_case(3, "turboquant:k=q8_0,v=q8_0", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,

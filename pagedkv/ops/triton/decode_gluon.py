@@ -380,22 +380,29 @@ def tq3_value_tiles(m_ring, n_ring, stage, NIBBLES: gl.constexpr = False):
 
 
 @gluon.jit
-def tq4_value_tiles(w_ring, stage, vs, NIBBLES: gl.constexpr = False):
+def tq4_value_tiles(w_ring, stage, vs):
     """The step's 4-bit values from the ring, each lane's scaled by its group's scale (vs: a key's four scales as
     one word, [16] along TQ_UNITS' keys), as the eight V^T tiles (tile n: channels 8w + (0, 2, 1, 3, 4, 6, 5,
-    7)[n] of word w), rows named g + 8a for word 2g + a. The codes sorted, or with NIBBLES as sign nibbles
-    (`packing.pack_sign_nibbles`)."""
+    7)[n] of word w), rows named g + 8a for word 2g + a."""
     words = w_ring.index(stage).load(TQ_UNITS)
     w = gl.arange(0, 16, layout=gl.SliceLayout(0, TQ_UNITS))
     sc = ((vs[:, None] >> (16 * (w[None, :] >> 2)).to(gl.int64)) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
-    if NIBBLES:
-        f = gl.inline_asm_elementwise(SIGN_NIBBLES_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
-                                      dtype=(gl.float16,) * 8, is_pure=True, pack=2)
-    else:
-        f = gl.inline_asm_elementwise(CODEBOOK4_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
-                                      dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+    f = gl.inline_asm_elementwise(CODEBOOK4_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                  dtype=(gl.float16,) * 8, is_pure=True, pack=2)
     return (value_tile(f[0] * sc), value_tile(f[1] * sc), value_tile(f[2] * sc), value_tile(f[3] * sc),
             value_tile(f[4] * sc), value_tile(f[5] * sc), value_tile(f[6] * sc), value_tile(f[7] * sc))
+
+
+@gluon.jit
+def tq4_unit_tiles(w_ring, stage):
+    """The step's 4-bit values as sign nibbles in unit order (`with_value_nibbles`: word w holds channels w + 16j,
+    j = 0..7) as the eight V^T tiles (tile j: channels 16j + w, one scale group), rows named g + 8a for word
+    2g + a: the 3-bit values' tiles."""
+    words = w_ring.index(stage).load(TQ_UNITS)
+    f = gl.inline_asm_elementwise(SIGN_NIBBLES_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                  dtype=(gl.float16,) * 8, is_pure=True, pack=2)   # codes 0, 2, 1, 3, 4, 6, 5, 7
+    return (value_tile(f[0]), value_tile(f[2]), value_tile(f[1]), value_tile(f[3]),
+            value_tile(f[4]), value_tile(f[6]), value_tile(f[5]), value_tile(f[7]))
 
 
 @gluon.jit
@@ -468,20 +475,23 @@ def tq_attend_values(p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, 
                      V_BITS: gl.constexpr, RESCALE: gl.constexpr = True, NIBBLES: gl.constexpr = False):
     """The eight accumulators (times alpha [1, 8] where RESCALE) plus V^T P^T of the TurboQuant values in ring
     stage `stage` (p: P^T [16 keys, 8 heads] float32, unnormalised)."""
-    if V_BITS == 3:   # a tile lies in one scale group: the scales go on P^T, once per group
+    if V_BITS == 3 or NIBBLES:   # a tile lies in one scale group: the scales go on P^T, once per group
         vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
         p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
         p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
         p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
         p3 = transpose_p((p * column(vs, 3)[:, None]).to(gl.float16))
-        v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage, NIBBLES)
+        if V_BITS == 3:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage, NIBBLES)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tq4_unit_tiles(m_ring, stage)
     else:             # a lane's values lie in one scale group: the scales go on the values
         p0 = transpose_p(p.to(gl.float16))
         p1 = p0
         p2 = p0
         p3 = p0
         vs = vs_ring.index(stage).load(gl.SliceLayout(1, TQ_UNITS))
-        v0, v1, v2, v3, v4, v5, v6, v7 = tq4_value_tiles(m_ring, stage, vs, NIBBLES)
+        v0, v1, v2, v3, v4, v5, v6, v7 = tq4_value_tiles(m_ring, stage, vs)
     acc0 = mma_v2(v0, p0, rescaled(acc0, alpha, RESCALE))
     acc1 = mma_v2(v1, p0, rescaled(acc1, alpha, RESCALE))
     acc2 = mma_v2(v2, p1, rescaled(acc2, alpha, RESCALE))
@@ -608,7 +618,7 @@ def decode_tq_kernel(
     gl.store(part_l_ptr + state, l_i, mask=h_ok)
     o_at = part_out_ptr + state[None, :] * 128
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    if V_BITS == 3:   # row g + 8a of tile j: channel 16j + 2g + a
+    if V_BITS == 3 or NIBBLES:   # row g + 8a of tile j: channel 16j + 2g + a
         rows = (2 * (r & 7) + (r >> 3))[:, None]
         gl.store(o_at + rows, acc0, mask=h_ok[None, :])
         gl.store(o_at + 16 + rows, acc1, mask=h_ok[None, :])
@@ -652,7 +662,8 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
 def with_value_nibbles(pages: dict[str, torch.Tensor], fmt) -> dict[str, torch.Tensor]:
     """TurboQuant pages with their value bytes re-laid for the nibble look-ups of `paged_attention_tq(...,
     nibbles=True)`: 3-bit values as code nibbles (`packing.pack_code_nibbles`), 4-bit ones as sign nibbles
-    (`packing.pack_sign_nibbles`); the same bytes per token, the storage order kept."""
+    (`packing.pack_sign_nibbles`) in unit order (`packing.unit_order`); the same bytes per token, the storage
+    order kept."""
     from ...formats import packing
 
     bits, head_dim = fmt.value_bits, fmt.head_dim
@@ -661,8 +672,8 @@ def with_value_nibbles(pages: dict[str, torch.Tensor], fmt) -> dict[str, torch.T
     v = pages["v"].clone()   # keeps the head-major storage
     if bits == 3:
         v.copy_(packing.pack_code_nibbles(packing.unpack_sign_magnitude(pages["v"], head_dim)))
-    else:
-        v.copy_(packing.pack_sign_nibbles(packing.unpack_bits(pages["v"], 4, head_dim)))
+    else:   # in unit order, as the 3-bit units: a tile of the kernel's then lies in one scale group
+        v.copy_(packing.pack_sign_nibbles(packing.unit_order(packing.unpack_bits(pages["v"], 4, head_dim))))
     return dict(pages, v=v)
 
 
