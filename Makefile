@@ -9,7 +9,7 @@ TRITON_PIN := triton==3.6.0
 TRANSFORMERS_OLDEST := transformers==5.17.0
 PROMPT ?= Explain in two sentences why a paged key/value cache saves memory.
 
-.PHONY: demo test test-oldest bench-cpu clean
+.PHONY: demo test test-oldest bench-cpu gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,16 @@ test: $(BIN)/.installed
 test-oldest: .venv-oldest/.installed
 	.venv-oldest/bin/python -m pytest -q --quick tests/test_hf.py
 
+# Wheels the GPU machine's image lacks, carried there (`carry: [".venv-gpuwheels"]`) for bench/h200_run.sh:
+# pytest-xdist runs the compile-bound GPU tests on several processes (PYTEST_WORKERS=8).
+gpu-wheels: .venv-gpuwheels/.downloaded
+
+.venv-gpuwheels/.downloaded: Makefile
+	$(PYTHON) -m pip download -q --no-deps -d .venv-gpuwheels pytest-xdist==3.8.0 execnet==2.1.2
+	touch $@
+
 bench-cpu: $(BIN)/.installed
 	$(BIN)/python bench/cpu_generate.py
 
 clean:
-	rm -rf $(VENV) .venv-oldest
+	rm -rf $(VENV) .venv-oldest .venv-gpuwheels

@@ -12,10 +12,18 @@
 #   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
 #   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: as served, then all through Gluon
 #   OUT=/some/dir bash bench/h200_run.sh gluon-nibbles  # TurboQuant values by nibble look-ups, checked and timed
+#
+# PYTEST_WORKERS=8 runs the GPU tests on 8 processes (they are bound by compiling kernels) when pytest-xdist is
+# there: `make gpu-wheels` here, then carry .venv-gpuwheels; it is installed from those wheels.
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 status=0
+workers=()
+if [ -n "${PYTEST_WORKERS:-}" ]; then
+    [ -d .venv-gpuwheels ] && python -m pip install -q --no-deps --no-index .venv-gpuwheels/*.whl
+    if python -c "import xdist" 2>/dev/null; then workers=(-n "$PYTEST_WORKERS"); else echo "== no pytest-xdist: one process"; fi
+fi
 run() {  # run LIMIT_SECONDS COMMAND...
     local limit=$1; shift
     local start=$(date +%s)
@@ -30,7 +38,7 @@ kernels)
         --skip write --fused-prefill --out "$OUT/kernels"
     ;;
 tests)
-    run 560 python -m pytest -q -rf tests/triton/test_triton_decode_window.py tests/test_recent_window.py \
+    run 560 python -m pytest -q -rf "${workers[@]}" tests/triton/test_triton_decode_window.py tests/test_recent_window.py \
         tests/triton/test_triton_cuda_graph.py tests/triton/test_triton_decode.py tests/test_devices.py
     ;;
 engine)
@@ -41,7 +49,7 @@ engine)
     run 90 python bench/tiers.py --model llama8b --device cuda --prefix-tokens 2048 8192 32768 --out "$OUT/h200"
     ;;
 gluon-tests)   # the Gluon decode kernels against the reference (about 90 kernel variants to compile)
-    run 560 python -m pytest -q -rf tests/triton/test_decode_gluon.py
+    run 560 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py
     ;;
 gluon-window)   # decode with a dense recent window of 128: as served (WINDOW_KERNELS), then every format's Gluon kernel
     run 200 python bench/kernels.py --formats "q8;q6;q4;turboquant" --recent-tokens 128 --skip prefill,write \
