@@ -112,7 +112,6 @@ def unpack_sign_magnitude(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
     return channel_order(c)
 
 
-
 # 3-bit codes as code nibbles: the same units as `pack_sign_magnitude` (unit u: channels u + (n / 8) j, j = 0..7),
 # each as a 16-bit word M and a byte N. Nibble k of M (k = 0..3) holds code k (bits 0-2) and, in its spare bit 3,
 # bit 2 of code NIBBLE_HIGH_BITS[k]; N holds bits 0-1 of codes 4..7 (code 4 + i at bits 2i). The M words go first
