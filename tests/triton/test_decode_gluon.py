@@ -122,8 +122,11 @@ def test_nibble_pages_hold_the_same_codes_in_the_same_storage(spec):
     assert all(pages[name] is case.pages[name] for name in case.pages if name != "v")
     eight = build_case(3, "turboquant:k=q8_0,v=q8_0", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
                        ctx_lens=[40], new_lens=[1], dtype=torch.float16)
-    with pytest.raises(ValueError, match="3- or 4-bit values"):
-        decode_gluon.with_value_nibbles(eight.pages, eight.fmt)
+    q4 = build_case(3, "q4", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16, ctx_lens=[40], new_lens=[1],
+                    dtype=torch.float16)
+    for other in (eight, q4):
+        with pytest.raises(ValueError, match="3- or 4-bit values"):
+            decode_gluon.with_value_nibbles(other.pages, other.fmt)
 
 
 def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read():

@@ -56,6 +56,7 @@ SIGN_MAGNITUDE_ASM_HI = tl.constexpr(_sign_magnitude_asm(4))   # fields 4-7
 def _codebook_f16_byte_words(bits: int = 3) -> tuple[int, int, int, int]:
     """The whole 2^bits-entry codebook (bits <= 3) in float16 as byte tables for a byte permute indexed by the code
     itself: (low bytes of entries 0-3, of 4-7, high bytes of entries 0-3, of 4-7)."""
+    assert bits <= 3, "a byte permute selects among 8 bytes: tables of at most 8 entries"
     half = [int(x) for x in lloyd_max_codebook(bits).half().view(torch.int16).to(torch.int64) & 0xFFFF]
     lo, hi = [x & 0xFF for x in half], [x >> 8 for x in half]
     word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731

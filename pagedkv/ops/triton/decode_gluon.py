@@ -666,9 +666,9 @@ def with_value_nibbles(pages: dict[str, torch.Tensor], fmt) -> dict[str, torch.T
     order kept."""
     from ...formats import packing
 
-    bits, head_dim = fmt.value_bits, fmt.head_dim
+    bits, head_dim = getattr(fmt, "value_bits", None), fmt.head_dim   # TurboQuant's values only
     if bits not in (3, 4):
-        raise ValueError(f"nibble look-ups read 3- or 4-bit values; {fmt.spec} has {bits}-bit values")
+        raise ValueError(f"nibble look-ups read TurboQuant's 3- or 4-bit values, not those of {fmt.spec}")
     v = pages["v"].clone()   # keeps the head-major storage
     if bits == 3:
         v.copy_(packing.pack_code_nibbles(packing.unpack_sign_magnitude(pages["v"], head_dim)))
