@@ -109,39 +109,36 @@ def test_sign_magnitude_asm_equals_the_codebook_for_every_field():
                 assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[code], (j, lane, hex(mag), hex(neg))
 
 
+def _check_key_pairs(asm: str, bits: int, pack, codes: list, order: list[int]) -> None:
+    """`asm` over two keys' codes packed by `pack` (one 32-bit word each) gives per output n a (first key, second
+    key) pair of the centroids of channel order[n]."""
+    cb_bits = lloyd_max_codebook(bits).half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    for pair_codes in codes:
+        packed = pack(torch.tensor(pair_codes)).to(torch.int64)   # [2 keys, bytes]
+        words = [int(sum(int(b) << (8 * i) for i, b in enumerate(row))) for row in packed]
+        out = run_ptx(asm, words, 8)
+        for n, pair in enumerate(out):
+            for lane in range(2):
+                assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[pair_codes[lane, order[n]]], (n, lane, pair_codes)
+
+
 def test_code_nibbles_asm_pairs_two_keys_per_channel_for_every_code():
     """Two keys' units packed by `packing.pack_code_nibbles` -> per field a (first key, second key) pair of
-    centroids, fields in the order 0, 1, 2, 3, 4, 6, 5, 7 (`decode_gluon`'s 3-bit value tiles, CODE_NIBBLES)."""
-    cb_bits = lloyd_max_codebook(3).half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    centroids, fields in the order 0, 1, 2, 3, 4, 6, 5, 7 (`decode_gluon`'s 3-bit value tiles, NIBBLES)."""
     rng = np.random.default_rng(7)
     codes = [rng.integers(0, 8, (2, 8)) for _ in range(400)]
     codes += [np.array([[c] * 8, [7 - c] * 8]) for c in range(8)]           # every code in every field
     codes += [np.array([np.roll(np.arange(8), r), np.arange(8)]) for r in range(8)]
-    order = [0, 1, 2, 3, 4, 6, 5, 7]
-    for pair_codes in codes:
-        packed = pack_code_nibbles(torch.tensor(pair_codes)).to(torch.int64)   # [2 keys, 3 bytes]: one unit each
-        words = [int(row[0] | row[1] << 8 | row[2] << 16) for row in packed]
-        out = run_ptx(CODE_NIBBLES_KEY_PAIRS_ASM.value, words, 8)
-        for n, pair in enumerate(out):
-            for lane in range(2):
-                assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[pair_codes[lane, order[n]]], (n, lane, pair_codes)
+    _check_key_pairs(CODE_NIBBLES_KEY_PAIRS_ASM.value, 3, pack_code_nibbles, codes, [0, 1, 2, 3, 4, 6, 5, 7])
 
 
 def test_sign_nibbles_asm_pairs_two_keys_per_channel_for_every_code():
     """Two keys' words of eight 4-bit codes packed by `packing.pack_sign_nibbles` -> per channel a (first key,
     second key) pair of centroids, channels in the order 0, 2, 1, 3, 4, 6, 5, 7 (as CODEBOOK4_KEY_PAIRS_ASM)."""
-    cb_bits = lloyd_max_codebook(4).half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
     rng = np.random.default_rng(8)
     codes = [rng.integers(0, 16, (2, 8)) for _ in range(400)]
     codes += [np.array([[c] * 8, [15 - c] * 8]) for c in range(16)]         # every code in every channel
-    order = [0, 2, 1, 3, 4, 6, 5, 7]
-    for pair_codes in codes:
-        packed = pack_sign_nibbles(torch.tensor(pair_codes)).to(torch.int64)   # [2 keys, 4 bytes]
-        words = [int(sum(int(b) << (8 * i) for i, b in enumerate(row))) for row in packed]
-        out = run_ptx(SIGN_NIBBLES_KEY_PAIRS_ASM.value, words, 8)
-        for n, pair in enumerate(out):
-            for lane in range(2):
-                assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[pair_codes[lane, order[n]]], (n, lane, pair_codes)
+    _check_key_pairs(SIGN_NIBBLES_KEY_PAIRS_ASM.value, 4, pack_sign_nibbles, codes, [0, 2, 1, 3, 4, 6, 5, 7])
 
 
 def test_the_emulator_knows_the_byte_permute_and_lop3():

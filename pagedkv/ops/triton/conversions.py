@@ -53,14 +53,21 @@ SIGN_MAGNITUDE_ASM_LO = tl.constexpr(_sign_magnitude_asm(0))   # fields 0-3
 SIGN_MAGNITUDE_ASM_HI = tl.constexpr(_sign_magnitude_asm(4))   # fields 4-7
 
 
-def _codebook_f16_byte_words(bits: int = 3) -> tuple[int, int, int, int]:
-    """The whole 2^bits-entry codebook (bits <= 3) in float16 as byte tables for a byte permute indexed by the code
-    itself: (low bytes of entries 0-3, of 4-7, high bytes of entries 0-3, of 4-7)."""
-    assert bits <= 3, "a byte permute selects among 8 bytes: tables of at most 8 entries"
-    half = [int(x) for x in lloyd_max_codebook(bits).half().view(torch.int16).to(torch.int64) & 0xFFFF]
-    lo, hi = [x & 0xFF for x in half], [x >> 8 for x in half]
+def _f16_byte_words(entries: list[int]) -> tuple[int, int, int, int]:
+    """Eight float16 bit patterns as byte tables for a byte permute indexed by the entry (a permute selects among
+    8 bytes): (low bytes of entries 0-3, of 4-7, high bytes of entries 0-3, of 4-7), one byte per entry."""
+    assert len(entries) == 8, "a byte permute selects among 8 bytes: tables of 8 entries"
+    lo, hi = [x & 0xFF for x in entries], [x >> 8 for x in entries]
     word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
     return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+
+
+def _look_up_pairs(out0: int, out1: int) -> str:
+    """Four codes in the nibbles of selector `s` (x of the first key, y of the first, x of the second, y of the
+    second) looked up in the byte tables l0, l1 (low bytes) and h0, h1 (high bytes), paired into float16:
+    $out0 = (x, x), $out1 = (y, y) of the (first, second) key."""
+    return (f"prmt.b32 lo, l0, l1, s; prmt.b32 hi, h0, h1, s; "
+            f"prmt.b32 ${out0}, lo, hi, 0x6240; prmt.b32 ${out1}, lo, hi, 0x7351;")
 
 
 def _code_nibbles_key_pairs_asm() -> str:
@@ -70,21 +77,18 @@ def _code_nibbles_key_pairs_asm() -> str:
     nibbles of 16 bits; each such selector (masked, or completed from the N bytes and the spare bits) looks its
     four codes up in the low-byte and the high-byte tables of the codebook (two byte permutes), and two more
     permutes pair the bytes into float16: 28 instructions for 16 values (the sign-magnitude form: 52)."""
-    def look_up(out0, out1):   # selector s: codes (x first, y first, x second, y second) -> $out0 = x, $out1 = y
-        return (f"prmt.b32 lo, l0, l1, s; prmt.b32 hi, h0, h1, s; "
-                f"prmt.b32 ${out0}, lo, hi, 0x6240; prmt.b32 ${out1}, lo, hi, 0x7351;")
-
+    codebook = [int(x) for x in lloyd_max_codebook(3).half().view(torch.int16).to(torch.int64) & 0xFFFF]
     return "\n".join([
         "{ .reg .b32 l0, l1, h0, h1, t, u, s, lo, hi;",
-        "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;"
-        % _codebook_f16_byte_words(3),
+        "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;" % _f16_byte_words(codebook),
         "prmt.b32 t, $8, $9, 0x5140;",                    # M bytes: first.0, second.0, first.1, second.1
-        "and.b32 s, t, 0x7777; " + look_up(0, 1),          # codes 0, 1
-        "shr.b32 s, t, 16; and.b32 s, s, 0x7777; " + look_up(2, 3),   # codes 2, 3
+        "and.b32 s, t, 0x7777; " + _look_up_pairs(0, 1),          # codes 0, 1
+        "shr.b32 s, t, 16; and.b32 s, s, 0x7777; " + _look_up_pairs(2, 3),   # codes 2, 3
         "prmt.b32 u, $8, $9, 0x0062;",                    # N bytes: first, second (bits 0-1 of codes 4..7)
-        "shr.b32 s, t, 1; and.b32 s, s, 0x4444; lop3.b32 s, u, 0x3333, s, 0xEA; " + look_up(4, 5),   # codes 4, 6
+        "shr.b32 s, t, 1; and.b32 s, s, 0x4444; lop3.b32 s, u, 0x3333, s, 0xEA; "   # codes 4, 6
+        + _look_up_pairs(4, 5),
         "shr.b32 s, t, 17; and.b32 s, s, 0x4444; shr.b32 u, u, 2; lop3.b32 s, u, 0x3333, s, 0xEA; "
-        + look_up(6, 7),                                   # codes 5, 7
+        + _look_up_pairs(6, 7),                                   # codes 5, 7
         "}"])
 
 
@@ -159,12 +163,8 @@ sub.f16x2 $4, $4, b; sub.f16x2 $5, $5, b; fma.rn.f16x2 $6, $6, h, o; fma.rn.f16x
 
 
 def _positive_half_f16_byte_words(bits: int = 4) -> tuple[int, int, int, int]:
-    """The positive half of the codebook in float16 as byte tables: (low bytes of entries 0-3, of 4-7, high bytes
-    of entries 0-3, of 4-7), one byte per entry."""
-    half = _positive_half_f16(bits)
-    lo, hi = [x & 0xFF for x in half], [x >> 8 for x in half]
-    word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
-    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+    """The positive half of the codebook in float16 as byte tables (`_f16_byte_words`)."""
+    return _f16_byte_words(_positive_half_f16(bits))
 
 
 def _codebook4_lines(src: str, outs: tuple[str, str, str, str]) -> list[str]:
@@ -223,10 +223,8 @@ def _sign_nibbles_key_pairs_asm() -> str:
     values (the sorted codes' look-ups: 90)."""
     def half(src, outs):   # one interleaved word: codes (first.2j, first.2j+1, second.2j, second.2j+1, ...)
         x0, x1, x2, x3 = outs   # channels 2j, 2j + 1 (from the low half), 2j + 2, 2j + 3 (the high half)
-        look = lambda o0, o1: (f"prmt.b32 lo, l0, l1, s; prmt.b32 hi, h0, h1, s; "  # noqa: E731
-                               f"prmt.b32 ${o0}, lo, hi, 0x6240; prmt.b32 ${o1}, lo, hi, 0x7351;")
-        return [f"shl.b32 t, {src}, 4; and.b32 s, {src}, 0x7777; " + look(x0, x1),
-                f"shr.b32 s, {src}, 16; and.b32 s, s, 0x7777; " + look(x2, x3),
+        return [f"shl.b32 t, {src}, 4; and.b32 s, {src}, 0x7777; " + _look_up_pairs(x0, x1),
+                f"shr.b32 s, {src}, 16; and.b32 s, s, 0x7777; " + _look_up_pairs(x2, x3),
                 f"prmt.b32 w, t, 0, 0x1000; lop3.b32 ${x0}, w, 0x80008000, ${x0}, 0x6A;",        # low nibbles' signs
                 f"prmt.b32 w, {src}, 0, 0x1000; lop3.b32 ${x1}, w, 0x80008000, ${x1}, 0x6A;",     # high nibbles'
                 f"prmt.b32 w, t, 0, 0x3020; lop3.b32 ${x2}, w, 0x80008000, ${x2}, 0x6A;",
