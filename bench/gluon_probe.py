@@ -3,9 +3,7 @@ same pages, at each of a few split counts and VARIANTS (JSON: name -> keyword ar
 
     FORMAT=turboquant VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
     FORMAT=q4 SHAPES='[[128, 4096]]' ORDERED=1 python bench/gluon_probe.py   # other shapes; blocks in order
-    FORMAT=turboquant VARIANTS='{"planes": {}, "nibbles": {"nibbles": true}}' python bench/gluon_probe.py
-
-A variant with "nibbles" reads the same pages with their values re-laid (`decode_gluon.with_value_nibbles`).
+    FORMAT=turboquant VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
 
 SHAPES (JSON list of [batch, context]) replaces the four target shapes; a batch without its own split counts gets
 half, one and two times the split count that fills PROGRAMS_PER_SM programs per multiprocessor. ORDERED=1 lays
@@ -54,7 +52,7 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
               for _ in range(kb.copies_for(n * kb.NUM_KV_HEADS * 264))]
     metas = [kb.decode_meta(t, seq_len) for _, _, t in layers]
 
-    def calls(fn, layers=layers):
+    def calls(fn):
         return [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)
                 for i, ((f, p, _), m) in enumerate(zip(layers, metas))]
 
@@ -65,14 +63,11 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
     row = {"batch": num_seqs, "context": seq_len, "sdpa_us": sdpa_ms * 1e3}
     row["default_us"] = kb.time_per_call(calls(lambda q, p, f, m: triton_ops.paged_attention(q, p, f, m, scale=kb.SCALE))) * 1e3
     for name, opts in VARIANTS.items():
-        # a variant with nibble look-ups gets the same pages with their value bytes re-laid
-        own = [(f, decode_gluon.with_value_nibbles(p, f), t) for f, p, t in layers] if opts.get("nibbles") else layers
         for sp in splits_for(num_seqs):
-            o = launch(queries[0][:k], own[0][1], own[0][0], sub, scale=kb.SCALE, num_splits=sp, **opts)
+            o = launch(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE, num_splits=sp, **opts)
             row[f"gluon_{name}_split{sp}_err"] = kb.rel_err(o, ref)
             row[f"gluon_{name}_split{sp}_us"] = kb.time_per_call(calls(
-                lambda q, p, f, m, sp=sp, opts=opts: launch(q, p, f, m, scale=kb.SCALE, num_splits=sp, **opts),
-                own)) * 1e3
+                lambda q, p, f, m, sp=sp, opts=opts: launch(q, p, f, m, scale=kb.SCALE, num_splits=sp, **opts))) * 1e3
         del own
     best = min((v, kk) for kk, v in row.items() if kk.startswith("gluon") and kk.endswith("_us"))
     print(f"{FORMAT} ({num_seqs}, {seq_len}): sdpa {row['sdpa_us']:.1f} us, default {row['default_us']:.1f} us "

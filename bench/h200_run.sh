@@ -11,7 +11,6 @@
 #   OUT=/some/dir bash bench/h200_run.sh gluon-tests  # the Gluon decode kernels' GPU tests
 #   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
 #   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: as served, then all through Gluon
-#   OUT=/some/dir bash bench/h200_run.sh gluon-nibbles  # TurboQuant values by nibble look-ups, checked and timed
 #
 # PYTEST_WORKERS=8 runs the GPU tests on 8 processes (they are bound by compiling kernels) when pytest-xdist is
 # there: `make gpu-wheels` here, then carry .venv-gpuwheels; it is installed from those wheels.
@@ -65,16 +64,8 @@ gluon)   # each Gluon decode kernel beside the default decode, 16 and 32 keys a 
     run 100 env FORMAT=q6 VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
     run 100 env FORMAT=off VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
     ;;
-gluon-nibbles)   # TurboQuant values read by nibble look-ups (an experiment: pages re-laid for it), checked then timed
-    run 200 python -m pytest -q -rf tests/triton/test_decode_gluon.py -k nibble
-    for fmt in turboquant turboquant:k=q4_0,v=q4_0; do
-        run 150 env FORMAT=$fmt VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true},
-            "nibbles16": {"pairs": false, "nibbles": true}, "nibbles32": {"pairs": true, "nibbles": true}}' \
-            python bench/gluon_probe.py
-    done
-    ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon-tests|gluon|gluon-window|gluon-nibbles" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon-tests|gluon|gluon-window" >&2
     exit 2
     ;;
 esac

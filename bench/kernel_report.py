@@ -176,7 +176,7 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
     """A Gluon decode kernel (`ops/triton/decode_gluon.py`: q8, q4, q6, TurboQuant, off) compiled for sm_90:
     registers, spills, shared memory, keys a loop step (16, or 32 where the launcher picks PAIRS) and its loop's
     opcodes; with `window`, the variant whose splits stop where a dense recent window (recent_tokens=128) begins;
-    `launch_options` go to the launch (`pairs=True`, `nibbles=True`)."""
+    `launch_options` go to the launch (`pairs=True`)."""
     from pagedkv.ops.triton import decode_gluon
 
     batch, context = 64, 8192

@@ -61,24 +61,7 @@ def test_six_bit_planes_round_trip_and_keep_whole_fields_per_byte():
     assert packed[0, 0, 32 + 2].item() == sum(((c[8 + i] >> 4).item() & 3) << (2 * i) for i in range(4))
 
 
-def test_sign_magnitude_planes_round_trip():
-    from pagedkv.formats.packing import pack_sign_magnitude, unpack_sign_magnitude
-
-    codes = torch.randint(0, 8, (4, 3, 128), generator=torch.Generator().manual_seed(1))
-    packed = pack_sign_magnitude(codes)
-    assert packed.shape == (4, 3, 48) and packed.dtype == torch.uint8
-    assert torch.equal(unpack_sign_magnitude(packed, 128), codes)
-    # code 6 (a positive value, magnitude index 2) and code 1 (negative, magnitude index 2) differ only in the sign plane
-    six, one = pack_sign_magnitude(torch.full((8,), 6)), pack_sign_magnitude(torch.full((8,), 1))
-    assert torch.equal(six[:2], one[:2]) and six[2].item() == 0 and one[2].item() == 0xFF
-    # unit order: int16 u of the magnitude plane holds channels u, u + 16, ..., u + 112 (head_dim 128)
-    c = torch.full((128,), 4)
-    c[3 + 16 * 5] = 7                                   # magnitude 3 at channel 83: unit 3, field 5
-    mag = pack_sign_magnitude(c)[:32].view(torch.int16)
-    assert mag.tolist() == [0, 0, 0, 3 << 10] + [0] * 12
-
-
-def test_code_nibbles_round_trip_in_the_planes_of_the_sign_magnitude_layout():
+def test_code_nibbles_round_trip_in_units_of_eight_channels():
     from pagedkv.formats.packing import pack_code_nibbles, packed_width, unpack_code_nibbles
 
     for n in (64, 128):
@@ -104,8 +87,13 @@ def test_sign_nibbles_round_trip_and_keep_the_magnitude_in_the_low_bits():
     assert packed.shape == (4, 3, 64) and packed.dtype == torch.uint8
     assert torch.equal(unpack_sign_nibbles(packed, 128), codes)
     # code 9 (magnitude index 1, positive) and code 6 (magnitude index 1, negative) differ only in bit 3;
-    # channel 2j in the low nibble of byte j
-    assert pack_sign_nibbles(torch.tensor([9, 6])).item() == 0x1 | (0x8 | 0x1) << 4
+    # field 2j in the low nibble of byte j
+    assert pack_sign_nibbles(torch.tensor([9, 6, 8, 8, 8, 8, 8, 8]))[0].item() == 0x1 | (0x8 | 0x1) << 4
+    # unit order: the 32-bit word u holds channels u, u + 16, .., u + 112 (head_dim 128), channel u + 16 j at bits 4j
+    c = torch.full((128,), 8)
+    c[3 + 16 * 5] = 15                                  # magnitude index 7, positive: unit 3, field 5
+    words = pack_sign_nibbles(c).view(torch.int32)
+    assert words.tolist() == [0, 0, 0, 7 << 20] + [0] * 12
 
 
 def test_unit_order_puts_code_j_of_every_unit_in_one_run_of_channels():

@@ -8,12 +8,14 @@ codes four per three bytes, 3-bit codes eight per three bytes.
 a 4-bit stream, then the high 2 bits as a 2-bit stream. Every byte then holds whole fields of 2 or 4
 codes, which the decode kernels unpack with masks alone (KV-Quant q6).
 
-`pack_sign_magnitude` stores indices into a symmetric 8-entry codebook (TurboQuant's 3-bit values) as a
-2-bit magnitude stream (index of |value| among the positive half), then a 1-bit stream of signs (1:
-negative): again the same bytes as a 3-bit stream, with whole fields per byte. Fields are in unit order:
-field 8u + j holds channel u + j * n / 8, so the int16 u of the magnitude plane (and byte u of the sign
-plane) holds eight channels n / 8 apart, and field j of every unit together is the contiguous run of
-channels [j * n / 8, (j + 1) * n / 8).
+TurboQuant's 3- and 4-bit values index a symmetric sorted codebook, and both go in unit order: field 8u + j
+holds channel u + j * n / 8, so unit u holds eight channels n / 8 apart, and field j of every unit together is
+the contiguous run of channels [j * n / 8, (j + 1) * n / 8) (one scale group of 32 at head_dim 128).
+`pack_code_nibbles` stores 3-bit codes so that each is its own look-up selector (a 16-bit word of four codes in
+nibbles, whose spare bits hold the high bits of the other four, and a byte of those four codes' low bits: the
+bytes of a 3-bit stream); `pack_sign_nibbles` stores 4-bit codes as a magnitude index (bits 0-2) and a sign (bit
+3), 4-bit fields as `pack_bits` packs them. The decode kernels then turn codes into float16 by byte permutes
+over the codebook's bytes.
 """
 
 from __future__ import annotations
@@ -94,29 +96,11 @@ def channel_order(codes: torch.Tensor) -> torch.Tensor:
     return codes.reshape(*codes.shape[:-1], n // 8, 8).transpose(-1, -2).reshape(codes.shape)
 
 
-def pack_sign_magnitude(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., n] in [0, 8) of a symmetric sorted codebook -> [..., 3n / 8] uint8: magnitudes
-    (code - 4, or 3 - code below 4) as a 2-bit stream, then the signs (code < 4) as a 1-bit stream."""
-    c = unit_order(codes.to(torch.int64))
-    negative = c < 4
-    magnitude = torch.where(negative, 3 - c, c - 4)
-    return torch.cat([pack_bits(magnitude, 2), pack_bits(negative.to(torch.int64), 1)], dim=-1)
-
-
-def unpack_sign_magnitude(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
-    """The inverse of `pack_sign_magnitude`: [..., 3n / 8] uint8 -> [..., n] int64 codes in [0, 8)."""
-    assert packed.shape[-1] == packed_width(num_codes, 3), f"expected {packed_width(num_codes, 3)} bytes per row"
-    magnitude = unpack_bits(packed[..., :num_codes // 4], 2, num_codes)
-    negative = unpack_bits(packed[..., num_codes // 4:], 1, num_codes)
-    c = torch.where(negative.bool(), 3 - magnitude, 4 + magnitude)             # unit order
-    return channel_order(c)
-
-
-# 3-bit codes as code nibbles: the same units as `pack_sign_magnitude` (unit u: channels u + (n / 8) j, j = 0..7),
-# each as a 16-bit word M and a byte N. Nibble k of M (k = 0..3) holds code k (bits 0-2) and, in its spare bit 3,
+# 3-bit codes as code nibbles, in units (unit u: channels u + (n / 8) j, j = 0..7), each as a 16-bit word M and a
+# byte N. Nibble k of M (k = 0..3) holds code k (bits 0-2) and, in its spare bit 3,
 # bit 2 of code NIBBLE_HIGH_BITS[k]; N holds bits 0-1 of codes 4..7 (code 4 + i at bits 2i). The M words go first
-# (n / 4 bytes), then the N bytes (n / 8): the planes and bytes per row of the sign-magnitude layout. A decode
-# then looks every code up as it is (a byte permute over the codebook) instead of splitting sign and magnitude.
+# (n / 4 bytes), then the N bytes (n / 8): 3n / 8 bytes per row, as a 3-bit stream. A decode then looks every code
+# up as it is (a byte permute over the codebook's bytes).
 NIBBLE_HIGH_BITS = (4, 6, 5, 7)
 
 
@@ -148,12 +132,13 @@ def unpack_code_nibbles(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
     return channel_order(c.reshape(*packed.shape[:-1], num_codes))
 
 
-# 4-bit codes of a symmetric sorted codebook as sign nibbles: code c -> magnitude index (c - 8, or 7 - c below 8)
-# in bits 0-2 and the sign (c < 8) in bit 3, packed as `pack_bits` packs 4-bit codes. A decode looks the magnitude
-# up in the codebook's positive half (a byte permute over eight entries) and sets the sign bit.
+# 4-bit codes of a symmetric sorted codebook as sign nibbles, in unit order: code c -> magnitude index (c - 8, or
+# 7 - c below 8) in bits 0-2 and the sign (c < 8) in bit 3, packed as `pack_bits` packs 4-bit codes (so the 32-bit
+# word u holds unit u, field j at bits 4j). A decode looks the magnitude up in the codebook's positive half (a byte
+# permute over eight entries) and sets the sign bit.
 def pack_sign_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., n] in [0, 16) -> [..., n / 2] uint8 as sign nibbles (above)."""
-    c = codes.to(torch.int64)
+    """Codes [..., n] in [0, 16) -> [..., n / 2] uint8 as sign nibbles in unit order (above)."""
+    c = unit_order(codes.to(torch.int64))
     negative = c < 8
     return pack_bits(torch.where(negative, 7 - c, c - 8) | (negative.to(torch.int64) << 3), 4)
 
@@ -162,4 +147,4 @@ def unpack_sign_nibbles(packed: torch.Tensor, num_codes: int) -> torch.Tensor:
     """The inverse of `pack_sign_nibbles`: [..., n / 2] uint8 -> [..., n] int64 codes in [0, 16)."""
     nib = unpack_bits(packed, 4, num_codes)
     m = nib & 7
-    return torch.where(nib >= 8, 7 - m, 8 + m)
+    return channel_order(torch.where(nib >= 8, 7 - m, 8 + m))

@@ -12,8 +12,9 @@ Keys, per group of 32 consecutive head_dim elements, with an fp16 scale and zero
   rotates queries by the same R_k, so q . k is unchanged).
 Values: rotated by R_v over head_dim; per group of 32 an fp16 scale; code = the nearest centroid of
 x / scale in the Lloyd–Max codebook of N(0, 1) with 2^bits levels (q2_0 ... q5_0, q8_0), packed as a
-little-endian bitstream (3-bit codes as a magnitude plane and a sign plane of the same bytes, since the
-codebook is symmetric: `packing.pack_sign_magnitude`); decoded as centroid * scale. The scale is the group's RMS times the multiple
+little-endian bitstream (3- and 4-bit codes in unit order as code nibbles and sign nibbles, the same bytes,
+which the decode kernels look up by byte permutes: `packing.pack_code_nibbles`, `packing.pack_sign_nibbles`);
+decoded as centroid * scale. The scale is the group's RMS times the multiple
 in SCALE_GRID (0.6 ... 1.4) that gives the group the smallest squared error (the RMS itself on ties):
 the codebook fits a standard normal, a group of 32 samples only roughly, and the search lowers the
 error by 20-35% at 3-4 bits. Decoding does not depend on how the scale was chosen.
@@ -32,7 +33,8 @@ from ..errors import ConfigError
 from .base import PageFormat
 from .codebook import lloyd_max_codebook, nearest_centroid
 from .hadamard import VALUE_SEED, key_rotation, random_signs, rotate_with, rotation_matrix
-from .packing import pack_bits, pack_sign_magnitude, packed_width, unpack_bits, unpack_sign_magnitude
+from .packing import (pack_bits, pack_code_nibbles, pack_sign_nibbles, packed_width, unpack_bits, unpack_code_nibbles,
+                      unpack_sign_nibbles)
 
 GROUP = 32
 HEAD_DIMS = (64, 128, 256)
@@ -73,7 +75,7 @@ def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 
 class TurboQuantFormat(PageFormat):
-    page_layout = "2: 3-bit values as magnitude and sign planes in unit order"
+    page_layout = "3: 3-bit values as code nibbles, 4-bit values as sign nibbles, both in unit order"
 
     def __init__(self, spec, num_kv_heads, head_dim, dtype, device):
         super().__init__(spec, num_kv_heads, head_dim, dtype, device)
@@ -127,12 +129,16 @@ class TurboQuantFormat(PageFormat):
         return {"v": self._pack_values(codes.reshape(x.shape)), "v_scale": scale}
 
     def _pack_values(self, codes: torch.Tensor) -> torch.Tensor:
-        """3-bit codes go as magnitude and sign planes (`packing.pack_sign_magnitude`), others as a bitstream."""
-        return pack_sign_magnitude(codes) if self.value_bits == 3 else pack_bits(codes, self.value_bits)
+        """3-bit codes go as code nibbles, 4-bit ones as sign nibbles (both in unit order), others as a bitstream."""
+        if self.value_bits == 3:
+            return pack_code_nibbles(codes)
+        return pack_sign_nibbles(codes) if self.value_bits == 4 else pack_bits(codes, self.value_bits)
 
     def _unpack_values(self, packed: torch.Tensor) -> torch.Tensor:
         if self.value_bits == 3:
-            return unpack_sign_magnitude(packed, self.head_dim)
+            return unpack_code_nibbles(packed, self.head_dim)
+        if self.value_bits == 4:
+            return unpack_sign_nibbles(packed, self.head_dim)
         return unpack_bits(packed, self.value_bits, self.head_dim)
 
     def _search_value_scales(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,60 +75,6 @@ def test_gluon_in_steps_of_16_and_32_keys_matches_reference(spec, shape, num_spl
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
-NIBBLE_SPECS = ["turboquant", "turboquant:k=q4_0,v=q3_0,rotate_keys", "turboquant:k=q4_0,v=q4_0",
-                "turboquant:k=q8_0,v=q4_0"]
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("pairs", [False, True], ids=["steps_of_16", "steps_of_32"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("spec,shape", [(spec, shape) for spec in NIBBLE_SPECS for shape in TQ_SHAPES],
-                         ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
-def test_gluon_reads_values_laid_out_for_nibble_look_ups(spec, shape, num_splits, pairs):
-    """The TurboQuant kernel's NIBBLES variant over the same pages with their 3- or 4-bit values re-laid
-    (`decode_gluon.with_value_nibbles`) attends as the reference does over the pages as the cache writes them."""
-    from pagedkv.ops.triton import decode_gluon
-
-    hq, hkv, d, bs = shape
-    case = build_case(hash((spec, shape)) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                      ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=torch.bfloat16)
-    scale = d ** -0.5
-    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
-    pages = decode_gluon.with_value_nibbles(case.pages, case.fmt)
-    assert not torch.equal(pages["v"], case.pages["v"])
-    out = decode_gluon.paged_attention_tq(case.query, pages, case.fmt, case.meta, scale=scale, num_splits=num_splits,
-                                          pairs=pairs, nibbles=True)
-    assert rel_err(out, ref) < TOL[torch.bfloat16]
-
-
-@pytest.mark.parametrize("spec", NIBBLE_SPECS[::2])
-def test_nibble_pages_hold_the_same_codes_in_the_same_storage(spec):
-    """`decode_gluon.with_value_nibbles` (CPU): the value bytes re-laid, every code kept, the head-major storage
-    order and every other page tensor untouched; refused for values other than 3- or 4-bit."""
-    from pagedkv.formats import packing
-    from pagedkv.ops.triton import decode_gluon
-
-    case = build_case(3, spec, num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16, ctx_lens=[40],
-                      new_lens=[1], dtype=torch.float16)
-    pages = decode_gluon.with_value_nibbles(case.pages, case.fmt)
-    assert pages["v"].stride() == case.pages["v"].stride() and pages["v"].shape == case.pages["v"].shape
-    if case.fmt.value_bits == 3:
-        codes = packing.unpack_code_nibbles(pages["v"], 128), packing.unpack_sign_magnitude(case.pages["v"], 128)
-    else:
-        codes = (packing.channel_order(packing.unpack_sign_nibbles(pages["v"], 128)),
-                 packing.unpack_bits(case.pages["v"], 4, 128))
-    assert torch.equal(*codes)
-    assert all(pages[name] is case.pages[name] for name in case.pages if name != "v")
-    eight = build_case(3, "turboquant:k=q8_0,v=q8_0", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
-                       ctx_lens=[40], new_lens=[1], dtype=torch.float16)
-    q4 = build_case(3, "q4", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16, ctx_lens=[40], new_lens=[1],
-                    dtype=torch.float16)
-    for other in (eight, q4):
-        with pytest.raises(ValueError, match="3- or 4-bit values"):
-            decode_gluon.with_value_nibbles(other.pages, other.fmt)
-
-
 def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read():
     """`decode_gluon.launcher` (CPU: shapes and options only): q8, q6, q4, TurboQuant and `off` decode by default
     (DEFAULT_KERNELS, each timed faster), each with its split target; nothing with rotated KV-Quant keys, a window,

@@ -12,10 +12,9 @@ import torch
 
 from pagedkv.formats.codebook import lloyd_max_codebook
 from pagedkv.formats.packing import pack_code_nibbles, pack_sign_nibbles
-from pagedkv.ops.triton.conversions import (CODE_NIBBLES_KEY_PAIRS_ASM, CODEBOOK4_ASM, CODEBOOK4_KEY_PAIRS_ASM,
-                                            INT8_ASM, INT8_PAIRS_ASM, SIGN_NIBBLES_KEY_PAIRS_ASM,
-                                            NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM, NIBBLE_QUADS_ASM,
-                                            SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGNED_NIBBLE_SPREAD_ASM,
+from pagedkv.ops.triton.conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_PAIRS_ASM, NIBBLE_KEY_PAIRS_ASM,
+                                            NIBBLE_PAIRS_ASM, NIBBLE_QUADS_ASM, SIGN_NIBBLES_ASM,
+                                            SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM,
                                             SIX_BIT_KEY_PAIRS_ASM, SIX_BIT_QUADS_ASM, SIX_BIT_SPREAD_ASM)
 
 M32 = 0xFFFFFFFF
@@ -91,24 +90,6 @@ def run_ptx(asm: str, inputs: list[int], num_outputs: int) -> list[int]:
     return [regs[f"${i}"] for i in range(num_outputs)]
 
 
-def test_sign_magnitude_asm_equals_the_codebook_for_every_field():
-    cb = lloyd_max_codebook(3).half()
-    cb_bits = cb.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
-    rng = np.random.default_rng(0)
-    cases = [(0, 0, 0, 0), (0xFFFF, 0xFF, 0xFFFF, 0xFF), (0xAAAA, 0x55, 0x5555, 0xAA)]
-    cases += [tuple(int(x) for x in row) for row in
-              np.stack([rng.integers(0, 1 << 16, 300), rng.integers(0, 256, 300),
-                        rng.integers(0, 1 << 16, 300), rng.integers(0, 256, 300)], axis=1)]
-    for mag_u, neg_u, mag_v, neg_v in cases:
-        args = [mag_u | (neg_u << 16), mag_v | (neg_v << 16)]
-        fields = run_ptx(SIGN_MAGNITUDE_ASM_LO.value, args, 4) + run_ptx(SIGN_MAGNITUDE_ASM_HI.value, args, 4)
-        for j, pair in enumerate(fields):
-            for lane, (mag, neg) in enumerate(((mag_u, neg_u), (mag_v, neg_v))):
-                m, negative = (mag >> (2 * j)) & 3, (neg >> j) & 1
-                code = 3 - m if negative else 4 + m     # sign-magnitude -> sorted codebook index
-                assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[code], (j, lane, hex(mag), hex(neg))
-
-
 def _check_key_pairs(asm: str, bits: int, pack, codes: list, order: list[int]) -> None:
     """`asm` over two keys' codes packed by `pack` (one 32-bit word each) gives per output n a (first key, second
     key) pair of the centroids of channel order[n]."""
@@ -122,19 +103,19 @@ def _check_key_pairs(asm: str, bits: int, pack, codes: list, order: list[int]) -
                 assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[pair_codes[lane, order[n]]], (n, lane, pair_codes)
 
 
-def test_code_nibbles_asm_pairs_two_keys_per_channel_for_every_code():
-    """Two keys' units packed by `packing.pack_code_nibbles` -> per field a (first key, second key) pair of
-    centroids, fields in the order 0, 1, 2, 3, 4, 6, 5, 7 (`decode_gluon`'s 3-bit value tiles, NIBBLES)."""
+def test_code_nibbles_asm_pairs_two_units_per_field_for_every_code():
+    """Two units packed by `packing.pack_code_nibbles` (of two keys in the Gluon kernel, of one tile in the others)
+    -> per field a (first, second) pair of centroids, fields in the order 0, 1, 2, 3, 4, 6, 5, 7."""
     rng = np.random.default_rng(7)
     codes = [rng.integers(0, 8, (2, 8)) for _ in range(400)]
     codes += [np.array([[c] * 8, [7 - c] * 8]) for c in range(8)]           # every code in every field
     codes += [np.array([np.roll(np.arange(8), r), np.arange(8)]) for r in range(8)]
-    _check_key_pairs(CODE_NIBBLES_KEY_PAIRS_ASM.value, 3, pack_code_nibbles, codes, [0, 1, 2, 3, 4, 6, 5, 7])
+    _check_key_pairs(CODE_NIBBLES_ASM.value, 3, pack_code_nibbles, codes, [0, 1, 2, 3, 4, 6, 5, 7])
 
 
 def test_sign_nibbles_asm_pairs_two_keys_per_channel_for_every_code():
     """Two keys' words of eight 4-bit codes packed by `packing.pack_sign_nibbles` -> per channel a (first key,
-    second key) pair of centroids, channels in the order 0, 2, 1, 3, 4, 6, 5, 7 (as CODEBOOK4_KEY_PAIRS_ASM)."""
+    second key) pair of centroids, channels in the order 0, 2, 1, 3, 4, 6, 5, 7 (`decode_gluon`'s 4-bit value tiles)."""
     rng = np.random.default_rng(8)
     codes = [rng.integers(0, 16, (2, 8)) for _ in range(400)]
     codes += [np.array([[c] * 8, [15 - c] * 8]) for c in range(16)]         # every code in every channel
@@ -166,30 +147,16 @@ def test_nibble_pairs_asm_gives_both_nibbles_as_float16():
         assert got == want, (hex(word), got, want)
 
 
-def test_codebook4_asm_equals_the_codebook_for_every_code():
+def test_sign_nibbles_asm_equals_the_codebook_for_every_code():
+    """One word of eight 4-bit sign nibbles -> the low nibbles' centroids (bytes 0-3), then the high ones'."""
     cb_bits = lloyd_max_codebook(4).half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
     words = _bytes(np.random.default_rng(2), 300)
     words += [sum(((c + k) % 16 | ((15 - c - k) % 16) << 4) << (8 * k) for k in range(4)) for c in range(16)]
     for word in words:
-        out = run_ptx(CODEBOOK4_ASM.value, [word], 4)
-        codes = [(word >> (8 * k)) & 0xFF for k in range(4)]
-        want = [cb_bits[c & 15] for c in codes] + [cb_bits[c >> 4] for c in codes]
-        assert _lanes(out) == want, hex(word)
-
-
-def test_codebook4_key_pairs_asm_pairs_two_keys_per_channel():
-    """Two keys' words (eight 4-bit codes each) -> per channel a (first key, second key) pair of centroids,
-    channels in the order 0, 2, 1, 3, 4, 6, 5, 7 (`decode_gluon`'s 4-bit value tiles)."""
-    cb_bits = lloyd_max_codebook(4).half().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
-    words = _bytes(np.random.default_rng(5), 300)
-    order = [0, 2, 1, 3, 4, 6, 5, 7]
-    for first, second in zip(words, words[1:] + words[:1]):
-        out = run_ptx(CODEBOOK4_KEY_PAIRS_ASM.value, [first, second], 8)
-        for n, pair in enumerate(out):
-            channel = order[n]   # byte channel // 2, low nibble for even channels
-            for lane, word in enumerate((first, second)):
-                code = (word >> (4 * channel)) & 15
-                assert (pair >> (16 * lane)) & 0xFFFF == cb_bits[code], (n, lane, hex(first), hex(second))
+        out = run_ptx(SIGN_NIBBLES_ASM.value, [word], 4)
+        nibbles = [(word >> (8 * k)) & 15 for k in range(4)] + [(word >> (8 * k + 4)) & 15 for k in range(4)]
+        codes = [7 - (x & 7) if x >= 8 else 8 + x for x in nibbles]
+        assert _lanes(out) == [cb_bits[c] for c in codes], hex(word)
 
 
 def test_signed_nibble_asms_give_the_codes_minus_seven():

@@ -6,7 +6,7 @@ Each branch mirrors a format of `pagedkv/formats/` and is tested against that fo
   KVQUANT     code * scale, one float32 scale per (token, KV head); q8 stores int8 codes, q4 stores
               code + qmax as a little-endian bitstream, q6 as two planes (`formats/packing.py`).
   TURBOQUANT  keys (code + zero) * scale per group of 32; values codebook[code] * scale per group of 32
-              in the rotated domain (3-bit codes stored as magnitude and sign planes).
+              in the rotated domain (3- and 4-bit codes as code and sign nibbles in units of eight channels).
 Attention applies per-token KV-Quant scales to whole score columns / probability columns rather than
 to every element (the same products, regrouped); see `tiles.attend_tiles`.
 """
@@ -117,45 +117,82 @@ def unpack_codes(ptr, row, in_range, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
 
 
 @triton.jit
-def unpack_sign_magnitude(ptr, row, in_range, HEAD_DIM: tl.constexpr):
-    """3-bit codes [N, HEAD_DIM] int32 in [0, 8) of the magnitude and sign planes at ptr + row [N]
-    (`packing.pack_sign_magnitude`). The planes hold the codes in unit order (unit j: codes j, j + D/8, ...,
-    j + 7 D/8): magnitude byte 2j + h holds codes (4h + a) D/8 + j at bits 2a, sign byte D/4 + j holds code
-    a D/8 + j at bit a. Each byte is broadcast over the codes it holds and shifted, so the codes come out in
-    channel order with no permute (a register permute of the 8 x 8 unit grid at head_dim 64 wrote wrong
-    signs when compiled for an H200, though right under the interpreter)."""
-    J: tl.constexpr = HEAD_DIM // 8
-    N: tl.constexpr = row.shape[0]
-    offs_j = tl.arange(0, J)
-    offs_h = tl.arange(0, 2)
-    mag = tl.load(ptr + row[:, None, None] + offs_h[None, :, None] + 2 * offs_j[None, None, :],
-                  mask=in_range[:, None, None], other=0).to(tl.int32)                      # [N, 2, J]
-    shifts = 2 * tl.arange(0, 4)
-    mag = (mag[:, :, None, :] >> shifts[None, None, :, None]) & 3                       # [N, 2, 4, J]
-    sign = tl.load(ptr + HEAD_DIM // 4 + row[:, None] + offs_j[None, :], mask=in_range[:, None],
-                   other=0).to(tl.int32)                                                   # [N, J]
-    negative = (sign[:, None, :] >> tl.arange(0, 8)[None, :, None]) & 1                # [N, 8, J]
-    mag = tl.reshape(mag, [N, HEAD_DIM])
-    negative = tl.reshape(negative, [N, HEAD_DIM])
-    return tl.where(negative != 0, 3 - mag, 4 + mag)
+def nibble_fields(HEAD_DIM: tl.constexpr):
+    """TurboQuant 3- and 4-bit values lie in units (`packing.unit_order`): channel j D/8 + u is field j of unit u,
+    so the channel-order codes [N, HEAD_DIM] reshape to a [N, 8, D/8] grid of (field, unit) with no permute. Here:
+    the field index [1, 8, 1] and the unit offsets [1, 1, D/8] of that grid."""
+    return tl.arange(0, 8)[None, :, None], tl.arange(0, HEAD_DIM // 8)[None, None, :]
 
 
 @triton.jit
-def pack_sign_magnitude(ptr, row, codes, HEAD_DIM: tl.constexpr):
-    """Store 3-bit codes [R, HEAD_DIM] (int32 in [0, 8)) as the magnitude and sign planes at ptr + row [R]
-    (the layout `unpack_sign_magnitude` reads): each byte is the sum of its codes' shifted bit fields,
-    summed over a middle axis of the channel-order codes, with no permute."""
-    J: tl.constexpr = HEAD_DIM // 8
+def high_bit_of(j):
+    """Where field j >= 4 of a code-nibbles unit keeps its bit 2 in the M word: bit 3 of nibble k, where
+    `packing.NIBBLE_HIGH_BITS`[k] == j (4, 6, 5, 7 -> k = 0, 1, 2, 3)."""
+    f = tl.maximum(j - 4, 0)
+    return 4 * (2 * (f & 1) + (f >> 1)) + 3
+
+
+@triton.jit
+def unpack_code_nibbles(ptr, row, in_range, HEAD_DIM: tl.constexpr):
+    """3-bit codes [N, HEAD_DIM] int32 in [0, 8) of the code nibbles at ptr + row [N] (`packing.pack_code_nibbles`):
+    unit u's M word at bytes 2u, 2u + 1, its N byte at D/4 + u; field j < 4 is nibble j of M (bits 0-2), field
+    j >= 4 bits 0-1 from N and bit 2 from a spare bit of M. Each unit's words are broadcast over its fields and
+    shifted, so the codes come out in channel order with no permute (a register permute of the unit grid wrote
+    wrong codes when compiled for an H200, though right under the interpreter)."""
+    N: tl.constexpr = row.shape[0]
+    j, u = nibble_fields(HEAD_DIM)
+    r = row[:, None, None]
+    ok = in_range[:, None, None]
+    m = (tl.load(ptr + r + 2 * u, mask=ok, other=0).to(tl.int32)
+         | (tl.load(ptr + r + 2 * u + 1, mask=ok, other=0).to(tl.int32) << 8))                # [N, 1, J]
+    n = tl.load(ptr + HEAD_DIM // 4 + r + u, mask=ok, other=0).to(tl.int32)
+    low = (m >> (4 * j)) & 7
+    rest = ((n >> (2 * tl.maximum(j - 4, 0))) & 3) | (((m >> high_bit_of(j)) & 1) << 2)
+    return tl.reshape(tl.where(j < 4, low, rest), [N, HEAD_DIM])
+
+
+@triton.jit
+def pack_code_nibbles(ptr, row, codes, HEAD_DIM: tl.constexpr):
+    """Store 3-bit codes [R, HEAD_DIM] (int32 in [0, 8), channel order) as code nibbles at ptr + row [R] (the layout
+    `unpack_code_nibbles` reads): each word is the sum of its codes' shifted bit fields over the field axis of the
+    (field, unit) grid, with no permute."""
     R: tl.constexpr = row.shape[0]
-    negative = (codes < 4).to(tl.int32)
-    mag = tl.where(codes < 4, 3 - codes, codes - 4)
-    shifts = 2 * tl.arange(0, 4)
-    mag = tl.sum(tl.reshape(mag, [R, 2, 4, J]) << shifts[None, None, :, None], axis=2)  # [R, 2, J]
-    sign = tl.sum(tl.reshape(negative, [R, 8, J]) << tl.arange(0, 8)[None, :, None], axis=1)  # [R, J]
-    offs_j = tl.arange(0, J)
-    offs_h = tl.arange(0, 2)
-    tl.store(ptr + row[:, None, None] + offs_h[None, :, None] + 2 * offs_j[None, None, :], mag.to(tl.uint8))
-    tl.store(ptr + HEAD_DIM // 4 + row[:, None] + offs_j[None, :], sign.to(tl.uint8))
+    J: tl.constexpr = HEAD_DIM // 8
+    j, _ = nibble_fields(HEAD_DIM)
+    c = tl.reshape(codes, [R, 8, J])
+    m = tl.sum(tl.where(j < 4, (c & 7) << (4 * j), (c >> 2) << high_bit_of(j)), axis=1)         # [R, J]
+    n = tl.sum(tl.where(j < 4, 0, (c & 3) << (2 * tl.maximum(j - 4, 0))), axis=1)
+    r = row[:, None] + tl.arange(0, J)[None, :]                                                # unit u: [R, J]
+    tl.store(ptr + r + tl.arange(0, J)[None, :], (m & 0xFF).to(tl.uint8))                   # byte 2u
+    tl.store(ptr + r + tl.arange(0, J)[None, :] + 1, (m >> 8).to(tl.uint8))                 # byte 2u + 1
+    tl.store(ptr + HEAD_DIM // 4 + r, n.to(tl.uint8))
+
+
+@triton.jit
+def unpack_sign_nibbles(ptr, row, in_range, HEAD_DIM: tl.constexpr):
+    """4-bit codes [N, HEAD_DIM] int32 in [0, 16) of the sign nibbles at ptr + row [N] (`packing.pack_sign_nibbles`):
+    unit u's fields 2b, 2b + 1 in the low and high nibble of byte 4u + b, each a magnitude index (bits 0-2) and a
+    sign (bit 3); broadcast and shifted as in `unpack_code_nibbles`."""
+    N: tl.constexpr = row.shape[0]
+    j, u = nibble_fields(HEAD_DIM)
+    b = tl.load(ptr + row[:, None, None] + 4 * u + j // 2, mask=in_range[:, None, None], other=0).to(tl.int32)
+    nib = (b >> (4 * (j % 2))) & 15                                                             # [N, 8, J]
+    codes = tl.where(nib >= 8, 7 - (nib & 7), 8 + (nib & 7))
+    return tl.reshape(codes, [N, HEAD_DIM])
+
+
+@triton.jit
+def pack_sign_nibbles(ptr, row, codes, HEAD_DIM: tl.constexpr):
+    """Store 4-bit codes [R, HEAD_DIM] (int32 in [0, 16), channel order) as sign nibbles at ptr + row [R] (the layout
+    `unpack_sign_nibbles` reads)."""
+    R: tl.constexpr = row.shape[0]
+    J: tl.constexpr = HEAD_DIM // 8
+    nib = tl.where(codes < 8, (7 - codes) | 8, codes - 8)
+    a = tl.arange(0, 2)[None, None, :, None]
+    byte = tl.sum(tl.reshape(nib, [R, 4, 2, J]) << (4 * a), axis=2)                            # [R, 4, J]
+    offs_b = tl.arange(0, 4)[None, :, None]
+    offs_u = tl.arange(0, J)[None, None, :]
+    tl.store(ptr + row[:, None, None] + 4 * offs_u + offs_b, byte.to(tl.uint8))
 
 
 @triton.jit
@@ -311,7 +348,9 @@ def load_values(v_ptr, vs_ptr, codebook_ptr, block, slot, in_range, v_strides, v
         v = load_kvquant_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, CDTYPE)
     elif KIND == TURBOQUANT:  # codebook[code] * rms scale per group of 32
         if V_BITS == 3:
-            codes = unpack_sign_magnitude(v_ptr, row, in_range, HEAD_DIM)
+            codes = unpack_code_nibbles(v_ptr, row, in_range, HEAD_DIM)
+        elif V_BITS == 4:
+            codes = unpack_sign_nibbles(v_ptr, row, in_range, HEAD_DIM)
         else:
             codes = unpack_codes(v_ptr, row, in_range, HEAD_DIM, V_BITS, False)
         codes = tl.reshape(codes, [N, HEAD_DIM // GROUP, GROUP])
@@ -410,10 +449,10 @@ def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multiplie
     each fp16 scale rms * multiplier (in grid order), the nearest centroids of x / scale; keep the first
     scale of least squared error.
 
-    3-bit codes reach `pack_sign_magnitude` through memory (`scratch_ptr`: this row's HEAD_DIM int8, stored,
-    a barrier, loaded back): packed straight from the registers of the scale search, the sign plane came out
-    wrong at head_dim 64 when compiled for an H200 (the same packing of loaded codes is right, and both are
-    right under the interpreter)."""
+    3- and 4-bit codes reach `pack_code_nibbles` / `pack_sign_nibbles` through memory (`scratch_ptr`: this row's
+    HEAD_DIM int8, stored, a barrier, loaded back): packed straight from the registers of the scale search, 3-bit
+    codes in units came out wrong at head_dim 64 when compiled for an H200 (the same packing of loaded codes is
+    right, and both are right under the interpreter)."""
     R: tl.constexpr = x.shape[0]
     G: tl.constexpr = HEAD_DIM // GROUP
     g = tl.reshape(x, [R, G, GROUP])
@@ -433,12 +472,15 @@ def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multiplie
         best_scale = tl.where(better, scale16, best_scale)
         best_codes = tl.where(better[:, :, None], codes, best_codes)
     codes = tl.reshape(best_codes, [R, HEAD_DIM])
-    if BITS == 3:
+    if BITS == 3 or BITS == 4:
         offs = tl.arange(0, HEAD_DIM)
         tl.store(scratch_ptr + offs[None, :], codes.to(tl.int8))
         tl.debug_barrier()
         codes = tl.load(scratch_ptr + offs[None, :]).to(tl.int32)
-        pack_sign_magnitude(ptr, row, codes, HEAD_DIM)
+        if BITS == 3:
+            pack_code_nibbles(ptr, row, codes, HEAD_DIM)
+        else:
+            pack_sign_nibbles(ptr, row, codes, HEAD_DIM)
     else:
         pack_codes(ptr, row, codes, HEAD_DIM, BITS)
     offs_g = tl.arange(0, G)

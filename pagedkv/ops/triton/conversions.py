@@ -21,38 +21,6 @@ def _positive_half_f16(bits: int) -> list[int]:
     return [int(x) for x in half]
 
 
-def _positive_half_f16_words(bits: int = 3) -> tuple[int, ...]:
-    """The positive half of the codebook in float16, as 32-bit words (two entries each)."""
-    half = _positive_half_f16(bits)
-    return tuple(half[i] | (half[i + 1] << 16) for i in range(0, len(half), 2))
-
-
-# TurboQuant 3-bit values, eight per int16 magnitude unit plus its sign byte, two units per call. The two units'
-# magnitude bytes are interleaved once per call (unit u's byte k to byte 2k, unit u + 1's to byte 2k + 1), so
-# that field j of both sits 8 bits apart; then per field (two values) six instructions: shift and mask the two
-# 2-bit magnitudes m, one multiply-add for the byte-permute selectors 2m | (2m + 1) << 4, one look-up in the
-# positive half of the fp16 codebook (two immediate words), and the sign bits shifted under bits 15 and 31
-# and applied with one LOP3 (v ^ (w & 0x80008000)).
-def _sign_magnitude_asm(first: int) -> str:
-    """Fields first..first+3 of two value units ($4, $5: int32 each, the unit's magnitude int16 in bits 0-15 and
-    its sign byte in bits 16-23): $0..$3, fp16 pairs (unit u, unit u + 1)."""
-    def shift(j):   # where field j of unit u sits in the interleaved magnitudes (unit u + 1's: 8 bits higher)
-        return 2 * j if j < 4 else 2 * j + 8
-
-    return "\n".join([
-        "{ .reg .b32 x, s, t, v, w, c0, c1;",
-        "mov.b32 c0, 0x%08x; mov.b32 c1, 0x%08x;" % _positive_half_f16_words(),
-        "prmt.b32 x, $4, $5, 0x5140;",    # magnitude bytes interleaved: u.0, (u+1).0, u.1, (u+1).1
-        "prmt.b32 s, $4, $5, 0x6020;",    # the two sign bytes to bytes 1 and 3
-        *[f"shr.b32 t, x, {shift(j)}; and.b32 t, t, 0x0303; mad.lo.u32 t, t, 0x22, 0x1010; prmt.b32 v, c0, c1, t; "
-          f"shl.b32 w, s, {7 - j}; lop3.b32 ${j - first}, w, 0x80008000, v, 0x6A;" for j in range(first, first + 4)],
-        "}"])
-
-
-SIGN_MAGNITUDE_ASM_LO = tl.constexpr(_sign_magnitude_asm(0))   # fields 0-3
-SIGN_MAGNITUDE_ASM_HI = tl.constexpr(_sign_magnitude_asm(4))   # fields 4-7
-
-
 def _f16_byte_words(entries: list[int]) -> tuple[int, int, int, int]:
     """Eight float16 bit patterns as byte tables for a byte permute indexed by the entry (a permute selects among
     8 bytes): (low bytes of entries 0-3, of 4-7, high bytes of entries 0-3, of 4-7), one byte per entry."""
@@ -70,13 +38,14 @@ def _look_up_pairs(out0: int, out1: int) -> str:
             f"prmt.b32 ${out0}, lo, hi, 0x6240; prmt.b32 ${out1}, lo, hi, 0x7351;")
 
 
-def _code_nibbles_key_pairs_asm() -> str:
-    """TurboQuant 3-bit values as code nibbles (`packing.pack_code_nibbles`), one unit of two keys ($8, $9: the
-    unit's M word in bits 0-15, its N byte in bits 16-23): $0..$7 the fields 0, 1, 2, 3, 4, 6, 5, 7 as float16
-    pairs (first key, second key). The two words' bytes are interleaved once, so that four codes sit in the
-    nibbles of 16 bits; each such selector (masked, or completed from the N bytes and the spare bits) looks its
-    four codes up in the low-byte and the high-byte tables of the codebook (two byte permutes), and two more
-    permutes pair the bytes into float16: 28 instructions for 16 values (the sign-magnitude form: 52)."""
+def _code_nibbles_asm() -> str:
+    """TurboQuant 3-bit values as code nibbles (`packing.pack_code_nibbles`), two units ($8, $9: each a unit's M word
+    in bits 0-15, its N byte in bits 16-23; in the Gluon kernel one unit of two keys, in the tile kernels two units
+    of a tile): $0..$7 the fields 0, 1, 2, 3, 4, 6, 5, 7 as float16 pairs (first unit, second unit). The two words'
+    bytes are interleaved once, so that four codes sit in the nibbles of 16 bits; each such selector (masked, or
+    completed from the N bytes and the spare bits) looks its four codes up in the low-byte and the high-byte tables
+    of the codebook (two byte permutes), and two more permutes pair the bytes into float16: 28 instructions for 16
+    values (a magnitude plane and a sign plane took 52)."""
     codebook = [int(x) for x in lloyd_max_codebook(3).half().view(torch.int16).to(torch.int64) & 0xFFFF]
     return "\n".join([
         "{ .reg .b32 l0, l1, h0, h1, t, u, s, lo, hi;",
@@ -92,7 +61,7 @@ def _code_nibbles_key_pairs_asm() -> str:
         "}"])
 
 
-CODE_NIBBLES_KEY_PAIRS_ASM = tl.constexpr(_code_nibbles_key_pairs_asm())
+CODE_NIBBLES_ASM = tl.constexpr(_code_nibbles_asm())
 
 
 # 4-bit codes, two per byte (channel 2j in the low nibble of byte j, 2j + 1 in the high one), four bytes per
@@ -167,74 +136,36 @@ def _positive_half_f16_byte_words(bits: int = 4) -> tuple[int, int, int, int]:
     return _f16_byte_words(_positive_half_f16(bits))
 
 
-def _codebook4_lines(src: str, outs: tuple[str, str, str, str]) -> list[str]:
-    """The look-ups of `_codebook4_asm` for the four bytes in register `src`, into `outs`."""
-    lines = []
-    for out, shift in zip(outs, (0, 16, 4, 20)):
-        lines.append(
-            (f"shr.b32 t, {src}, {shift}; and.b32 t, t, 0x0F0F; " if shift else f"and.b32 t, {src}, 0x0F0F; ")
-            + "shl.b32 t4, t, 4; prmt.b32 r, t4, 0, 0x0098; "           # 0xFF in the bytes of positive codes
-            + "lop3.b32 m, t, r, 0x0707, 0x82; mul.lo.u32 k, m, 0x11; "  # m = (t ^ ~r) & 7; nibbles m0 m0 m1 m1
-            + "prmt.b32 a, l0, l1, k; prmt.b32 b, h0, h1, k; "           # low bytes, high bytes of entry m
-            + "lop3.b32 a, b, 0xFF00FF00, a, 0xE2; "                     # (b & 0xFF00FF00) | (a & 0x00FF00FF)
-            + f"prmt.b32 r, t4, 0, 0x9988; lop3.b32 {out}, r, 0x80008000, a, 0xA6;")   # negative: sign bit
-    return lines
+def _sign_nibble_lines(src: str, outs: tuple[int, int, int, int]) -> list[str]:
+    """Sign nibbles (magnitude index in bits 0-2, sign in bit 3) of the four bytes in register `src`, as float16
+    pairs: $outs[0] = the low nibbles of bytes 0, 1, $outs[1] = their high nibbles, $outs[2], $outs[3] the same of
+    bytes 2, 3. The magnitudes of four values are a byte-permute selector as they are (masked), looked up in the
+    low- and high-byte tables of the codebook's positive half and paired into float16 (four permutes); each pair's
+    two sign bits are moved under bits 15 and 31 by one more permute and applied with one LOP3."""
+    x0, x1, x2, x3 = outs
+    return [f"shl.b32 t, {src}, 4; and.b32 s, {src}, 0x7777; " + _look_up_pairs(x0, x1),
+            f"shr.b32 s, {src}, 16; and.b32 s, s, 0x7777; " + _look_up_pairs(x2, x3),
+            f"prmt.b32 w, t, 0, 0x1000; lop3.b32 ${x0}, w, 0x80008000, ${x0}, 0x6A;",        # low nibbles' signs
+            f"prmt.b32 w, {src}, 0, 0x1000; lop3.b32 ${x1}, w, 0x80008000, ${x1}, 0x6A;",     # high nibbles'
+            f"prmt.b32 w, t, 0, 0x3020; lop3.b32 ${x2}, w, 0x80008000, ${x2}, 0x6A;",
+            f"prmt.b32 w, {src}, 0, 0x3020; lop3.b32 ${x3}, w, 0x80008000, ${x3}, 0x6A;"]
 
 
-def _codebook4_asm() -> str:
-    """TurboQuant 4-bit values, codes sorted like the centroids (the codebook is symmetric: code c >= 8 is
-    +centroid[c], c < 8 is -centroid[15 - c]), two per byte as in NIBBLE_PAIRS_ASM, four bytes ($4) per call:
-    the low nibbles' centroids in $0, $1, the high ones' in $2, $3. Per two values (ten or eleven
-    instructions): the codes of two bytes side by side (bits 0-3 and 8-11), the positive-code mask by byte
-    permute with sign replication, the magnitude index m (c & 7, or 7 - c for negative codes) with one LOP3,
-    the low and the high bytes of entry m of the positive half looked up in two byte tables (one selector
-    m * 0x11 serves both), the bytes merged and the sign set by two LOP3."""
-    return "\n".join(["{ .reg .b32 l0, l1, h0, h1, t, t4, r, m, k, a, b;",
-                      "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;"
-                      % _positive_half_f16_byte_words(4), *_codebook4_lines("$4", ("$0", "$1", "$2", "$3")), "}"])
-
-
-CODEBOOK4_ASM = tl.constexpr(_codebook4_asm())
-
-
-def _codebook4_key_pairs_asm() -> str:
-    """The same look-ups for two keys' 4-byte words at once ($8, $9: the same eight channels of two keys), each
-    output a pair (first key, second key) of one channel, as the matrix units read V^T: the two keys' bytes
-    interleaved first (byte b of both side by side), then `_codebook4_lines` on each interleaved word. $0..$7:
-    channels 0, 2, 1, 3, 4, 6, 5, 7 of the word."""
-    return "\n".join(["{ .reg .b32 l0, l1, h0, h1, t, t4, r, m, k, a, b, i0, i1;",
-                      "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;"
-                      % _positive_half_f16_byte_words(4),
-                      "prmt.b32 i0, $8, $9, 0x5140; prmt.b32 i1, $8, $9, 0x7362;",
-                      *_codebook4_lines("i0", ("$0", "$1", "$2", "$3")),
-                      *_codebook4_lines("i1", ("$4", "$5", "$6", "$7")), "}"])
-
-
-CODEBOOK4_KEY_PAIRS_ASM = tl.constexpr(_codebook4_key_pairs_asm())
+_SIGN_NIBBLE_REGS = ("{ .reg .b32 l0, l1, h0, h1, t, s, w, lo, hi, i0, i1;\n"
+                     "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;"
+                     % _positive_half_f16_byte_words(4))
+# TurboQuant 4-bit values as sign nibbles, four bytes ($4) per call: the low nibbles' centroids in $0 (bytes 0, 1),
+# $1 (bytes 2, 3), the high ones' in $2, $3 (23 instructions for 8 values).
+SIGN_NIBBLES_ASM = tl.constexpr("\n".join([_SIGN_NIBBLE_REGS, *_sign_nibble_lines("$4", (0, 2, 1, 3)), "}"]))
 
 
 def _sign_nibbles_key_pairs_asm() -> str:
-    """TurboQuant 4-bit values as sign nibbles (`packing.pack_sign_nibbles`: magnitude in bits 0-2, sign in bit
-    3), two keys' 4-byte words ($8, $9), outputs as CODEBOOK4_KEY_PAIRS_ASM's ($0..$7: channels 0, 2, 1, 3, 4, 6,
-    5, 7 of the word, (first key, second key) pairs). The words' bytes interleaved as there; then per interleaved
-    word the magnitudes of four values are a byte-permute selector as they are (masked), looked up in the low- and
-    high-byte tables of the codebook's positive half and paired into float16 (four permutes), and each pair's two
-    sign bits moved under bits 15 and 31 by one more permute and applied with one LOP3: 46 instructions for 16
-    values (the sorted codes' look-ups: 90)."""
-    def half(src, outs):   # one interleaved word: codes (first.2j, first.2j+1, second.2j, second.2j+1, ...)
-        x0, x1, x2, x3 = outs   # channels 2j, 2j + 1 (from the low half), 2j + 2, 2j + 3 (the high half)
-        return [f"shl.b32 t, {src}, 4; and.b32 s, {src}, 0x7777; " + _look_up_pairs(x0, x1),
-                f"shr.b32 s, {src}, 16; and.b32 s, s, 0x7777; " + _look_up_pairs(x2, x3),
-                f"prmt.b32 w, t, 0, 0x1000; lop3.b32 ${x0}, w, 0x80008000, ${x0}, 0x6A;",        # low nibbles' signs
-                f"prmt.b32 w, {src}, 0, 0x1000; lop3.b32 ${x1}, w, 0x80008000, ${x1}, 0x6A;",     # high nibbles'
-                f"prmt.b32 w, t, 0, 0x3020; lop3.b32 ${x2}, w, 0x80008000, ${x2}, 0x6A;",
-                f"prmt.b32 w, {src}, 0, 0x3020; lop3.b32 ${x3}, w, 0x80008000, ${x3}, 0x6A;"]
-
-    return "\n".join(["{ .reg .b32 l0, l1, h0, h1, t, s, w, lo, hi, i0, i1;",
-                      "mov.b32 l0, 0x%08x; mov.b32 l1, 0x%08x; mov.b32 h0, 0x%08x; mov.b32 h1, 0x%08x;"
-                      % _positive_half_f16_byte_words(4),
-                      "prmt.b32 i0, $8, $9, 0x5140; prmt.b32 i1, $8, $9, 0x7362;",
-                      *half("i0", (0, 2, 1, 3)), *half("i1", (4, 6, 5, 7)), "}"])
+    """TurboQuant 4-bit values as sign nibbles (`packing.pack_sign_nibbles`), two keys' 4-byte words ($8, $9: the
+    same unit of two keys): $0..$7 the fields 0, 2, 1, 3, 4, 6, 5, 7 of the word as (first key, second key) pairs,
+    as the matrix units read V^T. The words' bytes are interleaved (byte b of both side by side), then
+    `_sign_nibble_lines` on each interleaved word: 46 instructions for 16 values (sorted codes' look-ups took 90)."""
+    return "\n".join([_SIGN_NIBBLE_REGS, "prmt.b32 i0, $8, $9, 0x5140; prmt.b32 i1, $8, $9, 0x7362;",
+                      *_sign_nibble_lines("i0", (0, 2, 1, 3)), *_sign_nibble_lines("i1", (4, 6, 5, 7)), "}"])
 
 
 SIGN_NIBBLES_KEY_PAIRS_ASM = tl.constexpr(_sign_nibbles_key_pairs_asm())
@@ -312,35 +243,34 @@ def six_bit_quads_to_f16(x, h, FAST_CVT: tl.constexpr):
 
 
 @triton.jit
-def sign_magnitude_value(x, n, cb_ptr, J: tl.constexpr):
-    """The centroid of field J of TurboQuant 3-bit value units (plain arithmetic)."""
-    mag = (x >> (2 * J)) & 3
-    val = tl.load(cb_ptr + 4 + mag)
-    return tl.where(((n >> J) & 1) != 0, -val, val)
+def code_nibble(m, n, cb_ptr, J: tl.constexpr):
+    """The centroid of field J of TurboQuant 3-bit code-nibble units (plain arithmetic): M word m, N byte n."""
+    if J < 4:
+        code = (m >> (4 * J)) & 7
+    else:
+        k: tl.constexpr = 2 * ((J - 4) % 2) + (J - 4) // 2   # the nibble whose spare bit holds bit 2 of field J
+        code = ((n >> (2 * (J - 4))) & 3) | (((m >> (4 * k + 3)) & 1) << 2)
+    return tl.load(cb_ptr + code)
 
 
 @triton.jit
-def sign_magnitude_to_f16(units, negs, cb_ptr, FAST_CVT: tl.constexpr):
-    """TurboQuant 3-bit values in unit order (`packing.pack_sign_magnitude`): units int16 holding eight
-    2-bit magnitude indices, negs uint8 their signs -> eight tensors of centroids, field j in the j-th (with
-    FAST_CVT a byte-permute look-up in the positive half of the fp16 codebook per two values and the sign
-    bit set by a mask; otherwise loads from the codebook, in its dtype)."""
+def code_nibbles_to_f16(units, bytes_n, cb_ptr, FAST_CVT: tl.constexpr):
+    """TurboQuant 3-bit values in units (`packing.pack_code_nibbles`): units int16 (the M words), bytes_n uint8 (the
+    N bytes) -> eight tensors of centroids, field j in the j-th (with FAST_CVT float16 by byte permutes over the
+    fp16 codebook, CODE_NIBBLES_ASM; otherwise loads from the codebook, in its dtype)."""
     if FAST_CVT:
-        # one operand per unit (magnitudes and signs in one int32): Triton then reads the units straight into
-        # the matrix units' layout, where a second loaded operand made it stage the values through shared memory
-        both = (units.to(tl.int32) & 0xFFFF) | (negs.to(tl.int32) << 16)
-        lo = tl.inline_asm_elementwise(asm=SIGN_MAGNITUDE_ASM_LO, constraints="=r,=r,=r,=r,r,r", args=[both],
-                                       dtype=(tl.float16,) * 4, is_pure=True, pack=2)
-        hi = tl.inline_asm_elementwise(asm=SIGN_MAGNITUDE_ASM_HI, constraints="=r,=r,=r,=r,r,r", args=[both],
-                                       dtype=(tl.float16,) * 4, is_pure=True, pack=2)
-        values = (lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3])
+        # one operand per unit (M and N in one int32): Triton then reads the units straight into the matrix
+        # units' layout, where a second loaded operand made it stage the values through shared memory
+        both = (units.to(tl.int32) & 0xFFFF) | (bytes_n.to(tl.int32) << 16)
+        f = tl.inline_asm_elementwise(asm=CODE_NIBBLES_ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[both],
+                                      dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+        values = (f[0], f[1], f[2], f[3], f[4], f[6], f[5], f[7])
     else:
-        x = units.to(tl.int32) & 0xFFFF
-        n = negs.to(tl.int32)
-        values = (sign_magnitude_value(x, n, cb_ptr, 0), sign_magnitude_value(x, n, cb_ptr, 1),
-                  sign_magnitude_value(x, n, cb_ptr, 2), sign_magnitude_value(x, n, cb_ptr, 3),
-                  sign_magnitude_value(x, n, cb_ptr, 4), sign_magnitude_value(x, n, cb_ptr, 5),
-                  sign_magnitude_value(x, n, cb_ptr, 6), sign_magnitude_value(x, n, cb_ptr, 7))
+        m = units.to(tl.int32) & 0xFFFF
+        n = bytes_n.to(tl.int32)
+        values = (code_nibble(m, n, cb_ptr, 0), code_nibble(m, n, cb_ptr, 1), code_nibble(m, n, cb_ptr, 2),
+                  code_nibble(m, n, cb_ptr, 3), code_nibble(m, n, cb_ptr, 4), code_nibble(m, n, cb_ptr, 5),
+                  code_nibble(m, n, cb_ptr, 6), code_nibble(m, n, cb_ptr, 7))
     return values
 
 
@@ -355,12 +285,18 @@ def nibble_pairs_to_f16(b, FAST_CVT: tl.constexpr):
 
 
 @triton.jit
-def codebook4_pairs_to_f16(b, cb_ptr, FAST_CVT: tl.constexpr):
-    """uint8 holding two TurboQuant 4-bit value codes -> their centroids (low nibble's, high nibble's): with
-    FAST_CVT float16 by byte permutes in the positive half of the fp16 codebook, else loads from the codebook
-    in its dtype."""
+def sign_nibble(x, cb_ptr):
+    """The centroid of a TurboQuant 4-bit sign nibble x (plain arithmetic)."""
+    return tl.load(cb_ptr + tl.where(x >= 8, 7 - (x & 7), 8 + (x & 7)))
+
+
+@triton.jit
+def sign_nibble_pairs_to_f16(b, cb_ptr, FAST_CVT: tl.constexpr):
+    """uint8 holding two TurboQuant 4-bit values as sign nibbles (`packing.pack_sign_nibbles`) -> their centroids
+    (low nibble's, high nibble's): with FAST_CVT float16 by byte permutes over the positive half of the fp16
+    codebook (SIGN_NIBBLES_ASM), else loads from the codebook in its dtype."""
     if FAST_CVT:
-        return tl.inline_asm_elementwise(asm=CODEBOOK4_ASM, constraints="=r,=r,=r,=r,r", args=[b],
+        return tl.inline_asm_elementwise(asm=SIGN_NIBBLES_ASM, constraints="=r,=r,=r,=r,r", args=[b],
                                          dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     x = b.to(tl.int32)
-    return tl.load(cb_ptr + (x & 15)), tl.load(cb_ptr + ((x >> 4) & 15))
+    return sign_nibble(x & 15, cb_ptr), sign_nibble((x >> 4) & 15, cb_ptr)

@@ -20,8 +20,8 @@ Formats (compile-time `KIND`, `K_BITS`):
                  per channel of a unit, so no code is ever moved to its channel ("split dot"); q8 values
                  as int16 pairs of channels the same way. The output's channels are stored apart.
   TURBOQUANT     int8 keys (q8_0): one product per group of 32 channels, the group's scale and zero
-                 point applied to score columns; 3-bit values (magnitude and sign planes in unit order,
-                 `packing.pack_sign_magnitude`): eight products per step, each over 16 channels of one
+                 point applied to score columns; 3-bit values (code nibbles in units of eight channels,
+                 `packing.pack_code_nibbles`): eight products per step, each over 16 channels of one
                  group, whose scale goes on the probability columns; the output is rotated back at the end
                  (split-K: by the reduce kernel). Rotated keys: the queries are rotated before the
                  kernel. head_dim 128; q4_0 keys and 4-bit values in the transposed kernel (`is_supported`).
@@ -43,7 +43,7 @@ from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .attention import check_inputs, dot_precision
 from .codecs import KVQUANT, TURBOQUANT
-from .conversions import int8_pairs_to_f16, int8_to_f16, sign_magnitude_to_f16
+from .conversions import code_nibbles_to_f16, int8_pairs_to_f16, int8_to_f16
 from .decode_io import attend_ring, load_quads, load_rows, ring_accumulators, token_sequence
 from .decode_transposed import decode_kernel_transposed
 from .page_view import page_view, ring_pages, stride3, value_codebook
@@ -207,8 +207,8 @@ def decode_kernel(
             ring_first_ptr, stride_rqt, stride_rqh, r_strides, qk_scale, softcap,
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, NUM_RING_BLOCKS, USE_SOFTCAP, DOT_PRECISION)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a = ring_accumulators(
-            acc_r, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a, offs_u, rotation_ptr, TQ, NV, 3,
-            HEAD_DIM, DOT_PRECISION, WARPS, False)
+            acc_r, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a, offs_u, rotation_ptr, TQ, NV, HEAD_DIM,
+            DOT_PRECISION, WARPS, False)
     for start in range(kv_lo, body_hi, STEP):   # the pages' keys
         offs_n = start + pos0
         ok = (offs_n < body_hi) & (offs_n >= first)
@@ -252,10 +252,10 @@ def decode_kernel(
         p_f = p
         p = p.to(CDTYPE)
         if TQ:
-            units = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)
-            negs = load_rows(v_ptr + HEAD_DIM // 4, v_row, offs_u, ok)
+            units = load_rows(v_ptr.to(tl.pointer_type(tl.int16)), v_row // 2, offs_u, ok)   # M words
+            bytes_n = load_rows(v_ptr + HEAD_DIM // 4, v_row, offs_u, ok)                    # N bytes
             # field j of every unit is channels [16 j, 16 j + 16): group j // 2, whose scale goes on P's columns
-            v0, v1, v2, v3, v4, v5, v6, v7 = sign_magnitude_to_f16(units, negs, codebook_ptr, V_ASM)
+            v0, v1, v2, v3, v4, v5, v6, v7 = code_nibbles_to_f16(units, bytes_n, codebook_ptr, V_ASM)
             v_s_row = block * vs_strides[0] + slot * vs_strides[1]
             p0 = (p_f * tl.load(vs_ptr + v_s_row, mask=ok, other=0.0).to(tl.float32)[:, None, :]).to(CDTYPE)
             p1 = (p_f * tl.load(vs_ptr + v_s_row + 1, mask=ok, other=0.0).to(tl.float32)[:, None, :]).to(CDTYPE)

@@ -35,9 +35,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .conversions import (CODE_NIBBLES_KEY_PAIRS_ASM, CODEBOOK4_KEY_PAIRS_ASM, INT8_ASM, NIBBLE_KEY_PAIRS_ASM,
-                          NIBBLE_PAIRS_ASM, SIGN_MAGNITUDE_ASM_HI, SIGN_MAGNITUDE_ASM_LO, SIGN_NIBBLES_KEY_PAIRS_ASM,
-                          SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM, SIX_BIT_SPREAD_ASM)
+from .conversions import (CODE_NIBBLES_ASM, INT8_ASM, NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM,
+                          SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
+                          SIX_BIT_SPREAD_ASM)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -303,11 +303,10 @@ def decode_q8_kernel(
 # TurboQuant at head_dim 128: keys q8_0 or q4_0, values q3_0 or q4_0 (codebook), four groups of 32 channels.
 # Keys: lane (g, q) copies and reads keys g and g + 8, bytes 8q .. 8q + 7 (q8_0) or 4q .. 4q + 3 (q4_0) of each
 # group's bytes; a group is two k-steps of its own product, its scale and zero point on score rows.
-# 3-bit values: lane (g, q) reads keys 2q, 2q + 1, 2q + 8, 2q + 9, units 2g and 2g + 1 (a unit: the 2-bit
-# magnitudes of channels u, u + 16, .., u + 112 and their sign bits), so field j of its two units is channels
-# 16j + 2g and 16j + 2g + 1: rows g and g + 8 of the V^T tile j, which lies in one scale group (scaled P^T).
-# 4-bit values: the same keys, words 2g and 2g + 1 (channels 16g .. 16g + 15, one scale group: the lane scales
-# its values); output n of the look-up is channel 8w + (0, 2, 1, 3, 4, 6, 5, 7)[n] of word w: V^T tile n.
+# Values: lane (g, q) reads keys 2q, 2q + 1, 2q + 8, 2q + 9, units 2g and 2g + 1 (a unit: the codes of channels
+# u, u + 16, .., u + 112; 3-bit: the M word and N byte of `packing.pack_code_nibbles`, 4-bit: a word of sign
+# nibbles), so field j of its two units is channels 16j + 2g and 16j + 2g + 1: rows g and g + 8 of the V^T tile j,
+# which lies in one scale group (its scale goes on P^T).
 TQ_KEYS8 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
 TQ_KEYS4 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))
 TQ_UNITS = gl.constexpr(gl.DistributedLinearLayout(   # [16 keys, 16 units or words]: keys 2q, 2q + 1 paired
@@ -358,49 +357,27 @@ def column(words, G: gl.constexpr):
 
 
 @gluon.jit
-def tq3_value_tiles(m_ring, n_ring, stage, NIBBLES: gl.constexpr = False):
+def tq3_value_tiles(m_ring, n_ring, stage):
     """The step's 3-bit values from the ring as the eight V^T tiles [16 channels, 16 keys] float16 (tile j: field
-    j of every unit, channels 16j + u), rows named g + 8a for unit 2g + a. The ring holds each unit's 16-bit word
-    and byte: magnitudes and signs, or with NIBBLES the M word and N byte of `packing.pack_code_nibbles`."""
-    mag = m_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFFFF
-    neg = n_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFF
-    both = mag | (neg << 16)   # a unit's word and byte; asm pairs: keys 2q, 2q + 1 (same unit)
-    if NIBBLES:
-        f = gl.inline_asm_elementwise(CODE_NIBBLES_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [both],
-                                      dtype=(gl.float16,) * 8, is_pure=True, pack=2)   # fields 0, 1, 2, 3, 4, 6, 5, 7
-        return (value_tile(f[0]), value_tile(f[1]), value_tile(f[2]), value_tile(f[3]),
-                value_tile(f[4]), value_tile(f[6]), value_tile(f[5]), value_tile(f[7]))
-    else:
-        lo = gl.inline_asm_elementwise(SIGN_MAGNITUDE_ASM_LO, "=r,=r,=r,=r,r,r", [both], dtype=(gl.float16,) * 4,
-                                       is_pure=True, pack=2)
-        hi = gl.inline_asm_elementwise(SIGN_MAGNITUDE_ASM_HI, "=r,=r,=r,=r,r,r", [both], dtype=(gl.float16,) * 4,
-                                       is_pure=True, pack=2)
-        return (value_tile(lo[0]), value_tile(lo[1]), value_tile(lo[2]), value_tile(lo[3]),
-                value_tile(hi[0]), value_tile(hi[1]), value_tile(hi[2]), value_tile(hi[3]))
+    j of every unit, channels 16j + u), rows named g + 8a for unit 2g + a. The ring holds each unit's M word and N
+    byte (`packing.pack_code_nibbles`)."""
+    m = m_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFFFF
+    n = n_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFF
+    both = m | (n << 16)   # a unit's word and byte; asm pairs: keys 2q, 2q + 1 (same unit)
+    f = gl.inline_asm_elementwise(CODE_NIBBLES_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [both],
+                                  dtype=(gl.float16,) * 8, is_pure=True, pack=2)   # fields 0, 1, 2, 3, 4, 6, 5, 7
+    return (value_tile(f[0]), value_tile(f[1]), value_tile(f[2]), value_tile(f[3]),
+            value_tile(f[4]), value_tile(f[6]), value_tile(f[5]), value_tile(f[7]))
 
 
 @gluon.jit
-def tq4_value_tiles(w_ring, stage, vs):
-    """The step's 4-bit values from the ring, each lane's scaled by its group's scale (vs: a key's four scales as
-    one word, [16] along TQ_UNITS' keys), as the eight V^T tiles (tile n: channels 8w + (0, 2, 1, 3, 4, 6, 5,
-    7)[n] of word w), rows named g + 8a for word 2g + a."""
-    words = w_ring.index(stage).load(TQ_UNITS)
-    w = gl.arange(0, 16, layout=gl.SliceLayout(0, TQ_UNITS))
-    sc = ((vs[:, None] >> (16 * (w[None, :] >> 2)).to(gl.int64)) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
-    f = gl.inline_asm_elementwise(CODEBOOK4_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
-                                  dtype=(gl.float16,) * 8, is_pure=True, pack=2)
-    return (value_tile(f[0] * sc), value_tile(f[1] * sc), value_tile(f[2] * sc), value_tile(f[3] * sc),
-            value_tile(f[4] * sc), value_tile(f[5] * sc), value_tile(f[6] * sc), value_tile(f[7] * sc))
-
-
-@gluon.jit
-def tq4_unit_tiles(w_ring, stage):
-    """The step's 4-bit values as sign nibbles in unit order (`with_value_nibbles`: word w holds channels w + 16j,
-    j = 0..7) as the eight V^T tiles (tile j: channels 16j + w, one scale group), rows named g + 8a for word
-    2g + a: the 3-bit values' tiles."""
+def tq4_value_tiles(w_ring, stage):
+    """The step's 4-bit values as sign nibbles in unit order (`packing.pack_sign_nibbles`: word w holds channels
+    w + 16j, j = 0..7) as the eight V^T tiles (tile j: channels 16j + w, one scale group), rows named g + 8a for
+    word 2g + a: the 3-bit values' tiles."""
     words = w_ring.index(stage).load(TQ_UNITS)
     f = gl.inline_asm_elementwise(SIGN_NIBBLES_KEY_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
-                                  dtype=(gl.float16,) * 8, is_pure=True, pack=2)   # codes 0, 2, 1, 3, 4, 6, 5, 7
+                                  dtype=(gl.float16,) * 8, is_pure=True, pack=2)   # fields 0, 2, 1, 3, 4, 6, 5, 7
     return (value_tile(f[0]), value_tile(f[2]), value_tile(f[1]), value_tile(f[3]),
             value_tile(f[4]), value_tile(f[6]), value_tile(f[5]), value_tile(f[7]))
 
@@ -418,7 +395,7 @@ def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_s
                  V_BITS: gl.constexpr):
     """Ask for the 16 TurboQuant keys from `start` into one stage of the ring (cp.async): key codes (each lane its
     own runs), the four group scales and zero points of keys and values (masked: zero), the values (3-bit: the
-    units' magnitudes and sign bytes, rows of 32 and 16 bytes; 4-bit: each lane its two words of four keys)."""
+    units' M words and N bytes, rows of 32 and 16 bytes; 4-bit: the units' words, rows of 64 bytes)."""
     block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
     slot = start % BLOCK_SIZE
     if K_BITS == 8:
@@ -472,26 +449,19 @@ def rescaled(acc, alpha, RESCALE: gl.constexpr):
 
 @gluon.jit
 def tq_attend_values(p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha,
-                     V_BITS: gl.constexpr, RESCALE: gl.constexpr = True, NIBBLES: gl.constexpr = False):
+                     V_BITS: gl.constexpr, RESCALE: gl.constexpr = True):
     """The eight accumulators (times alpha [1, 8] where RESCALE) plus V^T P^T of the TurboQuant values in ring
-    stage `stage` (p: P^T [16 keys, 8 heads] float32, unnormalised)."""
-    if V_BITS == 3 or NIBBLES:   # a tile lies in one scale group: the scales go on P^T, once per group
-        vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
-        p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
-        p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
-        p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
-        p3 = transpose_p((p * column(vs, 3)[:, None]).to(gl.float16))
-        if V_BITS == 3:
-            v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage, NIBBLES)
-        else:
-            v0, v1, v2, v3, v4, v5, v6, v7 = tq4_unit_tiles(m_ring, stage)
-    else:             # a lane's values lie in one scale group: the scales go on the values
-        p0 = transpose_p(p.to(gl.float16))
-        p1 = p0
-        p2 = p0
-        p3 = p0
-        vs = vs_ring.index(stage).load(gl.SliceLayout(1, TQ_UNITS))
-        v0, v1, v2, v3, v4, v5, v6, v7 = tq4_value_tiles(m_ring, stage, vs)
+    stage `stage` (p: P^T [16 keys, 8 heads] float32, unnormalised). A value tile lies in one scale group (unit
+    order): the scales go on P^T, once per group."""
+    vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
+    p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
+    p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
+    p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
+    p3 = transpose_p((p * column(vs, 3)[:, None]).to(gl.float16))
+    if V_BITS == 3:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tq4_value_tiles(m_ring, stage)
     acc0 = mma_v2(v0, p0, rescaled(acc0, alpha, RESCALE))
     acc1 = mma_v2(v1, p0, rescaled(acc1, alpha, RESCALE))
     acc2 = mma_v2(v2, p1, rescaled(acc2, alpha, RESCALE))
@@ -511,11 +481,9 @@ def decode_tq_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
-    NIBBLES: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
-    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. NIBBLES: values laid
-    out for nibble look-ups (`with_value_nibbles`)."""
+    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s."""
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -587,11 +555,10 @@ def decode_tq_kernel(
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
             pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
-                pa, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
-                NIBBLES=NIBBLES)
+                pa, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 pb, m_ring, n_ring, vs_ring, nxt, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
-                RESCALE=False, NIBBLES=NIBBLES)
+                RESCALE=False)
             stage = (stage + 2) % 4
     else:
         for start in range(kv_lo, kv_hi, 16):
@@ -606,8 +573,7 @@ def decode_tq_kernel(
             p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
             alpha = alpha[None, :]
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
-                p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
-                NIBBLES=NIBBLES)
+                p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
@@ -618,26 +584,15 @@ def decode_tq_kernel(
     gl.store(part_l_ptr + state, l_i, mask=h_ok)
     o_at = part_out_ptr + state[None, :] * 128
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    if V_BITS == 3 or NIBBLES:   # row g + 8a of tile j: channel 16j + 2g + a
-        rows = (2 * (r & 7) + (r >> 3))[:, None]
-        gl.store(o_at + rows, acc0, mask=h_ok[None, :])
-        gl.store(o_at + 16 + rows, acc1, mask=h_ok[None, :])
-        gl.store(o_at + 32 + rows, acc2, mask=h_ok[None, :])
-        gl.store(o_at + 48 + rows, acc3, mask=h_ok[None, :])
-        gl.store(o_at + 64 + rows, acc4, mask=h_ok[None, :])
-        gl.store(o_at + 80 + rows, acc5, mask=h_ok[None, :])
-        gl.store(o_at + 96 + rows, acc6, mask=h_ok[None, :])
-        gl.store(o_at + 112 + rows, acc7, mask=h_ok[None, :])
-    else:             # row g + 8a of tile n: channel 8 (2g + a) + (0, 2, 1, 3, 4, 6, 5, 7)[n]
-        rows = (16 * (r & 7) + 8 * (r >> 3))[:, None]
-        gl.store(o_at + rows, acc0, mask=h_ok[None, :])
-        gl.store(o_at + 2 + rows, acc1, mask=h_ok[None, :])
-        gl.store(o_at + 1 + rows, acc2, mask=h_ok[None, :])
-        gl.store(o_at + 3 + rows, acc3, mask=h_ok[None, :])
-        gl.store(o_at + 4 + rows, acc4, mask=h_ok[None, :])
-        gl.store(o_at + 6 + rows, acc5, mask=h_ok[None, :])
-        gl.store(o_at + 5 + rows, acc6, mask=h_ok[None, :])
-        gl.store(o_at + 7 + rows, acc7, mask=h_ok[None, :])
+    rows = (2 * (r & 7) + (r >> 3))[:, None]   # row g + 8a of tile j: channel 16j + 2g + a
+    gl.store(o_at + rows, acc0, mask=h_ok[None, :])
+    gl.store(o_at + 16 + rows, acc1, mask=h_ok[None, :])
+    gl.store(o_at + 32 + rows, acc2, mask=h_ok[None, :])
+    gl.store(o_at + 48 + rows, acc3, mask=h_ok[None, :])
+    gl.store(o_at + 64 + rows, acc4, mask=h_ok[None, :])
+    gl.store(o_at + 80 + rows, acc5, mask=h_ok[None, :])
+    gl.store(o_at + 96 + rows, acc6, mask=h_ok[None, :])
+    gl.store(o_at + 112 + rows, acc7, mask=h_ok[None, :])
 
 
 @gluon.jit
@@ -659,32 +614,12 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
     return parts, num_slots, window_first
 
 
-def with_value_nibbles(pages: dict[str, torch.Tensor], fmt) -> dict[str, torch.Tensor]:
-    """TurboQuant pages with their value bytes re-laid for the nibble look-ups of `paged_attention_tq(...,
-    nibbles=True)`: 3-bit values as code nibbles (`packing.pack_code_nibbles`), 4-bit ones as sign nibbles
-    (`packing.pack_sign_nibbles`) in unit order (`packing.unit_order`); the same bytes per token, the storage
-    order kept."""
-    from ...formats import packing
-
-    bits, head_dim = getattr(fmt, "value_bits", None), fmt.head_dim   # TurboQuant's values only
-    if bits not in (3, 4):
-        raise ValueError(f"nibble look-ups read TurboQuant's 3- or 4-bit values, not those of {fmt.spec}")
-    v = pages["v"].clone()   # keeps the head-major storage
-    if bits == 3:
-        v.copy_(packing.pack_code_nibbles(packing.unpack_sign_magnitude(pages["v"], head_dim)))
-    else:   # in unit order, as the 3-bit units: a tile of the kernel's then lies in one scale group
-        v.copy_(packing.pack_sign_nibbles(packing.unit_order(packing.unpack_bits(pages["v"], 4, head_dim))))
-    return dict(pages, v=v)
-
-
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None, pairs: bool | None = None, nibbles: bool = False) -> torch.Tensor:
+                       window=None, pairs: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
-    window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
-    `nibbles`: the values of `pages` are laid out for nibble look-ups (`with_value_nibbles`; the cache writes the
-    other layouts: an experiment until it is timed)."""
+    window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import reduce_splits, ring_partials
@@ -706,8 +641,6 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         max_registers = tq_tuning(fmt.spec)[0]
     if pairs is None:
         pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
-    if nibbles and view.v_bits not in (3, 4):
-        raise ValueError(f"nibble look-ups read 3- or 4-bit values; {fmt.spec} has {view.v_bits}-bit values")
     decode_tq_kernel[(num_tokens, view.num_kv_heads, num_splits)](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
@@ -716,7 +649,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
-        NIBBLES=nibbles, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     if window is not None:
         ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
     reduce_splits(out, parts, view, dot_precision(query.dtype))

@@ -130,12 +130,10 @@ def ring_rotated(acc, chans, rotation_ptr, HEAD_DIM: tl.constexpr, DOT_PRECISION
 
 
 @triton.jit
-def value_channels(J: tl.constexpr, offs_u, V_BITS: tl.constexpr):
-    """The channels accumulator J of TurboQuant values holds (offs_u: arange(16), head_dim 128): 3-bit values
-    (unit order) channels 16 J + u; 4-bit values the even (J even) or odd channels of group J // 2."""
-    if V_BITS == 3:
-        return 16 * J + offs_u
-    return 32 * (J // 2) + 2 * offs_u + (J % 2)
+def value_channels(J: tl.constexpr, offs_u):
+    """The channels accumulator J of TurboQuant values holds (offs_u: arange(16), head_dim 128): field J of every
+    unit (`packing.unit_order`, 3- and 4-bit values), channels 16 J + u."""
+    return 16 * J + offs_u
 
 
 @triton.jit
@@ -147,29 +145,29 @@ def on_first_warp_t(x, WARPS: tl.constexpr, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def ring_tq(acc, J: tl.constexpr, offs_u, rotation_ptr, V_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+def ring_tq(acc, J: tl.constexpr, offs_u, rotation_ptr, HEAD_DIM: tl.constexpr,
             DOT_PRECISION: tl.constexpr, WARPS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The ring's output^T acc (`attend_ring`) as TurboQuant's accumulator J (channels `value_channels(J)`)."""
-    chans = value_channels(J, offs_u, V_BITS)
+    chans = value_channels(J, offs_u)
     return on_first_warp_t(ring_rotated(acc, chans, rotation_ptr, HEAD_DIM, DOT_PRECISION), WARPS, TRANSPOSED)
 
 
 @triton.jit
 def ring_accumulators(acc, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a, offs_u, rotation_ptr,
-                      KIND_TQ: tl.constexpr, NV: tl.constexpr, V_BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      KIND_TQ: tl.constexpr, NV: tl.constexpr, HEAD_DIM: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, WARPS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The ring's output^T acc [HEAD_DIM, ROWS] (`attend_ring`) placed on the first warp of the accumulators
     the decode kernel's pages use: TurboQuant's eight (KIND_TQ), KV-Quant's units (NV 2 or 4: channel NV u + i
     in accumulator i), or the dense one (NV 1), in the kernel's orientation. The others come back unchanged."""
     if KIND_TQ:
-        acc0 = ring_tq(acc, 0, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
-        acc1 = ring_tq(acc, 1, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
-        acc2 = ring_tq(acc, 2, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
-        acc3 = ring_tq(acc, 3, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
-        acc4 = ring_tq(acc, 4, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
-        acc5 = ring_tq(acc, 5, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
-        acc6 = ring_tq(acc, 6, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
-        acc7 = ring_tq(acc, 7, offs_u, rotation_ptr, V_BITS, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc0 = ring_tq(acc, 0, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc1 = ring_tq(acc, 1, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc2 = ring_tq(acc, 2, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc3 = ring_tq(acc, 3, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc4 = ring_tq(acc, 4, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc5 = ring_tq(acc, 5, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc6 = ring_tq(acc, 6, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
+        acc7 = ring_tq(acc, 7, offs_u, rotation_ptr, HEAD_DIM, DOT_PRECISION, WARPS, TRANSPOSED)
     elif NV > 1:
         out = tl.trans(acc)                                                           # [ROWS, HEAD_DIM]
         if NV == 2:

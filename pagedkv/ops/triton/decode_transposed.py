@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .codecs import KVQUANT, TURBOQUANT
-from .conversions import (codebook4_pairs_to_f16, int8_pairs_to_f16, int8_to_f16, nibble_pairs_to_f16,
-                          nibble_quads_to_f16, sign_magnitude_to_f16, six_bit_quads_to_f16)
+from .conversions import (code_nibbles_to_f16, int8_pairs_to_f16, int8_to_f16, nibble_pairs_to_f16,
+                          nibble_quads_to_f16, sign_nibble_pairs_to_f16, six_bit_quads_to_f16)
 from .decode_io import (attend_ring, load_rows, ring_accumulators, softmax_step_t, token_sequence,
                         value_channels)
 
@@ -93,7 +93,8 @@ def tq_key_tile(k_ptr, ks_ptr, kz_ptr, block, slot, ok, k_strides, ks_strides, K
 
 @triton.jit
 def tq3_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides, offs_u, HEAD_DIM: tl.constexpr):
-    """One step of TurboQuant 3-bit values as loaded: the magnitude units, their sign bytes, the four group scales."""
+    """One step of TurboQuant 3-bit values as loaded: the units' M words and N bytes (`packing.pack_code_nibbles`),
+    the four group scales."""
     v_row = block * v_strides[0] + slot * v_strides[1]
     vs_row = block * vs_strides[0] + slot * vs_strides[1]
     s0, s1, s2, s3 = load_f16x4(vs_ptr, vs_row, ok)
@@ -102,14 +103,14 @@ def tq3_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides, offs_u
 
 
 @triton.jit
-def tq4_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides):
-    """One step of TurboQuant 4-bit values as loaded: the 16 bytes of each channel group, the four group scales."""
+def tq4_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides, offs_u):
+    """One step of TurboQuant 4-bit values as loaded: byte b of every unit (fields 2b, 2b + 1: group b, as sign
+    nibbles, `packing.pack_sign_nibbles`), b = 0..3, then the four group scales."""
     v_row = block * v_strides[0] + slot * v_strides[1]
     vs_row = block * vs_strides[0] + slot * vs_strides[1]
-    offs = tl.arange(0, 16)
     s0, s1, s2, s3 = load_f16x4(vs_ptr, vs_row, ok)
-    return (load_rows(v_ptr, v_row, offs, ok), load_rows(v_ptr + 16, v_row, offs, ok),
-            load_rows(v_ptr + 32, v_row, offs, ok), load_rows(v_ptr + 48, v_row, offs, ok),
+    return (load_rows(v_ptr, v_row, 4 * offs_u, ok), load_rows(v_ptr + 1, v_row, 4 * offs_u, ok),
+            load_rows(v_ptr + 2, v_row, 4 * offs_u, ok), load_rows(v_ptr + 3, v_row, 4 * offs_u, ok),
             s0, s1, s2, s3)
 
 
@@ -306,8 +307,8 @@ def decode_kernel_transposed(
                 ring_first_ptr, stride_rqt, stride_rqh, r_strides, qk_scale, softcap,
                 HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, NUM_RING_BLOCKS, USE_SOFTCAP, DOT_PRECISION)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a = ring_accumulators(
-                acc_r, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a, offs_u, rotation_ptr, TQ, NV, V_BITS,
-                HEAD_DIM, DOT_PRECISION, WARPS, True)
+                acc_r, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc_a, offs_u, rotation_ptr, TQ, NV, HEAD_DIM,
+                DOT_PRECISION, WARPS, True)
         body_hi = tl.minimum(kv_hi, ring_from)
     for start in range(kv_lo, body_hi, STEP):   # the pages' keys
         ok, block, slot = tile_coords(start, pos0, body_hi, first, bt_row, BLOCK_SIZE)
@@ -318,7 +319,7 @@ def decode_kernel_transposed(
             if V_BITS == 3:
                 vt = tq3_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides, offs_u, HEAD_DIM)
             else:
-                vt = tq4_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides)
+                vt = tq4_value_tile(v_ptr, vs_ptr, block, slot, ok, v_strides, vs_strides, offs_u)
         elif KU:
             t = quant_tile(k_ptr, ks_ptr, v_ptr, vs_ptr, block, slot, ok,
                            k_strides, v_strides, ks_strides, vs_strides, offs_u, K_BITS, HEAD_DIM)
@@ -356,17 +357,17 @@ def decode_kernel_transposed(
         p = p.to(CDTYPE)
         a3 = alpha[:, None, :]
         if TQ:   # each group's scale goes on P's columns; accumulator J holds channels value_channels(J)
-            if V_BITS == 3:   # vt: magnitude units, sign bytes, scales 2-5
-                v0, v1, v2, v3, v4, v5, v6, v7 = sign_magnitude_to_f16(vt[0], vt[1], codebook_ptr, V_ASM)
+            if V_BITS == 3:   # vt: M words, N bytes, scales 2-5
+                v0, v1, v2, v3, v4, v5, v6, v7 = code_nibbles_to_f16(vt[0], vt[1], codebook_ptr, V_ASM)
                 p0 = (p_f * vt[2].to(tl.float32)[:, :, None]).to(CDTYPE)
                 p1 = (p_f * vt[3].to(tl.float32)[:, :, None]).to(CDTYPE)
                 p2 = (p_f * vt[4].to(tl.float32)[:, :, None]).to(CDTYPE)
                 p3 = (p_f * vt[5].to(tl.float32)[:, :, None]).to(CDTYPE)
-            else:             # vt: the bytes of groups 0-3, scales 4-7
-                v0, v1 = codebook4_pairs_to_f16(vt[0], codebook_ptr, V_ASM)
-                v2, v3 = codebook4_pairs_to_f16(vt[1], codebook_ptr, V_ASM)
-                v4, v5 = codebook4_pairs_to_f16(vt[2], codebook_ptr, V_ASM)
-                v6, v7 = codebook4_pairs_to_f16(vt[3], codebook_ptr, V_ASM)
+            else:             # vt: the units' bytes 0-3 (fields 0, 1 .. 6, 7), scales 4-7
+                v0, v1 = sign_nibble_pairs_to_f16(vt[0], codebook_ptr, V_ASM)
+                v2, v3 = sign_nibble_pairs_to_f16(vt[1], codebook_ptr, V_ASM)
+                v4, v5 = sign_nibble_pairs_to_f16(vt[2], codebook_ptr, V_ASM)
+                v6, v7 = sign_nibble_pairs_to_f16(vt[3], codebook_ptr, V_ASM)
                 p0 = (p_f * vt[4].to(tl.float32)[:, :, None]).to(CDTYPE)
                 p1 = (p_f * vt[5].to(tl.float32)[:, :, None]).to(CDTYPE)
                 p2 = (p_f * vt[6].to(tl.float32)[:, :, None]).to(CDTYPE)
@@ -410,26 +411,26 @@ def decode_kernel_transposed(
         inv = 1.0 / tl.where(l > 0, l, 1.0)
     cols_ok = h_ok[None, :]
     if TQ and not SPLIT:
-        out = rotate_t(merge_t(acc0, f, inv), rotation_ptr, value_channels(0, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc1, f, inv), rotation_ptr, value_channels(1, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc2, f, inv), rotation_ptr, value_channels(2, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc3, f, inv), rotation_ptr, value_channels(3, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc4, f, inv), rotation_ptr, value_channels(4, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc5, f, inv), rotation_ptr, value_channels(5, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc6, f, inv), rotation_ptr, value_channels(6, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
-        out += rotate_t(merge_t(acc7, f, inv), rotation_ptr, value_channels(7, offs_u, V_BITS), HEAD_DIM, DOT_PRECISION)
+        out = rotate_t(merge_t(acc0, f, inv), rotation_ptr, value_channels(0, offs_u), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc1, f, inv), rotation_ptr, value_channels(1, offs_u), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc2, f, inv), rotation_ptr, value_channels(2, offs_u), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc3, f, inv), rotation_ptr, value_channels(3, offs_u), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc4, f, inv), rotation_ptr, value_channels(4, offs_u), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc5, f, inv), rotation_ptr, value_channels(5, offs_u), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc6, f, inv), rotation_ptr, value_channels(6, offs_u), HEAD_DIM, DOT_PRECISION)
+        out += rotate_t(merge_t(acc7, f, inv), rotation_ptr, value_channels(7, offs_u), HEAD_DIM, DOT_PRECISION)
         offs_d = tl.arange(0, HEAD_DIM)
         o_row = out_ptr + token.to(tl.int64) * stride_ot + head[:, None] * stride_oh
         tl.store(o_row + offs_d[None, :], out.to(o_row.dtype.element_ty), mask=h_ok[:, None])
     elif TQ:
-        store_t(o_row_t, value_channels(0, offs_u, V_BITS), acc0, f, inv, cols_ok)
-        store_t(o_row_t, value_channels(1, offs_u, V_BITS), acc1, f, inv, cols_ok)
-        store_t(o_row_t, value_channels(2, offs_u, V_BITS), acc2, f, inv, cols_ok)
-        store_t(o_row_t, value_channels(3, offs_u, V_BITS), acc3, f, inv, cols_ok)
-        store_t(o_row_t, value_channels(4, offs_u, V_BITS), acc4, f, inv, cols_ok)
-        store_t(o_row_t, value_channels(5, offs_u, V_BITS), acc5, f, inv, cols_ok)
-        store_t(o_row_t, value_channels(6, offs_u, V_BITS), acc6, f, inv, cols_ok)
-        store_t(o_row_t, value_channels(7, offs_u, V_BITS), acc7, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(0, offs_u), acc0, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(1, offs_u), acc1, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(2, offs_u), acc2, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(3, offs_u), acc3, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(4, offs_u), acc4, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(5, offs_u), acc5, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(6, offs_u), acc6, f, inv, cols_ok)
+        store_t(o_row_t, value_channels(7, offs_u), acc7, f, inv, cols_ok)
     elif QUANT:
         store_t(o_row_t, NV * offs_u, acc0, f, inv, cols_ok)
         store_t(o_row_t, NV * offs_u + 1, acc1, f, inv, cols_ok)

@@ -55,7 +55,7 @@ def write_kv_kernel(
             encode_turboquant_keys(k_ptr, ks_ptr, kz_ptr, k_row, ks_row, x, HEAD_DIM, K_BITS)
             x = fwht(value.to(tl.float32) * tl.load(value_signs_ptr + offs_d)[None, :], HEAD_DIM,
                      LOG2_HEAD_DIM) / SQRT_HEAD_DIM
-            scratch = scratch_ptr + (t * tl.num_programs(1) + head) * HEAD_DIM   # 3-bit codes' trip through memory
+            scratch = scratch_ptr + (t * tl.num_programs(1) + head) * HEAD_DIM   # 3-, 4-bit codes' trip through memory
             encode_turboquant_values(v_ptr, vs_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, v_row, vs_row, x,
                                      scratch, HEAD_DIM, V_BITS, NUM_MULTIPLIERS)
     else:
@@ -78,9 +78,9 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
         f"slot_mapping must be int64 [{num_input_tokens}], got {slots.dtype} {tuple(slots.shape)}"
     if num_input_tokens == 0:
         return
-    # 3-bit TurboQuant values pass through a scratch row per token and head; other pages read none of it
+    # 3- and 4-bit TurboQuant values pass through a scratch row per token and head; other pages read none of it
     scratch = torch.empty(num_input_tokens * num_kv_heads * head_dim, dtype=torch.int8, device=key.device) \
-        if view.kind == TURBOQUANT and view.v_bits == 3 else view.k
+        if view.kind == TURBOQUANT and view.v_bits in (3, 4) else view.k
     write_kv_kernel[(num_input_tokens, num_kv_heads)](
         key, value, slots, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
         view.aux("thresholds"), view.aux("codebook"), view.aux("scale_multipliers"), view.aux("key_signs"),
