@@ -68,7 +68,6 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
             row[f"gluon_{name}_split{sp}_err"] = kb.rel_err(o, ref)
             row[f"gluon_{name}_split{sp}_us"] = kb.time_per_call(calls(
                 lambda q, p, f, m, sp=sp, opts=opts: launch(q, p, f, m, scale=kb.SCALE, num_splits=sp, **opts))) * 1e3
-        del own
     best = min((v, kk) for kk, v in row.items() if kk.startswith("gluon") and kk.endswith("_us"))
     print(f"{FORMAT} ({num_seqs}, {seq_len}): sdpa {row['sdpa_us']:.1f} us, default {row['default_us']:.1f} us "
           f"({row['default_us'] / row['sdpa_us']:.3f}), gluon best {best[1]} {best[0]:.1f} us ({best[0] / row['sdpa_us']:.3f}); "

@@ -108,7 +108,7 @@ def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read()
 
 
 def test_a_window_goes_to_the_gluon_kernels_where_they_were_timed_faster():
-    """Decode batches with a dense recent window: the Gluon kernels of WINDOW_KERNELS (q6, TurboQuant) from
+    """Decode batches with a dense recent window: the Gluon kernels of WINDOW_KERNELS (q4, q6, TurboQuant) from
     WINDOW_MIN_TOKENS query tokens on, `decode.py` for the other formats and smaller batches; every quantized
     kernel reads a window (dense pages never have one)."""
     from pagedkv.config import KVFormat
@@ -122,10 +122,11 @@ def test_a_window_goes_to_the_gluon_kernels_where_they_were_timed_faster():
     for query in (small, large):
         window = (query, query)
         assert all(decode_gluon.launcher(f, query, 16, window=window) is None for s, f in fmt.items()
-                   if s in ("q8", "q4", "off") or query is small)
+                   if s in ("q8", "off") or query is small)
         assert all(decode_gluon.launcher(fmt[s], query, 16) is not None for s in specs)
     window = (large, large)
     assert decode_gluon.launcher(fmt["q6"], large, 16, window=window) == (decode_gluon.paged_attention_q4, 8)
+    assert decode_gluon.launcher(fmt["q4"], large, 16, window=window)[0] is decode_gluon.paged_attention_q4
     assert decode_gluon.launcher(fmt["turboquant"], large, 16, window=window) == (decode_gluon.paged_attention_tq, 16)
     assert decode_gluon.launcher(fmt["turboquant:k=q4_0,v=q4_0"], large, 16, window=window)[0] is \
         decode_gluon.paged_attention_tq

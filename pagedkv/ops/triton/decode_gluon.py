@@ -68,8 +68,9 @@ TQ_PAIRS = (("q4_0", "q4_0"),)
 # window of 128, `python bench/kernels.py --recent-tokens 128 --gluon-window` serves every format this way): q6
 # 1.10-1.27x and TurboQuant 1.07-1.13x faster at (32, 4096) and (64, 8192), q6 1.22x and TurboQuant 0.99x at
 # (128, 2048); q8 and q4 0.95-1.03x; at one sequence every format 0.77-0.92x (the window's own kernel runs
-# after the pages', its latency not hidden).
-WINDOW_KERNELS = ("q6", "turboquant")
+# after the pages', its latency not hidden). Again for q4 after its 32-key steps (session 16, same command): 1.04x
+# at (32, 4096), 1.09x at (64, 8192), 1.11x at (128, 2048), 0.81x at one sequence.
+WINDOW_KERNELS = ("q4", "q6", "turboquant")
 WINDOW_MIN_TOKENS = 32
 # split counts at most: a batch of one 32,768-token sequence split 256 ways took 1.0-1.1x the time of 128 ways
 # for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
