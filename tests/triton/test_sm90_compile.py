@@ -83,10 +83,14 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
     tq44 = "turboquant:k=q4_0,v=q4_0"
     assert [row["format"] for row in rows] == (["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2 + ["q6"] * 2
                                                + ["off"] * 2 + ["q8", "turboquant", "q4"]), r.stdout
-    # with a dense recent window the pages' splits only end earlier: the same loop
+    # with a dense recent window the pages' splits only end earlier: the same loop, but for a few instructions of
+    # index arithmetic the compiler places differently (TurboQuant: 2 shifts of 626)
     loop = {(row["format"], row["head_dim"], row["dtype"], row["window"]): row["loop_ops"] for row in rows}
+    work = ("HMMA", "MOVM", "LDGSTS", "LDS", "PRMT", "LOP3", "HADD2", "FMUL", "FFMA", "MUFU", "SHFL")
     for spec in ("q8", "turboquant", "q4"):
-        assert loop[spec, 128, "torch.bfloat16", True] == loop[spec, 128, "torch.bfloat16", False], spec
+        with_window, without = loop[spec, 128, "torch.bfloat16", True], loop[spec, 128, "torch.bfloat16", False]
+        assert {op: with_window.get(op) for op in work} == {op: without.get(op) for op in work}, spec
+        assert abs(sum(with_window.values()) - sum(without.values())) <= 0.01 * sum(without.values()), spec
     # q4 and TurboQuant K q4_0 / V q4_0 read 32 keys a loop step by default (decode_gluon.Q4_PAIRS_BITS, TQ_PAIRS)
     assert {row["format"] for row in rows if row["keys_per_step"] == 32} == {"q4", tq44}, r.stdout
     for row in rows:
@@ -95,9 +99,9 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
         mma_per_step = 2 * row["head_dim"] // 16   # S^T: head_dim / 16 k-steps; O^T: head_dim / 16 M-tiles
         assert row["spill_bytes"] == 0, row
         assert row["registers"] <= (128 if row["format"] in ("q8", "q4", "off") else 168), row
-        # P^T transposed once, or once per value scale group (3-bit TurboQuant values: four)
+        # P^T transposed once, or once per value scale group (TurboQuant's values: four)
         assert ops.get("HMMA") == mma_per_step * steps, row
-        assert ops.get("MOVM") == (8 if row["format"] == "turboquant" else 2) * steps, row
+        assert ops.get("MOVM") == (8 if row["format"].startswith("turboquant") else 2) * steps, row
         assert ops.get("LDGSTS", 0) >= 8 * steps and "STS" not in ops, row
         # codes read back by the lane that copied them (LDS); dense rows through ldmatrix into the fragments
         assert ops.get("LDSM", 0) == (mma_per_step * steps if row["format"] == "off" else 0) and "LDS" in ops, row

@@ -162,10 +162,10 @@ def pack_code_nibbles(ptr, row, codes, HEAD_DIM: tl.constexpr):
     c = tl.reshape(codes, [R, 8, J])
     m = tl.sum(tl.where(j < 4, (c & 7) << (4 * j), (c >> 2) << high_bit_of(j)), axis=1)         # [R, J]
     n = tl.sum(tl.where(j < 4, 0, (c & 3) << (2 * tl.maximum(j - 4, 0))), axis=1)
-    r = row[:, None] + tl.arange(0, J)[None, :]                                                # unit u: [R, J]
-    tl.store(ptr + r + tl.arange(0, J)[None, :], (m & 0xFF).to(tl.uint8))                   # byte 2u
-    tl.store(ptr + r + tl.arange(0, J)[None, :] + 1, (m >> 8).to(tl.uint8))                 # byte 2u + 1
-    tl.store(ptr + HEAD_DIM // 4 + r, n.to(tl.uint8))
+    at = ptr + row[:, None] + tl.arange(0, J)[None, :]                                          # unit u: [R, J]
+    tl.store(at + tl.arange(0, J)[None, :], (m & 0xFF).to(tl.uint8))                            # byte 2u
+    tl.store(at + tl.arange(0, J)[None, :] + 1, (m >> 8).to(tl.uint8))                          # byte 2u + 1
+    tl.store(at + HEAD_DIM // 4, n.to(tl.uint8))                                                 # byte D/4 + u
 
 
 @triton.jit
