@@ -11,6 +11,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh gluon-tests  # the Gluon decode kernels' GPU tests
 #   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
 #   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: as served, then all through Gluon
+#   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #
 # PYTEST_WORKERS=8 runs the GPU tests on 8 processes (they are bound by compiling kernels) when pytest-xdist is
 # there: `make gpu-wheels` here, then carry .venv-gpuwheels; it is installed from those wheels.
@@ -64,8 +65,16 @@ gluon)   # each Gluon decode kernel beside the default decode, 16 and 32 keys a 
     run 100 env FORMAT=q6 VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
     run 100 env FORMAT=off VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
     ;;
+ncu)   # hardware counters of one decode call per format at batch 64 and 8,192 tokens (where the time stalls)
+    for fmt in q8 turboquant turboquant:k=q4_0,v=q4_0; do
+        run 200 ncu --clock-control none --kernel-name regex:"decode_(q8|q4|tq)_kernel" --launch-skip 2 --launch-count 1 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+            --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --log-file "$OUT/ncu_${fmt//[:=,]/_}.txt" python bench/profile_decode.py --formats "$fmt" --shapes 64x8192 --plain
+    done
+    ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon-tests|gluon|gluon-window" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon-tests|gluon|gluon-window|ncu" >&2
     exit 2
     ;;
 esac

@@ -2,6 +2,9 @@
 and shape, so that the cost of the reduce is seen apart.
 
     python bench/profile_decode.py --formats "off;q8;q4;turboquant" --out bench/results/h200
+
+With `--plain` the calls run without torch.profiler, for a hardware-counter profiler around the process (Nsight
+Compute: `bash bench/h200_run.sh ncu`).
 """
 import argparse
 import json
@@ -19,7 +22,7 @@ from pagedkv.ops import triton as triton_ops  # noqa: E402
 SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 
 
-def profile(spec: str, num_seqs: int, seq_len: int, gen: torch.Generator, calls: int = 20) -> dict:
+def profile(spec: str, num_seqs: int, seq_len: int, gen: torch.Generator, calls: int = 20, plain: bool = False) -> dict:
     n = num_seqs * seq_len
     keys = torch.randn(n, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
     values = torch.randn_like(keys)
@@ -29,6 +32,8 @@ def profile(spec: str, num_seqs: int, seq_len: int, gen: torch.Generator, calls:
     for _ in range(3):
         triton_ops.paged_attention(q, pages, fmt, meta, scale=kb.SCALE)
     torch.cuda.synchronize()
+    if plain:
+        return {"format": spec, "batch": num_seqs, "context": seq_len, "kernels_us": {}}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             triton_ops.paged_attention(q, pages, fmt, meta, scale=kb.SCALE)
@@ -44,16 +49,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--formats", default="off;q8;q4;turboquant")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES), help="batch x context, e.g. 64x8192")
+    p.add_argument("--plain", action="store_true", help="the calls only, no torch.profiler (for ncu)")
     args = p.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for num_seqs, seq_len in SHAPES:
+    for num_seqs, seq_len in (tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")):
         for spec in args.formats.split(";"):
-            r = profile(spec, num_seqs, seq_len, gen)
+            r = profile(spec, num_seqs, seq_len, gen, plain=args.plain)
+            if args.plain:
+                continue
             rows.append(r)
             print(f"{spec:26s} ({num_seqs:3d}, {seq_len:5d}): " + ", ".join(
                 f"{k[:40]} {v:.1f} us" for k, v in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1])), flush=True)
         torch.cuda.empty_cache()
+    if args.plain:
+        return
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "profile_decode.json").write_text(json.dumps(rows, indent=1))
 
