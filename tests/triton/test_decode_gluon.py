@@ -1,5 +1,5 @@
-"""The Gluon decode kernels (`ops/triton/decode_gluon.py`: q8, q4, TurboQuant and `off`, serving by default; q6,
-not yet) against the reference path, on a CUDA device.
+"""The Gluon decode kernels (`ops/triton/decode_gluon.py`: q8, q6, q4, TurboQuant and `off`, all serving by default)
+against the reference path, on a CUDA device.
 
 Gluon has no interpreter: on the CPU, `test_sm90_compile.py` compiles them for sm_90 and checks their loops
 (every page byte loaded into the matrix units' registers, no shared memory).
