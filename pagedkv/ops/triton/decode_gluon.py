@@ -316,7 +316,16 @@ TQ_UNITS = gl.constexpr(gl.DistributedLinearLayout(   # [16 keys, 16 units or wo
 TQ_WORDS = gl.constexpr(gl.DistributedLinearLayout(   # the same elements, a key's two words side by side
     reg_bases=[[0, 1], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], warp_bases=[],
     block_bases=[], shape=[16, 16]))
-ROWS16 = gl.constexpr(gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0]))
+# The copies ask for 16-byte runs (8 for the 3-bit values' N bytes), every lane its own: [16 keys, row bytes]
+# as the 32 lanes tile it, so no run is asked for twice and a warp's writes to the ring fill whole wavefronts.
+COPY_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0]))    # q8_0 key codes, 128-byte rows
+COPY_HALF_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))   # q4_0 key codes, 64-byte rows
+COPY_WORDS = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))    # 4-bit value words, 64-byte rows
+COPY_UNITS = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0]))   # 3-bit values: M words, N bytes
+# The key rings: 16-byte units XOR the row (128-byte rows: row % 8; 64-byte rows, two to a bank line: row // 2 % 4),
+# so the eight rows a `TQ_KEYS8` / `TQ_KEYS4` read takes at once lie in different banks.
+KEY_RING = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+HALF_KEY_RING = gl.constexpr(gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
 
 
 @gluon.jit
@@ -400,11 +409,11 @@ def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_s
     block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
     slot = start % BLOCK_SIZE
     if K_BITS == 8:
-        kr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_KEYS8))
-        kc = gl.arange(0, 128, layout=gl.SliceLayout(0, TQ_KEYS8))
+        kr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_ROWS))
+        kc = gl.arange(0, 128, layout=gl.SliceLayout(0, COPY_ROWS))
     else:
-        kr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_KEYS4))
-        kc = gl.arange(0, 64, layout=gl.SliceLayout(0, TQ_KEYS4))
+        kr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_HALF_ROWS))
+        kc = gl.arange(0, 64, layout=gl.SliceLayout(0, COPY_HALF_ROWS))
     async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
                                            + kc[None, :])
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))   # a key's four fp16 scales as one 8-byte word
@@ -415,14 +424,14 @@ def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_s
     vs_at = vs_ptr + block * vs_strides[0] + (slot + sr) * vs_strides[1]
     async_copy.async_copy_global_to_shared(vs_sm, vs_at.to(gl.pointer_type(gl.int64)), s_ok)
     if V_BITS == 3:
-        vr = gl.arange(0, 16, layout=gl.SliceLayout(1, ROWS16))
-        vc = gl.arange(0, 16, layout=gl.SliceLayout(0, ROWS16))
+        vr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_UNITS))
+        vc = gl.arange(0, 16, layout=gl.SliceLayout(0, COPY_UNITS))
         v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
         async_copy.async_copy_global_to_shared(m_sm, (v_row.to(gl.pointer_type(gl.int16)) + vc[None, :]))
         async_copy.async_copy_global_to_shared(n_sm, v_row + 32 + vc[None, :])
     else:
-        vr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_WORDS))
-        vc = gl.arange(0, 16, layout=gl.SliceLayout(0, TQ_WORDS))
+        vr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_WORDS))
+        vc = gl.arange(0, 16, layout=gl.SliceLayout(0, COPY_WORDS))
         v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
         async_copy.async_copy_global_to_shared(m_sm, v_row.to(gl.pointer_type(gl.int32)) + vc[None, :])
     async_copy.commit_group()
@@ -511,7 +520,7 @@ def decode_tq_kernel(
     RING: gl.constexpr = 4 if PAIRS else STAGES
     AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     k_ring = gl.allocate_shared_memory(gl.int8 if K_BITS == 8 else gl.uint8, [RING, 16, 128 * K_BITS // 8],
-                                       gl.SwizzledSharedLayout(K_BITS, 1, 8, [1, 0]))
+                                       KEY_RING if K_BITS == 8 else HALF_KEY_RING)
     ks_ring = gl.allocate_shared_memory(gl.int64, [RING, 16], WORDS)
     kz_ring = gl.allocate_shared_memory(gl.int64, [RING, 16], WORDS)
     vs_ring = gl.allocate_shared_memory(gl.int64, [RING, 16], WORDS)
