@@ -322,6 +322,10 @@ COPY_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0]))    #
 COPY_HALF_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))   # q4_0 key codes, 64-byte rows
 COPY_WORDS = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))    # 4-bit value words, 64-byte rows
 COPY_UNITS = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0]))   # 3-bit values: M words, N bytes
+SCALE_WORDS = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0]))  # [4 kinds, 16 keys] scale words
+SCALE_ROW = gl.constexpr(gl.DistributedLinearLayout(   # [1, 16] scale words as the score rows hold them
+    reg_bases=[[0, 8]], lane_bases=[[0, 0], [0, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[], block_bases=[],
+    shape=[1, 16]))
 # The key rings: 16-byte units XOR the row (128-byte rows: row % 8; 64-byte rows, two to a bank line: row // 2 % 4),
 # so the eight rows a `TQ_KEYS8` / `TQ_KEYS4` read takes at once lie in different banks.
 KEY_RING = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
@@ -401,11 +405,12 @@ def value_tile(f):
 
 @gluon.jit
 def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, ks_strides, v_strides,
-                 vs_strides, k_sm, ks_sm, kz_sm, m_sm, n_sm, vs_sm, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
+                 vs_strides, k_sm, s_sm, m_sm, n_sm, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
                  V_BITS: gl.constexpr):
     """Ask for the 16 TurboQuant keys from `start` into one stage of the ring (cp.async): key codes (each lane its
-    own runs), the four group scales and zero points of keys and values (masked: zero), the values (3-bit: the
-    units' M words and N bytes, rows of 32 and 16 bytes; 4-bit: the units' words, rows of 64 bytes)."""
+    own runs), the four group scales and zero points of keys and the four scales of values as rows 0, 1, 2 of the
+    stage's scale words (masked: zero), the values (3-bit: the units' M words and N bytes, rows of 32 and 16 bytes;
+    4-bit: the units' words, rows of 64 bytes)."""
     block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
     slot = start % BLOCK_SIZE
     if K_BITS == 8:
@@ -416,13 +421,12 @@ def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_s
         kc = gl.arange(0, 64, layout=gl.SliceLayout(0, COPY_HALF_ROWS))
     async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
                                            + kc[None, :])
-    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))   # a key's four fp16 scales as one 8-byte word
-    s_ok = start + sr < kv_hi
-    s_row = block * ks_strides[0] + (slot + sr) * ks_strides[1]
-    async_copy.async_copy_global_to_shared(ks_sm, (ks_ptr + s_row).to(gl.pointer_type(gl.int64)), s_ok)
-    async_copy.async_copy_global_to_shared(kz_sm, (kz_ptr + s_row).to(gl.pointer_type(gl.int64)), s_ok)
-    vs_at = vs_ptr + block * vs_strides[0] + (slot + sr) * vs_strides[1]
-    async_copy.async_copy_global_to_shared(vs_sm, vs_at.to(gl.pointer_type(gl.int64)), s_ok)
+    t = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_WORDS))[:, None]   # a key's four fp16 as one 8-byte word
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(0, SCALE_WORDS))[None, :]
+    k_row = block * ks_strides[0] + (slot + sr) * ks_strides[1]
+    v_row = block * vs_strides[0] + (slot + sr) * vs_strides[1]
+    s_at = gl.where(t == 0, ks_ptr + k_row, gl.where(t == 1, kz_ptr + k_row, vs_ptr + v_row))
+    async_copy.async_copy_global_to_shared(s_sm, s_at.to(gl.pointer_type(gl.int64)), (start + sr < kv_hi) & (t < 3))
     if V_BITS == 3:
         vr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_UNITS))
         vc = gl.arange(0, 16, layout=gl.SliceLayout(0, COPY_UNITS))
@@ -438,10 +442,18 @@ def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_s
 
 
 @gluon.jit
-def tq_scores(k_ring, ks_ring, kz_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS: gl.constexpr):
+def scale_row(s_ring, stage, KIND: gl.constexpr):
+    """Row KIND of ring stage `stage`'s scale words (0: key scales, 1: key zero points, 2: value scales): [16] along
+    the score rows."""
+    w = s_ring.index(stage).slice(KIND, 1, dim=0).load(SCALE_ROW)
+    return gl.convert_layout(gl.reshape(w, [16]), gl.SliceLayout(1, MMA), assert_trivial=True)
+
+
+@gluon.jit
+def tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS: gl.constexpr):
     """S^T [16 keys, 8 heads] of the TurboQuant keys in ring stage `stage` (unmasked, before the softmax scale)."""
-    ks = ks_ring.index(stage).load(gl.SliceLayout(1, MMA))
-    kz = kz_ring.index(stage).load(gl.SliceLayout(1, MMA))
+    ks = scale_row(s_ring, stage, 0)
+    kz = scale_row(s_ring, stage, 1)
     s = group_scores(mma_v2(tq_key_group(k_ring, stage, 0, K_BITS), q0, zero), column(ks, 0), column(kz, 0), qs0)
     s += group_scores(mma_v2(tq_key_group(k_ring, stage, 1, K_BITS), q1, zero), column(ks, 1), column(kz, 1), qs1)
     s += group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, zero), column(ks, 2), column(kz, 2), qs2)
@@ -458,12 +470,12 @@ def rescaled(acc, alpha, RESCALE: gl.constexpr):
 
 
 @gluon.jit
-def tq_attend_values(p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha,
+def tq_attend_values(p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha,
                      V_BITS: gl.constexpr, RESCALE: gl.constexpr = True):
     """The eight accumulators (times alpha [1, 8] where RESCALE) plus V^T P^T of the TurboQuant values in ring
     stage `stage` (p: P^T [16 keys, 8 heads] float32, unnormalised). A value tile lies in one scale group (unit
     order): the scales go on P^T, once per group."""
-    vs = vs_ring.index(stage).load(gl.SliceLayout(1, MMA))
+    vs = scale_row(s_ring, stage, 2)
     p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
     p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
     p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
@@ -516,14 +528,11 @@ def decode_tq_kernel(
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
 
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     RING: gl.constexpr = 4 if PAIRS else STAGES
     AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     k_ring = gl.allocate_shared_memory(gl.int8 if K_BITS == 8 else gl.uint8, [RING, 16, 128 * K_BITS // 8],
                                        KEY_RING if K_BITS == 8 else HALF_KEY_RING)
-    ks_ring = gl.allocate_shared_memory(gl.int64, [RING, 16], WORDS)
-    kz_ring = gl.allocate_shared_memory(gl.int64, [RING, 16], WORDS)
-    vs_ring = gl.allocate_shared_memory(gl.int64, [RING, 16], WORDS)
+    s_ring = gl.allocate_shared_memory(gl.int64, [RING, 4, 16], FLAT)
     if V_BITS == 3:
         m_ring = gl.allocate_shared_memory(gl.int16, [RING, 16, 16], FLAT)
         n_ring = gl.allocate_shared_memory(gl.uint8, [RING, 16, 16], FLAT)
@@ -532,8 +541,8 @@ def decode_tq_kernel(
         n_ring = m_ring
     for st in gl.static_range(AHEAD):
         copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
-                     v_strides, vs_strides, k_ring.index(st), ks_ring.index(st), kz_ring.index(st),
-                     m_ring.index(st), n_ring.index(st), vs_ring.index(st), BLOCK_SIZE, K_BITS, V_BITS)
+                     v_strides, vs_strides, k_ring.index(st), s_ring.index(st),
+                     m_ring.index(st), n_ring.index(st), BLOCK_SIZE, K_BITS, V_BITS)
 
     zero = gl.full([16, 8], 0.0, gl.float32, MMA)
     acc0 = zero
@@ -554,36 +563,34 @@ def decode_tq_kernel(
             for st in gl.static_range(2):
                 ahead = (stage + 2 + st) % 4
                 copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 32 + 16 * st, kv_hi, k_strides,
-                             ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
-                             kz_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), vs_ring.index(ahead),
-                             BLOCK_SIZE, K_BITS, V_BITS)
+                             ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
+                             m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS)
             async_copy.wait_group(2)
             nxt = stage + 1
-            sa = tq_scores(k_ring, ks_ring, kz_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
-            sb = tq_scores(k_ring, ks_ring, kz_ring, nxt, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
+            sa = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
+            sb = tq_scores(k_ring, s_ring, nxt, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
             sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
             pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
-                pa, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
+                pa, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
-                pb, m_ring, n_ring, vs_ring, nxt, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
+                pb, m_ring, n_ring, s_ring, nxt, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
                 RESCALE=False)
             stage = (stage + 2) % 4
     else:
         for start in range(kv_lo, kv_hi, 16):
             ahead = (stage + STAGES - 1) % STAGES
             copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides,
-                         ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
-                         kz_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), vs_ring.index(ahead),
-                         BLOCK_SIZE, K_BITS, V_BITS)
+                         ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
+                         m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS)
             async_copy.wait_group(STAGES - 1)
-            s = tq_scores(k_ring, ks_ring, kz_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
+            s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
             s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
             p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
             alpha = alpha[None, :]
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
-                p, m_ring, n_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
+                p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
@@ -689,8 +696,8 @@ def copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, 
     kc = gl.arange(0, 64, layout=gl.SliceLayout(0, Q4_KEYS))
     k_row = k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
     async_copy.async_copy_global_to_shared(k_sm, k_row + kc[None, :])
-    vr = gl.arange(0, 16, layout=gl.SliceLayout(1, TQ_WORDS))
-    vc = gl.arange(0, 16, layout=gl.SliceLayout(0, TQ_WORDS))
+    vr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_WORDS))
+    vc = gl.arange(0, 16, layout=gl.SliceLayout(0, COPY_WORDS))
     v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
     async_copy.async_copy_global_to_shared(w_sm, v_row.to(gl.pointer_type(gl.int32)) + vc[None, :])
     if BITS == 6:   # the 2-bit planes after the 64 nibble bytes of a row
