@@ -322,6 +322,9 @@ COPY_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0]))    #
 COPY_HALF_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))   # q4_0 key codes, 64-byte rows
 COPY_WORDS = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))    # 4-bit value words, 64-byte rows
 COPY_UNITS = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0]))   # 3-bit values: M words, N bytes
+# The 4-bit value words' ring ([stages, 16 keys, 16 words]): a key's 64-byte row stays whole, and key bit 1 picks
+# the bank half, so the four keys 2q + c (q = 0..3) a `TQ_UNITS` read takes at once fill both halves.
+WORD_RING = gl.constexpr(gl.SharedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [2, 0], [1, 0], [4, 0], [8, 0]]))
 SCALE_WORDS = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0]))  # [4 kinds, 16 keys] scale words
 SCALE_ROW = gl.constexpr(gl.DistributedLinearLayout(   # [1, 16] scale words as the score rows hold them
     reg_bases=[[0, 8]], lane_bases=[[0, 0], [0, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[], block_bases=[],
@@ -537,7 +540,7 @@ def decode_tq_kernel(
         m_ring = gl.allocate_shared_memory(gl.int16, [RING, 16, 16], FLAT)
         n_ring = gl.allocate_shared_memory(gl.uint8, [RING, 16, 16], FLAT)
     else:
-        m_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], FLAT)
+        m_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], WORD_RING)
         n_ring = m_ring
     for st in gl.static_range(AHEAD):
         copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
@@ -793,7 +796,7 @@ def decode_q4_kernel(
     RING: gl.constexpr = 4 if PAIRS else STAGES
     AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     k_ring = gl.allocate_shared_memory(gl.uint8, [RING, 16, 64], gl.SwizzledSharedLayout(16, 1, 4, [1, 0]))
-    w_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], FLAT)
+    w_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], WORD_RING)
     ks_ring = gl.allocate_shared_memory(gl.float32, [RING, 16], WORDS)
     vs_ring = gl.allocate_shared_memory(gl.float32, [RING, 16], WORDS)
     if BITS == 6:   # the 2-bit planes' rings (q4: names only, never read)
