@@ -12,7 +12,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
 #   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: as served, then all through Gluon
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
-#   OUT=/some/dir bash bench/h200_run.sh ncu-source  # the TurboQuant kernels' stall reasons, per SASS instruction
+#   OUT=/some/dir bash bench/h200_run.sh ncu-source  # stall reasons and wasted shared / L2 traffic per SASS
+#                                                    # instruction (bench/ncu_summary.py), NCU_FORMATS="q4 q6 ..."
 #
 # PYTEST_WORKERS=8 runs the GPU tests on 8 processes (they are bound by compiling kernels) when pytest-xdist is
 # there: `make gpu-wheels` here, then carry .venv-gpuwheels; it is installed from those wheels.
@@ -74,16 +75,17 @@ ncu)   # hardware counters of one decode call per format at batch 64 and 8,192 t
             --log-file "$OUT/ncu_${fmt//[:=,]/_}.txt" python bench/profile_decode.py --formats "$fmt" --shapes 64x8192 --plain
     done
     ;;
-ncu-source)   # where the TurboQuant kernels' warps stall, per SASS instruction (sampled), and the stall reasons
-    for fmt in turboquant turboquant:k=q4_0,v=q4_0; do
+ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sampled); NCU_FORMATS picks the formats
+    for fmt in ${NCU_FORMATS:-turboquant turboquant:k=q4_0,v=q4_0}; do
         name="ncu_src_${fmt//[:=,]/_}"
-        run 200 ncu --clock-control none --kernel-name regex:"decode_tq_kernel" --launch-skip 2 --launch-count 1 \
+        run 200 ncu --clock-control none --kernel-name regex:"decode_(q8|q4|tq|dense)_kernel" --launch-skip 2 --launch-count 1 \
             --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis_Tables \
             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -f -o "$OUT/$name" \
             python bench/profile_decode.py --formats "$fmt" --shapes 64x8192 --plain
         ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1
         ncu --import "$OUT/$name.ncu-rep" --page raw --csv > "$OUT/${name}_raw.csv" 2>&1
         ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
+        python bench/ncu_summary.py "$OUT/${name}_sass.csv" --top 10
     done
     ;;
 *)
