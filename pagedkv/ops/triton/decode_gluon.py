@@ -1,14 +1,20 @@
 """Decode attention over quantized pages in Gluon: every page byte streamed through a ring in shared memory by
-cp.async and read back by the lane that asked for it, straight into its matrix-unit operand registers.
+cp.async and read back straight into the matrix-unit operand registers of the lane that uses it.
 
 The transposed kernel (`decode_transposed.py`) is written in Triton's tile language, which picks register
 layouts itself: each load lands in a plain row layout and a layout conversion through shared memory (a store,
 a barrier, a load) follows it before the matrix instruction, three to four per step, one after another.
 Gluon states layouts explicitly, and the order of channels and keys inside one step is free (a dot product
-does not depend on it): so each lane copies whole runs of a key row and the kernel *names* the channels of
+does not depend on it): so each lane reads whole runs of a key row and the kernel *names* the channels of
 those bytes so that they are exactly the lane's operand elements of `mma.sync` m16n8k16 (a reshape and
 permute of the loaded tensor: register renaming, checked by `convert_layout(..., assert_trivial=True)`). The
 query is loaded once in the same channel order, and the output stored back through the inverse order.
+
+Shared memory is the one path every byte takes twice, so neither side may waste it: the copies ask for 16-byte
+runs (each lane its own, none asked twice), and the rings are laid out so that the rows one read takes at once lie
+in different banks (XOR-swizzled key rows, a linear layout for the 4-bit value words). Nsight Compute measured
+4.3x the ideal shared-memory traffic in the TurboQuant kernel before (`bash bench/h200_run.sh ncu-source`,
+`bench/ncu_summary.py`; BENCHMARKS.md, 2026-12-03).
 
 S^T = K Q^T puts keys on the M dimension and the group's query heads on N (8 columns); its accumulator
 fragment holds P^T with keys on the lane's row bits, while O^T = V^T P^T needs them on its column bits: one
