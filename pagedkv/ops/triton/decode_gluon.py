@@ -308,7 +308,7 @@ def decode_q8_kernel(
 
 
 # TurboQuant at head_dim 128: keys q8_0 or q4_0, values q3_0 or q4_0 (codebook), four groups of 32 channels.
-# Keys: lane (g, q) copies and reads keys g and g + 8, bytes 8q .. 8q + 7 (q8_0) or 4q .. 4q + 3 (q4_0) of each
+# Keys: lane (g, q) reads keys g and g + 8, bytes 8q .. 8q + 7 (q8_0) or 4q .. 4q + 3 (q4_0) of each
 # group's bytes; a group is two k-steps of its own product, its scale and zero point on score rows.
 # Values: lane (g, q) reads keys 2q, 2q + 1, 2q + 8, 2q + 9, units 2g and 2g + 1 (a unit: the codes of channels
 # u, u + 16, .., u + 112; 3-bit: the M word and N byte of `packing.pack_code_nibbles`, 4-bit: a word of sign
