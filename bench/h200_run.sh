@@ -33,6 +33,11 @@ run() {  # run LIMIT_SECONDS COMMAND...
     timeout "$limit" "$@" || { echo "== failed ($?): $*"; status=1; }
     echo "== $(( $(date +%s) - start ))s"
 }
+ncu_decode() {  # ncu_decode FORMAT NCU_OPTIONS...: Nsight Compute on one decode call at batch 64 and 8,192 tokens
+    local fmt=$1; shift
+    run 200 ncu --clock-control none --kernel-name regex:"decode_(q8|q4|tq|dense)_kernel" --launch-skip 2 \
+        --launch-count 1 "$@" python bench/profile_decode.py --formats "$fmt" --shapes 64x8192 --plain
+}
 case "${1:-kernels}" in
 kernels)
     run 120 python -m pytest -q -rf tests/triton/test_triton_write.py -k "turboquant or q4"
@@ -69,21 +74,17 @@ gluon)   # each Gluon decode kernel beside the default decode, 16 and 32 keys a 
     ;;
 ncu)   # hardware counters of one decode call per format at batch 64 and 8,192 tokens (where the time stalls)
     for fmt in off q8 turboquant turboquant:k=q4_0,v=q4_0; do
-        run 200 ncu --clock-control none --kernel-name regex:"decode_(q8|q4|tq|dense)_kernel" --launch-skip 2 --launch-count 1 \
-            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        ncu_decode "$fmt" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
             --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-            --log-file "$OUT/ncu_${fmt//[:=,]/_}.txt" python bench/profile_decode.py --formats "$fmt" --shapes 64x8192 --plain
+            --log-file "$OUT/ncu_${fmt//[:=,]/_}.txt"
     done
     ;;
 ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sampled); NCU_FORMATS picks the formats
     for fmt in ${NCU_FORMATS:-turboquant turboquant:k=q4_0,v=q4_0}; do
         name="ncu_src_${fmt//[:=,]/_}"
-        run 200 ncu --clock-control none --kernel-name regex:"decode_(q8|q4|tq|dense)_kernel" --launch-skip 2 --launch-count 1 \
-            --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis_Tables \
-            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -f -o "$OUT/$name" \
-            python bench/profile_decode.py --formats "$fmt" --shapes 64x8192 --plain
+        ncu_decode "$fmt" --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis_Tables \
+            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -f -o "$OUT/$name"
         ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1
-        ncu --import "$OUT/$name.ncu-rep" --page raw --csv > "$OUT/${name}_raw.csv" 2>&1
         ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
         python bench/ncu_summary.py "$OUT/${name}_sass.csv" --top 10
     done

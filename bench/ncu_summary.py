@@ -35,13 +35,11 @@ def summary(rows: list[dict], top: int) -> str:
         if v:
             out.append(f"  {k[6:]:20s} {v:8d}  {100 * v / samples:5.1f}%")
 
-    def traffic(name: str) -> tuple[int, int]:
-        return (sum(number(r[name]) for r in rows), sum(number(r[name + " Ideal"]) for r in rows))
-
-    for label, name in (("shared-memory wavefronts", "L1 Wavefronts Shared"),
-                        ("L2 sectors (global)", "L2 Theoretical Sectors Global")):
-        got, ideal = traffic(name)
-        out.append(f"{label}: {got:,} for {ideal:,} ideal ({got / max(ideal, 1):.2f}x)")
+    shared, l2 = "L1 Wavefronts Shared", "L2 Theoretical Sectors Global"
+    totals = {name: sum(number(r[name]) for r in rows) for name in (shared, l2)}
+    for label, name in (("shared-memory wavefronts", shared), ("L2 sectors (global)", l2)):
+        ideal = sum(number(r[name + " Ideal"]) for r in rows)
+        out.append(f"{label}: {totals[name]:,} for {ideal:,} ideal ({totals[name] / max(ideal, 1):.2f}x)")
     out.append(f"the {top} instructions with the most samples (address, SASS, samples, top stalls):")
     for r in sorted(rows, key=lambda r: -number(r["Warp Stall Sampling (All Samples)"]))[:top]:
         top3 = sorted(((number(r[k]), k[6:]) for k in stalls), reverse=True)[:3]
@@ -49,13 +47,12 @@ def summary(rows: list[dict], top: int) -> str:
                    + ", ".join(f"{k} {v}" for v, k in top3 if v))
     out.append("instructions whose traffic exceeds its ideal by 0.2% of the kernel's (shared wavefronts / ideal, "
                "L2 sectors / ideal):")
-    shared_total, l2_total = traffic("L1 Wavefronts Shared")[0], traffic("L2 Theoretical Sectors Global")[0]
     for r in rows:
-        sh, sh_ideal = number(r["L1 Wavefronts Shared"]), number(r["L1 Wavefronts Shared Ideal"])
-        l2, l2_ideal = number(r["L2 Theoretical Sectors Global"]), number(r["L2 Theoretical Sectors Global Ideal"])
-        if sh - sh_ideal > 0.002 * shared_total or l2 - l2_ideal > 0.002 * l2_total:
+        got = {name: (number(r[name]), number(r[name + " Ideal"])) for name in (shared, l2)}
+        if any(n - ideal > 0.002 * totals[name] for name, (n, ideal) in got.items()):
+            (sh, sh_ideal), (l2n, l2_ideal) = got[shared], got[l2]
             out.append(f"  {r['Address'][-5:]} {r['Source'].strip()[:56]:56s} shared {sh:>10,} / {sh_ideal:<10,} "
-                       f"L2 {l2:>10,} / {l2_ideal:,}")
+                       f"L2 {l2n:>10,} / {l2_ideal:,}")
     return "\n".join(out)
 
 

@@ -86,6 +86,19 @@ MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1
 A_OP = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
 B_OP = gl.constexpr(gl.DotOperandLayout(1, MMA.value, 2))
 PLAIN = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [1, 1], [1, 0]))
+# The copies ask for 16-byte runs (8 for the 3-bit values' N bytes), every lane its own: [16 keys, row bytes]
+# as the 32 lanes tile it, so no run is asked for twice and a warp's writes to the ring fill whole wavefronts.
+COPY_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0]))    # q8_0 key codes, 128-byte rows
+Q4_KEYS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))      # 4-bit key codes, 64-byte rows
+COPY_WORDS = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))    # 4-bit value words, 64-byte rows
+COPY_UNITS = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0]))   # 3-bit values: M words, N bytes
+# Key rings: 16-byte units XOR the row (128-byte rows: row % 8; 64-byte rows, two to a bank line: row // 2 % 4),
+# so the eight rows an operand read takes at once lie in different banks.
+KEY_RING = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
+HALF_KEY_RING = gl.constexpr(gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
+# The 4-bit value words' ring ([stages, 16 keys, 16 words]): a key's 64-byte row stays whole, and key bit 1 picks
+# the bank half, so the four keys 2q + c (q = 0..3) a `TQ_UNITS` read takes at once fill both halves.
+WORD_RING = gl.constexpr(gl.SharedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [2, 0], [1, 0], [4, 0], [8, 0]]))
 
 
 def key_load_layout(head_dim: int) -> gl.BlockedLayout:
@@ -253,10 +266,9 @@ def decode_q8_kernel(
     vc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, V_LOAD))
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     NJ: gl.constexpr = HEAD_DIM // 16
-    RING: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], RING)
-    v_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], RING)
+    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], KEY_RING)
+    v_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], KEY_RING)
     ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
     vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
     for st in gl.static_range(STAGES - 1):
@@ -319,26 +331,10 @@ TQ_KEYS4 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))
 TQ_UNITS = gl.constexpr(gl.DistributedLinearLayout(   # [16 keys, 16 units or words]: keys 2q, 2q + 1 paired
     reg_bases=[[1, 0], [0, 1], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], warp_bases=[],
     block_bases=[], shape=[16, 16]))
-TQ_WORDS = gl.constexpr(gl.DistributedLinearLayout(   # the same elements, a key's two words side by side
-    reg_bases=[[0, 1], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], warp_bases=[],
-    block_bases=[], shape=[16, 16]))
-# The copies ask for 16-byte runs (8 for the 3-bit values' N bytes), every lane its own: [16 keys, row bytes]
-# as the 32 lanes tile it, so no run is asked for twice and a warp's writes to the ring fill whole wavefronts.
-COPY_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0]))    # q8_0 key codes, 128-byte rows
-COPY_HALF_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))   # q4_0 key codes, 64-byte rows
-COPY_WORDS = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))    # 4-bit value words, 64-byte rows
-COPY_UNITS = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0]))   # 3-bit values: M words, N bytes
-# The 4-bit value words' ring ([stages, 16 keys, 16 words]): a key's 64-byte row stays whole, and key bit 1 picks
-# the bank half, so the four keys 2q + c (q = 0..3) a `TQ_UNITS` read takes at once fill both halves.
-WORD_RING = gl.constexpr(gl.SharedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8], [2, 0], [1, 0], [4, 0], [8, 0]]))
 SCALE_WORDS = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0]))  # [4 kinds, 16 keys] scale words
 SCALE_ROW = gl.constexpr(gl.DistributedLinearLayout(   # [1, 16] scale words as the score rows hold them
     reg_bases=[[0, 8]], lane_bases=[[0, 0], [0, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[], block_bases=[],
     shape=[1, 16]))
-# The key rings: 16-byte units XOR the row (128-byte rows: row % 8; 64-byte rows, two to a bank line: row // 2 % 4),
-# so the eight rows a `TQ_KEYS8` / `TQ_KEYS4` read takes at once lie in different banks.
-KEY_RING = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, [1, 0]))
-HALF_KEY_RING = gl.constexpr(gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
 
 
 @gluon.jit
@@ -426,8 +422,8 @@ def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_s
         kr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_ROWS))
         kc = gl.arange(0, 128, layout=gl.SliceLayout(0, COPY_ROWS))
     else:
-        kr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_HALF_ROWS))
-        kc = gl.arange(0, 64, layout=gl.SliceLayout(0, COPY_HALF_ROWS))
+        kr = gl.arange(0, 16, layout=gl.SliceLayout(1, Q4_KEYS))
+        kc = gl.arange(0, 64, layout=gl.SliceLayout(0, Q4_KEYS))
     async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
                                            + kc[None, :])
     t = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_WORDS))[:, None]   # a key's four fp16 as one 8-byte word
@@ -688,8 +684,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
 # SIGNED_NIBBLE_SPREAD_ASM or SIX_BIT_SPREAD_ASM (a word's bytes in the order 0, 2, 1, 3): the low (a = 0) and high
 # (a = 1) nibbles of byte 16q + 4 (j >> 1) + 2b + (j & 1) are its operand columns 16j + 8a + 2q + b. Values as
 # TurboQuant's 4-bit ones (`tq4_value_tiles`: words 2g, 2g + 1 of keys 2q, 2q + 1, 2q + 8, 2q + 9; q6: with the
-# plane halfwords of the same channels), scales on P^T.
-Q4_KEYS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))
+# plane halfwords of the same channels), scales on P^T. The nibble bytes are copied and read as `Q4_KEYS`.
 Q6_KEY_PLANE = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
 
 
