@@ -331,7 +331,7 @@ TQ_KEYS4 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))
 TQ_UNITS = gl.constexpr(gl.DistributedLinearLayout(   # [16 keys, 16 units or words]: keys 2q, 2q + 1 paired
     reg_bases=[[1, 0], [0, 1], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], warp_bases=[],
     block_bases=[], shape=[16, 16]))
-SCALE_WORDS = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0]))  # [4 kinds, 16 keys] scale words
+SCALE_WORDS = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [1, 1], [1, 0]))  # [4 kinds (3 used), 16 keys] words
 SCALE_ROW = gl.constexpr(gl.DistributedLinearLayout(   # [1, 16] scale words as the score rows hold them
     reg_bases=[[0, 8]], lane_bases=[[0, 0], [0, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[], block_bases=[],
     shape=[1, 16]))
