@@ -6,8 +6,9 @@ same pages, at each of a few split counts and VARIANTS (JSON: name -> keyword ar
     FORMAT=turboquant VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
 
 SHAPES (JSON list of [batch, context]) replaces the four target shapes; a batch without its own split counts gets
-half, one and two times the split count that fills PROGRAMS_PER_SM programs per multiprocessor. ORDERED=1 lays
-each sequence's blocks out in order instead of shuffled.
+half, one and two times the split count that fills PROGRAMS_PER_SM programs per multiprocessor; SPLITS (JSON: batch ->
+split counts) replaces the split counts timed. ORDERED=1 lays each sequence's blocks out in order instead of
+shuffled.
 """
 import json
 import os
@@ -28,7 +29,7 @@ import plotting  # noqa: E402  (bench/plotting.py)
 SHAPES = [tuple(s) for s in json.loads(os.environ.get("SHAPES", "[[1, 32768], [32, 4096], [64, 8192], [128, 2048]]"))]
 VARIANTS = json.loads(os.environ.get("VARIANTS", '{"ring2": {}}'))
 FORMAT = os.environ.get("FORMAT", "q8")
-SPLITS = {1: [64, 128, 256], 32: [4, 8, 16], 64: [2, 4, 8], 128: [1, 2, 4]}
+SPLITS = {int(b): c for b, c in json.loads(os.environ.get("SPLITS", '{"1": [64, 128, 256], "32": [4, 8, 16], "64": [2, 4, 8], "128": [1, 2, 4]}')).items()}
 ORDERED = os.environ.get("ORDERED", "0") == "1"
 
 
