@@ -4,6 +4,7 @@ same pages, at each of a few split counts and VARIANTS (JSON: name -> keyword ar
     FORMAT=turboquant VARIANTS='{"ring2": {}, "ring3": {"stages": 3}}' python bench/gluon_probe.py
     FORMAT=q4 SHAPES='[[128, 4096]]' ORDERED=1 python bench/gluon_probe.py   # other shapes; blocks in order
     FORMAT=turboquant VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
+    FORMAT=off SPLITS='{"32": [2, 4], "64": [1, 2]}' python bench/gluon_probe.py   # these split counts there
 
 SHAPES (JSON list of [batch, context]) replaces the four target shapes; a batch without its own split counts gets
 half, one and two times the split count that fills PROGRAMS_PER_SM programs per multiprocessor; SPLITS (JSON: batch ->
@@ -29,7 +30,9 @@ import plotting  # noqa: E402  (bench/plotting.py)
 SHAPES = [tuple(s) for s in json.loads(os.environ.get("SHAPES", "[[1, 32768], [32, 4096], [64, 8192], [128, 2048]]"))]
 VARIANTS = json.loads(os.environ.get("VARIANTS", '{"ring2": {}}'))
 FORMAT = os.environ.get("FORMAT", "q8")
-SPLITS = {int(b): c for b, c in json.loads(os.environ.get("SPLITS", '{"1": [64, 128, 256], "32": [4, 8, 16], "64": [2, 4, 8], "128": [1, 2, 4]}')).items()}
+SPLITS = {1: [64, 128, 256], 32: [4, 8, 16], 64: [2, 4, 8], 128: [1, 2, 4]}
+if "SPLITS" in os.environ:
+    SPLITS = {int(b): counts for b, counts in json.loads(os.environ["SPLITS"]).items()}
 ORDERED = os.environ.get("ORDERED", "0") == "1"
 
 
