@@ -124,6 +124,15 @@ def gluon_decode(query, fmt, meta, **options):
     return decode_gluon.launcher(fmt, query, meta.block_size, **options)
 
 
+def gluon_prefill(query, pages, fmt, meta, **options) -> bool:
+    """Whether the Gluon prefill kernel (`prefill_gluon.py`: dense pages, Hopper) runs this batch."""
+    if not (query.is_cuda and gluon_available()):
+        return False
+    from . import prefill_gluon
+
+    return prefill_gluon.serves(query, pages, fmt, meta, **options)
+
+
 def gluon_available() -> bool:
     """Gluon as the kernels are written for: Triton 3.6 or newer (its API moved between releases). Asked on every
     decode call, so answered once per Triton version."""
@@ -184,6 +193,10 @@ def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap
                                        warp_split_tiles(fmt).programs_per_sm)
         return decode.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
                                       softcap=softcap, num_splits=num_splits, window=window)
+    if window is None and gluon_prefill(query, pages, fmt, meta, sliding_window=sliding_window, softcap=softcap):
+        from . import prefill_gluon
+
+        return prefill_gluon.paged_attention(query, pages, fmt, meta, scale=scale)
     group = num_q_heads // fmt.num_kv_heads
     num_splits, tiles = plan_attention(num_tokens, meta.block_table.shape[0], group, head_dim, fmt, capacity,
                                        query.device)

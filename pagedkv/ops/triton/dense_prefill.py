@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ...config import KVFormat
 from ...formats import make_format
-from ...formats.base import PageFormat
+from ...formats.base import PageFormat, empty_pages
 from ..metadata import AttentionMetadata, WindowPlan
 from .codecs import KVQUANT, load_keys, load_token_scales, load_values
 from . import tuning
@@ -218,8 +218,7 @@ def dequantize(pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionM
     plan = plan or Plan(meta)
     view = page_view(fmt, pages)
     shape = (max(plan.num_blocks, 1), meta.block_size, view.num_kv_heads, view.head_dim)
-    k_out = torch.empty(shape, dtype=dtype, device=view.k.device)
-    v_out = torch.empty(shape, dtype=dtype, device=view.k.device)
+    k_out, v_out = (empty_pages(*shape, dtype, view.k.device) for _ in range(2))   # head-major, as pages are
     if window is not None:
         assert meta.window is not None, "reading a dense recent window needs the step's plan of it (meta.window)"
         rk, rv = (r.flatten(0, 1) for r in window)   # [num_rows * num_ring_blocks, block_size, H, D]
@@ -249,7 +248,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     The scratch holds the pages' attention domain: the dense kernel rotates the query into it and the output
     back out of it in registers, with the format's own rotations (the reference path's `fmt.attention_query` /
     `fmt.attention_output`)."""
-    from . import attention
+    from . import attention, gluon_prefill
 
     plan = plan or Plan(meta)
     k, v = dequantize(pages, fmt, meta, query.dtype, plan, window)
@@ -258,6 +257,16 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     dense = dense_format(fmt.num_kv_heads, fmt.head_dim, query.dtype, query.device)
     group = query.shape[1] // fmt.num_kv_heads
     rotations = page_view(fmt, pages)   # the query into the keys' domain, the output out of the values', in registers
+    if gluon_prefill(query, {"k": k, "v": v}, dense, dense_meta, sliding_window=sliding_window, softcap=softcap):
+        # the Gluon kernel has no rotations: the query and output are rotated around it, in float32
+        from . import prefill_gluon
+
+        if rotations.rotate_keys:
+            query = (query.float() @ rotations.aux("q_rotation")).to(query.dtype)
+        out = prefill_gluon.paged_attention(query, {"k": k, "v": v}, dense, dense_meta, scale=scale)
+        if rotations.rotate_out:
+            out = (out.float() @ rotations.aux("out_rotation")).to(out.dtype)
+        return out
 
     def launch(t):
         return attention.paged_attention(query, {"k": k, "v": v}, dense, dense_meta, scale=scale,

@@ -1,0 +1,100 @@
+"""Side by side on a GPU: prefill over dense pages through the Gluon kernel (`ops/triton/prefill_gluon.py`) and the
+tile-language varlen kernel (`ops/triton/attention.py`), against SDPA causal over a contiguous cache.
+
+    python bench/prefill_probe.py [--out bench/results/h200/prefill_probe]
+    CHUNKS='[[1, 2048, 0], [1, 2048, 8192], [4, 1024, 0]]' python bench/prefill_probe.py   # (seqs, chunk, context)
+
+Llama-3-8B heads (32 query, 8 KV, head_dim 128), bf16, blocks of 16 on shuffled block tables, as
+`bench/kernels.py`. Prints a table (ms, TFLOP/s, speed against SDPA, error against SDPA) and writes OUT.json and
+OUT.png.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels as kb  # noqa: E402
+import plotting  # noqa: E402  (bench/plotting.py)
+from pagedkv.ops.triton import attention, prefill_gluon  # noqa: E402
+
+CHUNKS = [tuple(c) for c in json.loads(os.environ.get(
+    "CHUNKS", "[[1, 2048, 0], [1, 2048, 8192], [1, 512, 0], [1, 8192, 0], [4, 1024, 0], [8, 512, 4096]]"))]
+
+
+def sdpa(q, k, v, num_seqs, chunk, context):
+    """SDPA causal (lower-right with context) per sequence, batched: q [B, Hq, chunk, D], k/v [B, Hkv, ctx+chunk, D]."""
+    from torch.nn.attention.bias import causal_lower_right
+    if context == 0:
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=kb.SCALE, enable_gqa=True)
+    mask = causal_lower_right(chunk, context + chunk)
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=kb.SCALE, enable_gqa=True)
+
+
+def probe(num_seqs: int, chunk: int, context: int, gen) -> dict:
+    total = context + chunk
+    keys = torch.randn(num_seqs * total, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    query = torch.randn(num_seqs * chunk, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
+    q = query.view(num_seqs, chunk, kb.NUM_Q_HEADS, kb.HEAD_DIM).transpose(1, 2)
+    k = keys.view(num_seqs, total, kb.NUM_KV_HEADS, kb.HEAD_DIM).transpose(1, 2).contiguous()
+    v = values.view(num_seqs, total, kb.NUM_KV_HEADS, kb.HEAD_DIM).transpose(1, 2).contiguous()
+    run_sdpa = sdpa(q, k, v, num_seqs, chunk, context)
+    ref = run_sdpa().transpose(1, 2).reshape(num_seqs * chunk, kb.NUM_Q_HEADS, kb.HEAD_DIM)
+    fmt, pages, table = kb.paged_layer("off", keys, values, num_seqs, total, gen)
+    lens = [total] * num_seqs
+    qsl = list(range(0, num_seqs * chunk + 1, chunk))
+    meta = kb.AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32, device=kb.DEV),
+                                torch.tensor(qsl, dtype=torch.int32, device=kb.DEV),
+                                torch.zeros(num_seqs * chunk, dtype=torch.int64, device=kb.DEV), None, lens, qsl,
+                                kb.BLOCK_SIZE)
+    flops = 4 * kb.NUM_Q_HEADS * kb.HEAD_DIM * num_seqs * chunk * (context + (chunk + 1) / 2)
+    row = {"num_seqs": num_seqs, "chunk": chunk, "context": context}
+    kernels = {"sdpa": run_sdpa,
+               "varlen": lambda: attention.paged_attention(query, pages, fmt, meta, scale=kb.SCALE),
+               "gluon": lambda: prefill_gluon.paged_attention(query, pages, fmt, meta, scale=kb.SCALE)}
+    assert prefill_gluon.supports(query, pages, fmt, meta)
+    for name, fn in kernels.items():
+        out = fn()
+        if name != "sdpa":
+            row[f"{name}_err"] = kb.rel_err(out, ref)
+        row[f"{name}_ms"] = kb.time_per_call([fn], replays=10)
+        row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9
+    for name in ("varlen", "gluon"):
+        row[f"{name}_vs_sdpa"] = row["sdpa_ms"] / row[f"{name}_ms"]
+    print(f"{num_seqs:>4} x {chunk:>5} after {context:>5}: sdpa {row['sdpa_ms']:.3f} ms ({row['sdpa_tflops']:.0f} TFLOP/s)"
+          f" | varlen {row['varlen_ms']:.3f} ({row['varlen_tflops']:.0f}, x{row['varlen_vs_sdpa']:.2f}, err {row['varlen_err']:.1e})"
+          f" | gluon {row['gluon_ms']:.3f} ({row['gluon_tflops']:.0f}, x{row['gluon_vs_sdpa']:.2f}, err {row['gluon_err']:.1e})",
+          flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench/results/prefill_probe")
+    args = parser.parse_args()
+    kb.warm_up()
+    gen = torch.Generator().manual_seed(0)
+    rows = [probe(*c, gen) for c in CHUNKS]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    plt = plotting.pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"{r['num_seqs']}x{r['chunk']}\n+{r['context']}" for r in rows]
+        plotting.grouped_bars(ax, labels, {k: [r[f"{k}_vs_sdpa"] for r in rows] for k in ("varlen", "gluon")})
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_ylabel("speed / SDPA causal")
+        ax.set_title(f"prefill over dense pages, {torch.cuda.get_device_name()}")
+        ax.legend()
+        plotting.save(fig, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
