@@ -207,6 +207,35 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
             "shared_bytes": compiled[0].metadata.shared, "loop_ops": dict(ops)}
 
 
+def gluon_prefill_report(head_dim: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> dict:
+    """The Gluon prefill kernel (`ops/triton/prefill_gluon.py`, dense pages) compiled for sm_90 for a 2,048-token
+    chunk: registers, spills, shared memory and the opcodes of the whole kernel (its barrier waits branch back into
+    the body, so its loops do not stand out as in the decode kernels)."""
+    from pagedkv.ops.metadata import AttentionMetadata
+    from pagedkv.ops.triton import prefill_gluon
+    from triton.runtime.jit import JITFunction
+
+    fmt = make_format(KVFormat.parse("off"), NUM_KV_HEADS, head_dim, dtype, "cpu")
+    n = 2048
+    q = torch.empty(n, NUM_Q_HEADS, head_dim, dtype=dtype)
+    table = torch.zeros(1, n // block_size, dtype=torch.int32)
+    meta = AttentionMetadata(table, torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
+                             torch.zeros(n, dtype=torch.int64), None, [n], [0, n], block_size)
+    compiled = []
+    run = JITFunction.run
+    JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
+    try:
+        prefill_gluon.paged_attention(q, fmt.allocate_pages(n // block_size, block_size), fmt, meta, scale=0.1)
+    finally:
+        JITFunction.run = run
+    info, sass = assemble(compiled[0])
+    return {"head_dim": head_dim, "dtype": str(dtype), "block_size": block_size,
+            "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+            "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
+            "shared_bytes": compiled[0].metadata.shared, "ops": dict(loop_ops(
+                [t for t in re.findall(r"^\s+/\*[0-9a-f]{4,6}\*/\s+(.*?);", sass, re.M)]))}
+
+
 def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
     kernel = kernel or compile_decode(spec, tiles)
     info, sass = assemble(kernel)
@@ -326,8 +355,17 @@ def main() -> None:
                         help="print (JSON) the Gluon decode kernels' registers, spills and loop opcodes (q8 per head_dim, "
                              "dtype and split; TurboQuant q8_0/q3_0 and q4_0/q4_0, q4, q6 and off, per dtype; q8, "
                              "TurboQuant and q4 with a dense recent window)")
+    parser.add_argument("--gluon-prefill", action="store_true",
+                        help="print (JSON) the Gluon prefill kernel's registers, spills, shared memory and opcodes "
+                             "(head_dim 64 and 128, both 16-bit dtypes; blocks of 16 and 64)")
     args = parser.parse_args()
     driver.set_active(_Sm90Target())
+    if args.gluon_prefill:
+        for head_dim in (64, 128):
+            for dtype in (torch.bfloat16, torch.float16):
+                print(json.dumps(gluon_prefill_report(head_dim, dtype)), flush=True)
+        print(json.dumps(gluon_prefill_report(128, torch.bfloat16, block_size=64)), flush=True)
+        return
     if args.gluon:
         for head_dim in (64, 128):
             for dtype in (torch.bfloat16, torch.float16):
