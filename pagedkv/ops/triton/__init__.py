@@ -62,7 +62,8 @@ def paged_attention(query, pages, fmt, meta, *, scale, sliding_window=None, soft
     Decode-like batches over KV-Quant pages and the TurboQuant pages it reads run the warp-split decode
     kernel (`decode.py`), or on a GPU a Gluon kernel where one serves the format (`decode_gluon.launcher`:
     q8); other batches the varlen kernel, or split-K when the (query block, KV head)
-    programs would not fill the GPU; with `tuning.DENSE_PREFILL`, prefill batches over quantized pages run
+    programs would not fill the GPU, except that on Hopper prefill batches over dense pages run the Gluon prefill
+    kernel (`prefill_gluon.py`); with `tuning.DENSE_PREFILL`, prefill batches over quantized pages run
     through dense scratch pages (`dense_prefill.py`). Every choice is made from shapes alone.
     `window`: the layer's dense recent window (rings of keys and values, `decode.paged_attention`), for batches
     `reads_window` accepts: the warp-split decode kernel reads it beside the pages.

@@ -7,7 +7,8 @@ tokens of context converts each context tile once per query block of its sequenc
 with the fused kernels' own `codecs.load_keys` / `load_values`) into the queries' dtype, and the dense kernel
 runs at `off`'s speed over it. Keys and values are rebuilt in the queries' dtype (bfloat16 keeps 8 mantissa
 bits, as `off`'s own pages do); the dense kernel rotates the query into the keys' domain (rotated keys) and
-the output out of the values' (TurboQuant) in registers.
+the output out of the values' (TurboQuant) in registers, or on Hopper, where the Gluon prefill kernel
+(`prefill_gluon.py`) runs, two matrix products in the queries' dtype around it do.
 
 A step of continuous batching holds decodes, then prefill chunks (`engine/scheduler.py`): the decodes run the
 decode kernels as a batch of their own, the chunks this path (`step_of`). A dense recent window
