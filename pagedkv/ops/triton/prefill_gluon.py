@@ -211,6 +211,156 @@ def prefill_kernel(
     gl.store(out_ptr + o_offs, out.to(dtype), mask=ok_o[:, None])
 
 
+@gluon.jit
+def ws_consumer(WG: gl.constexpr, out_ptr, q_ptr, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
+                q_start, q_len, first, context, kv_hi, num_tiles, num_full, kv_head,
+                stride_qt, stride_qh, stride_ot, stride_oh, qk_scale,
+                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, ROWS: gl.constexpr,
+                TILE_N: gl.constexpr):
+    """One consumer warp group of the warp-specialized kernel: rows [WG * ROWS, (WG + 1) * ROWS) of the program's
+    block, the loop of `prefill_kernel` without copies; a key or value buffer is handed back to the producer
+    (an arrive on its "empty" barrier, which counts both warp groups) once this warp group is done with it."""
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    Q_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+    rows = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, Q_LOAD))
+    token = first + rows // GROUP
+    row_ok = (token < q_len) & (rows < BLOCK_Q * GROUP)
+    q_offs = ((q_start + token).to(gl.int64) * stride_qt + (kv_head * GROUP + rows % GROUP) * stride_qh)[:, None] \
+        + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q_LOAD))[None, :]
+    q_smem.store(gl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    q_pos = context + first + (WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, S_LAYOUT))) // GROUP
+    zero_s = gl.zeros([ROWS, TILE_N], gl.float32, S_LAYOUT)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_LAYOUT)
+
+    mbarrier.wait(k_full.index(0), 0)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    gl.thread_barrier()
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if num_full > 0:
+        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, 0, q_pos, kv_hi, qk_scale, False, S_LAYOUT)
+    else:
+        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, 0, q_pos, kv_hi, qk_scale, True, S_LAYOUT)
+    p_op = gl.convert_layout(p.to(dtype), P_OP)
+
+    for j in range(1, num_tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_full.index(stage), (j // STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_full.index(prev), ((j - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok,))
+        gl.thread_barrier()
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        if j < num_full:
+            p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, j * TILE_N, q_pos, kv_hi, qk_scale, False, S_LAYOUT)
+        else:
+            p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, j * TILE_N, q_pos, kv_hi, qk_scale, True, S_LAYOUT)
+        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
+        gl.thread_barrier()
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), P_OP)
+
+    last = (num_tiles - 1) % STAGES
+    mbarrier.wait(v_full.index(last), ((num_tiles - 1) // STAGES) & 1)
+    valid = kv_hi - (num_tiles - 1) * TILE_N
+    if valid < TILE_N:   # both warp groups zero the same rows: identical stores, each before its own product
+        zero_tail_rows(v_smem.index(last), valid, TILE_N, HEAD_DIM, 4)
+    o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    rows_o = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
+    token_o = first + rows_o // GROUP
+    ok_o = (token_o < q_len) & (rows_o < BLOCK_Q * GROUP)
+    o_offs = ((q_start + token_o).to(gl.int64) * stride_ot + (kv_head * GROUP + rows_o % GROUP) * stride_oh)[:, None] \
+        + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))[None, :]
+    gl.store(out_ptr + o_offs, out.to(dtype), mask=ok_o[:, None])
+
+
+@gluon.jit
+def ws_producer(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, bt_row, num_tiles, last_block,
+                kv_head, NUM_KV_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """The producer warp: every key and value tile of the program by TMA, each into a buffer once both consumer
+    warp groups handed it back (a fresh barrier passes the first wait: parity 1 is its phase before the first)."""
+    for t in range(num_tiles):
+        stage = t % STAGES
+        phase = ((t // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(stage), phase)
+        copy_tile(k_desc, k_full.index(stage), k_smem.index(stage), bt_row, t, last_block, kv_head, NUM_KV_HEADS,
+                  BLOCK_SIZE)
+        mbarrier.wait(v_empty.index(stage), phase)
+        copy_tile(v_desc, v_full.index(stage), v_smem.index(stage), bt_row, t, last_block, kv_head, NUM_KV_HEADS,
+                  BLOCK_SIZE)
+
+
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt"])
+def prefill_ws_kernel(
+    out_ptr, q_ptr, k_desc, v_desc, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, num_seqs, qk_scale,
+    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, num_warps: gl.constexpr,
+):
+    """`prefill_kernel` warp-specialized (FlashAttention-3's layout): a producer warp issues every copy, and the
+    two consumer warp groups (64 rows each) run on their own, with no barrier across the program, so that one's
+    softmax can overlap the other's products. Prepared, not yet timed (`bench/prefill_probe.py` times it as
+    `gluon_ws`)."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    ROWS: gl.constexpr = BLOCK_M // 2
+    q_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    kv_head = gl.program_id(1)
+    seq = find_sequence(q_block, query_start_loc_ptr, num_seqs, BLOCK_Q)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    first = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first >= q_len:
+        return
+    context = gl.load(seq_lens_ptr + seq) - q_len
+    kv_hi = context + gl.minimum(first + BLOCK_Q, q_len)
+    num_tiles = gl.cdiv(kv_hi, TILE_N)
+    num_full = (context + first + 1) // TILE_N
+    last_block = (kv_hi - 1) // BLOCK_SIZE
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    q_smem0 = gl.allocate_shared_memory(dtype, [ROWS, HEAD_DIM], q_layout)
+    q_smem1 = gl.allocate_shared_memory(dtype, [ROWS, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, HEAD_DIM], v_desc.layout)
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (ws_consumer, (0, out_ptr, q_ptr, q_smem0, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_start, q_len,
+                       first, context, kv_hi, num_tiles, num_full, kv_head, stride_qt, stride_qh, stride_ot, stride_oh,
+                       qk_scale, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_M // 2, TILE_N)),
+        (ws_consumer, (1, out_ptr, q_ptr, q_smem1, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_start, q_len,
+                       first, context, kv_hi, num_tiles, num_full, kv_head, stride_qt, stride_qh, stride_ot, stride_oh,
+                       qk_scale, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_M // 2, TILE_N)),
+        (ws_producer, (k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, bt_row, num_tiles,
+                       last_block, kv_head, NUM_KV_HEADS, BLOCK_SIZE)),
+    ], [4, 1], [240, 32])
+
+
 def serves(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta: AttentionMetadata, *,
            sliding_window=None, softcap=None) -> bool:
     """Whether this kernel runs a batch: not decode-like (`tuning.is_decode_like`: the decode kernels serve those)
@@ -253,8 +403,9 @@ def descriptor(page: torch.Tensor, block_size: int) -> TensorDescriptor:
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta: AttentionMetadata, *,
-                    scale: float) -> torch.Tensor:
-    """`attention.paged_attention` for the batches `supports` accepts."""
+                    scale: float, specialized: bool = False) -> torch.Tensor:
+    """`attention.paged_attention` for the batches `supports` accepts. `specialized`: the warp-specialized kernel
+    (`prefill_ws_kernel`, prepared, not yet timed; `bench/prefill_probe.py`)."""
     view = page_view(fmt, pages)
     num_tokens, num_q_heads, head_dim = query.shape
     group = num_q_heads // view.num_kv_heads
@@ -264,11 +415,12 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         return out
     num_seqs = meta.block_table.shape[0]
     grid = (num_tokens // block_q + num_seqs, view.num_kv_heads)
-    prefill_kernel[grid](
+    kernel, warps = (prefill_ws_kernel, 4) if specialized else (prefill_kernel, NUM_WARPS)
+    kernel[grid](
         out, query, descriptor(view.k, meta.block_size), descriptor(view.v, meta.block_size),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         num_seqs, float(scale) * 1.4426950408889634,
         NUM_KV_HEADS=view.num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size,
-        BLOCK_M=BLOCK_M, BLOCK_Q=block_q, TILE_N=TILE_N, num_warps=NUM_WARPS)
+        BLOCK_M=BLOCK_M, BLOCK_Q=block_q, TILE_N=TILE_N, num_warps=warps)
     return out
