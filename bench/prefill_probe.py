@@ -1,9 +1,9 @@
-"""Side by side on a GPU: prefill over dense pages through the Gluon kernel (`ops/triton/prefill_gluon.py`) and the
-tile-language varlen kernel (`ops/triton/attention.py`), against SDPA causal over a contiguous cache.
+"""Side by side on a GPU: prefill over dense pages through the Gluon kernel (`ops/triton/prefill_gluon.py`: the
+warp-specialized kernel it serves, and `gluon_plain`, its baseline without a producer warp) and the tile-language
+varlen kernel (`ops/triton/attention.py`), against SDPA causal over a contiguous cache.
 
     python bench/prefill_probe.py [--out bench/results/h200/prefill_probe]
     CHUNKS='[[1, 2048, 0], [1, 2048, 8192], [4, 1024, 0]]' python bench/prefill_probe.py   # (seqs, chunk, context)
-    SPECIALIZED=1 python bench/prefill_probe.py   # also the warp-specialized kernel (prepared, not yet timed)
 
 Llama-3-8B heads (32 query, 8 KV, head_dim 128), bf16, blocks of 16 on shuffled block tables, as
 `bench/kernels.py`. Prints a table (ms, TFLOP/s, speed against SDPA, error against SDPA) and writes OUT.json and
@@ -24,7 +24,6 @@ import kernels as kb  # noqa: E402
 import plotting  # noqa: E402  (bench/plotting.py)
 from pagedkv.ops.triton import attention, prefill_gluon  # noqa: E402
 
-SPECIALIZED = os.environ.get("SPECIALIZED", "0") == "1"
 CHUNKS = [tuple(c) for c in json.loads(os.environ.get(
     "CHUNKS", "[[1, 2048, 0], [1, 2048, 8192], [1, 512, 0], [1, 8192, 0], [4, 1024, 0], [8, 512, 4096]]"))]
 
@@ -59,10 +58,9 @@ def probe(num_seqs: int, chunk: int, context: int, gen) -> dict:
     row = {"num_seqs": num_seqs, "chunk": chunk, "context": context}
     kernels = {"sdpa": run_sdpa,
                "varlen": lambda: attention.paged_attention(query, pages, fmt, meta, scale=kb.SCALE),
+               "gluon_plain": lambda: prefill_gluon.paged_attention(query, pages, fmt, meta, scale=kb.SCALE,
+                                                                    specialized=False),
                "gluon": lambda: prefill_gluon.paged_attention(query, pages, fmt, meta, scale=kb.SCALE)}
-    if SPECIALIZED:   # the warp-specialized kernel, prepared, not yet timed
-        kernels["gluon_ws"] = lambda: prefill_gluon.paged_attention(query, pages, fmt, meta, scale=kb.SCALE,
-                                                                    specialized=True)
     assert prefill_gluon.supports(query, pages, fmt, meta)
     for name, fn in kernels.items():
         out = fn()
@@ -73,10 +71,8 @@ def probe(num_seqs: int, chunk: int, context: int, gen) -> dict:
     for name in kernels:
         row[f"{name}_vs_sdpa"] = row["sdpa_ms"] / row[f"{name}_ms"]
     print(f"{num_seqs:>4} x {chunk:>5} after {context:>5}: sdpa {row['sdpa_ms']:.3f} ms ({row['sdpa_tflops']:.0f} TFLOP/s)"
-          f" | varlen {row['varlen_ms']:.3f} ({row['varlen_tflops']:.0f}, x{row['varlen_vs_sdpa']:.2f}, err {row['varlen_err']:.1e})"
-          f" | gluon {row['gluon_ms']:.3f} ({row['gluon_tflops']:.0f}, x{row['gluon_vs_sdpa']:.2f}, err {row['gluon_err']:.1e})"
-          + (f" | gluon_ws {row['gluon_ws_ms']:.3f} ({row['gluon_ws_tflops']:.0f}, x{row['gluon_ws_vs_sdpa']:.2f}, "
-             f"err {row['gluon_ws_err']:.1e})" if SPECIALIZED else ""), flush=True)
+          + "".join(f" | {k} {row[k + '_ms']:.3f} ({row[k + '_tflops']:.0f}, x{row[k + '_vs_sdpa']:.2f}, "
+                    f"err {row[k + '_err']:.1e})" for k in kernels if k != "sdpa"), flush=True)
     return row
 
 
@@ -94,8 +90,7 @@ def main() -> None:
     if plt is not None:
         fig, ax = plt.subplots(figsize=(8, 4))
         labels = [f"{r['num_seqs']}x{r['chunk']}\n+{r['context']}" for r in rows]
-        names = ("varlen", "gluon", "gluon_ws") if SPECIALIZED else ("varlen", "gluon")
-        plotting.grouped_bars(ax, labels, {k: [r[f"{k}_vs_sdpa"] for r in rows] for k in names})
+        plotting.grouped_bars(ax, labels, {k: [r[f"{k}_vs_sdpa"] for r in rows] for k in ("varlen", "gluon_plain", "gluon")})
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_ylabel("speed / SDPA causal")
         ax.set_title(f"prefill over dense pages, {torch.cuda.get_device_name()}")
