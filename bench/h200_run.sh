@@ -8,6 +8,7 @@
 #                                                  # prefill also through the fused kernels)
 #   OUT=/some/dir bash bench/h200_run.sh tests     # the decode, window and CUDA graph GPU tests (long: they compile)
 #   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
+#   OUT=/some/dir bash bench/h200_run.sh prefill   # the Gluon prefill kernels' GPU tests, the prefill table, the probe
 #   OUT=/some/dir bash bench/h200_run.sh gluon-tests  # the Gluon decode kernels' GPU tests
 #   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
 #   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: as served, then all through Gluon
@@ -55,6 +56,13 @@ engine)
         --formats off turboquant q4 --admission-lookahead-tokens 0 1024 --out "$OUT"
     run 90 python bench/tiers.py --model llama8b --device cuda --prefix-tokens 2048 8192 32768 --out "$OUT/h200"
     ;;
+prefill)   # the Gluon prefill kernels against the reference, then timed: every format, and beside the other kernels
+    run 300 python -m pytest -q -rf "${workers[@]}" tests/triton/test_prefill_gluon.py tests/triton/test_dense_prefill.py \
+        tests/triton/test_triton_cuda_graph.py
+    run 150 python bench/kernels.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --skip decode,write \
+        --out "$OUT/kernels_prefill"
+    run 120 python bench/prefill_probe.py --out "$OUT/prefill_probe"
+    ;;
 gluon-tests)   # the Gluon decode kernels against the reference (about 90 kernel variants to compile)
     run 560 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py
     ;;
@@ -90,7 +98,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|gluon-tests|gluon|gluon-window|ncu|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|prefill|gluon-tests|gluon|gluon-window|ncu|ncu-source" >&2
     exit 2
     ;;
 esac
