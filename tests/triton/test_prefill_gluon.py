@@ -84,3 +84,25 @@ def test_quantized_prefill_through_scratch_pages_runs_the_gluon_kernel(spec, mon
     assert calls == [1]
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
+
+
+def test_the_copy_rows_address_each_blocks_slots_of_one_head():
+    """What the kernel's TMA copies rely on (CPU): a page tensor as stored is rows [num_blocks * num_kv_heads *
+    block_size, head_dim], block b's slots of KV head h starting at row (b * num_kv_heads + h) * block_size; dense
+    scratch pages are stored so too; pages stored slot-major are refused (the tile-language kernel reads them)."""
+    from pagedkv.config import KVFormat
+    from pagedkv.formats import make_format
+    from pagedkv.ops.triton import dense_prefill, prefill_gluon
+
+    fmt = make_format(KVFormat.parse("off"), 3, 64, torch.bfloat16, "cpu")
+    pages = fmt.allocate_pages(5, 16)
+    pages["k"].copy_(torch.randn(pages["k"].shape))
+    rows = prefill_gluon._stored(pages["k"])
+    assert rows.shape == (5 * 3 * 16, 64) and rows.data_ptr() == pages["k"].data_ptr()
+    for b, h, slot in [(0, 0, 0), (4, 2, 15), (2, 1, 7)]:
+        assert torch.equal(rows[(b * 3 + h) * 16 + slot], pages["k"][b, slot, h])
+    k_scratch, _ = dense_prefill.dequantize(pages, fmt, build_case(1, "off", num_q_heads=6, num_kv_heads=3, head_dim=64,
+                                                                   block_size=16, ctx_lens=[40], new_lens=[30]).meta,
+                                            torch.bfloat16)
+    assert prefill_gluon._stored(k_scratch) is not None
+    assert prefill_gluon._stored(torch.empty(5, 16, 3, 64, dtype=torch.bfloat16)) is None
