@@ -8,11 +8,12 @@ for a format compiles it (seconds each; Triton keeps the result in its cache, `~
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 
 import torch
+
+from .gluon_support import gluon_available, gluon_prefill
 
 _announced: set[tuple] = set()
 
@@ -123,35 +124,6 @@ def gluon_decode(query, fmt, meta, **options):
     from . import decode_gluon
 
     return decode_gluon.launcher(fmt, query, meta.block_size, **options)
-
-
-def gluon_prefill(query, pages, fmt, meta, **options) -> bool:
-    """Whether the Gluon prefill kernel (`prefill_gluon.py`: dense pages, Hopper) runs this batch."""
-    if not (query.is_cuda and gluon_available()):
-        return False
-    from . import prefill_gluon
-
-    return prefill_gluon.serves(query, pages, fmt, meta, **options)
-
-
-def gluon_available() -> bool:
-    """Gluon as the kernels are written for: Triton 3.6 or newer (its API moved between releases). Asked on every
-    decode call, so answered once per Triton version."""
-    import triton
-
-    return _gluon_supported(triton.__version__)
-
-
-@functools.cache
-def _gluon_supported(version: str) -> bool:
-    import importlib.util
-
-    try:
-        major_minor = tuple(int(x) for x in version.split(".")[:2])
-        found = importlib.util.find_spec("triton.experimental.gluon") is not None
-    except (ImportError, ValueError):
-        return False
-    return found and major_minor >= (3, 6)
 
 
 def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):

@@ -249,7 +249,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     The scratch holds the pages' attention domain: the dense kernel rotates the query into it and the output
     back out of it in registers, with the format's own rotations (the reference path's `fmt.attention_query` /
     `fmt.attention_output`)."""
-    from . import attention, gluon_prefill
+    from . import attention
+    from .gluon_support import gluon_prefill
 
     plan = plan or Plan(meta)
     k, v = dequantize(pages, fmt, meta, query.dtype, plan, window)
