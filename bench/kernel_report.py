@@ -207,7 +207,7 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
             "shared_bytes": compiled[0].metadata.shared, "loop_ops": dict(ops)}
 
 
-def gluon_prefill_report(head_dim: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE, specialized: bool = True) -> dict:
+def gluon_prefill_report(head_dim: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> dict:
     """The Gluon prefill kernel (`ops/triton/prefill_gluon.py`, dense pages) compiled for sm_90 for a 2,048-token
     chunk: registers, spills, shared memory and the opcodes of the whole kernel (its barrier waits branch back into
     the body, so its loops do not stand out as in the decode kernels)."""
@@ -225,12 +225,11 @@ def gluon_prefill_report(head_dim: int, dtype: torch.dtype, block_size: int = BL
     run = JITFunction.run
     JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
     try:
-        prefill_gluon.paged_attention(q, fmt.allocate_pages(n // block_size, block_size), fmt, meta, scale=0.1,
-                                      specialized=specialized)
+        prefill_gluon.paged_attention(q, fmt.allocate_pages(n // block_size, block_size), fmt, meta, scale=0.1)
     finally:
         JITFunction.run = run
     info, sass = assemble(compiled[0])
-    return {"head_dim": head_dim, "dtype": str(dtype), "block_size": block_size, "specialized": specialized,
+    return {"head_dim": head_dim, "dtype": str(dtype), "block_size": block_size,
             "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
             "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
             "shared_bytes": compiled[0].metadata.shared, "ops": dict(loop_ops(
@@ -358,7 +357,7 @@ def main() -> None:
                              "TurboQuant and q4 with a dense recent window)")
     parser.add_argument("--gluon-prefill", action="store_true",
                         help="print (JSON) the Gluon prefill kernel's registers, spills, shared memory and opcodes "
-                             "(head_dim 64 and 128, both 16-bit dtypes; blocks of 16 and 64; the baseline without a producer warp)")
+                             "(head_dim 64 and 128, both 16-bit dtypes; blocks of 16 and 64)")
     args = parser.parse_args()
     driver.set_active(_Sm90Target())
     if args.gluon_prefill:
@@ -366,8 +365,6 @@ def main() -> None:
             for dtype in (torch.bfloat16, torch.float16):
                 print(json.dumps(gluon_prefill_report(head_dim, dtype)), flush=True)
         print(json.dumps(gluon_prefill_report(128, torch.bfloat16, block_size=64)), flush=True)
-        for head_dim in (64, 128):   # the baseline kernel without a producer warp
-            print(json.dumps(gluon_prefill_report(head_dim, torch.bfloat16, specialized=False)), flush=True)
         return
     if args.gluon:
         for head_dim in (64, 128):

@@ -1,6 +1,6 @@
-"""Side by side on a GPU: prefill over dense pages through the Gluon kernel (`ops/triton/prefill_gluon.py`: the
-warp-specialized kernel it serves, and `gluon_plain`, its baseline without a producer warp) and the tile-language
-varlen kernel (`ops/triton/attention.py`), against SDPA causal over a contiguous cache.
+"""Side by side on a GPU: prefill over dense pages through the Gluon kernel (`ops/triton/prefill_gluon.py`, served
+on Hopper) and the tile-language varlen kernel (`ops/triton/attention.py`, served elsewhere), against SDPA causal
+over a contiguous cache.
 
     python bench/prefill_probe.py [--out bench/results/h200/prefill_probe]
     CHUNKS='[[1, 2048, 0], [1, 2048, 8192], [4, 1024, 0]]' python bench/prefill_probe.py   # (seqs, chunk, context)
@@ -58,8 +58,6 @@ def probe(num_seqs: int, chunk: int, context: int, gen) -> dict:
     row = {"num_seqs": num_seqs, "chunk": chunk, "context": context}
     kernels = {"sdpa": run_sdpa,
                "varlen": lambda: attention.paged_attention(query, pages, fmt, meta, scale=kb.SCALE),
-               "gluon_plain": lambda: prefill_gluon.paged_attention(query, pages, fmt, meta, scale=kb.SCALE,
-                                                                    specialized=False),
                "gluon": lambda: prefill_gluon.paged_attention(query, pages, fmt, meta, scale=kb.SCALE)}
     assert prefill_gluon.supports(query, pages, fmt, meta)
     for name, fn in kernels.items():
@@ -90,7 +88,7 @@ def main() -> None:
     if plt is not None:
         fig, ax = plt.subplots(figsize=(8, 4))
         labels = [f"{r['num_seqs']}x{r['chunk']}\n+{r['context']}" for r in rows]
-        plotting.grouped_bars(ax, labels, {k: [r[f"{k}_vs_sdpa"] for r in rows] for k in ("varlen", "gluon_plain", "gluon")})
+        plotting.grouped_bars(ax, labels, {k: [r[f"{k}_vs_sdpa"] for r in rows] for k in ("varlen", "gluon")})
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_ylabel("speed / SDPA causal")
         ax.set_title(f"prefill over dense pages, {torch.cuda.get_device_name()}")

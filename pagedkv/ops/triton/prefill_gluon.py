@@ -16,9 +16,9 @@ Rows of a program are (query token, query head of one KV head's group) pairs, as
 consumer warp group), 128 keys a step. Only the tiles that reach the causal diagonal are masked; the slots past a
 sequence's end in its last value tile are zeroed in shared memory (NaN there times a zero weight would be NaN).
 Measured on an H200 (`bench/prefill_probe.py`, 2026-12-03): a 2,048-token chunk 0.089 ms without context (0.92x
-SDPA's speed) and 0.528 ms after 8K tokens (1.77x, 586 TFLOP/s); `prefill_kernel`, the same loop with its copies
-issued by the consumers (each behind a barrier across the program, which also keeps the warp groups in step),
-0.143 and 0.866 ms: it stays as the baseline the probe times beside it (`specialized=False`).
+SDPA's speed) and 0.528 ms after 8K tokens (1.77x, 586 TFLOP/s); the same loop over 8 warps without a producer,
+its copies issued between the steps by the program's first thread (Triton 3.6 puts a barrier across the program
+before each, which also keeps the warp groups in step), 0.143 and 0.866 ms (commit 7522b7b has it).
 
 Dense pages (and the dense scratch pages of `dense_prefill.py`), bfloat16 or float16 queries, head_dim 64 or 128,
 no soft-capping or sliding window: `supports` says which batches it can run, `serves` which it runs; the others
@@ -41,7 +41,6 @@ from .page_view import page_view
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK_M = 128      # rows (query token x group head) a program
 TILE_N = gl.constexpr(128)   # keys a loop step
-NUM_WARPS = 8      # `prefill_kernel`: two warp groups, 64 rows each
 STAGES = gl.constexpr(2)   # buffers of key tiles and of value tiles
 
 
@@ -98,138 +97,16 @@ def zero_tail_rows(buf, valid, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, num
     gl.thread_barrier()
 
 
-@gluon.jit(do_not_specialize=["num_seqs", "stride_bt"])
-def prefill_kernel(
-    out_ptr, q_ptr, k_desc, v_desc, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, num_seqs, qk_scale,
-    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, num_warps: gl.constexpr,
-):
-    """The baseline of `prefill_ws_kernel`: the same loop over 8 warps without a producer, the copies issued by the
-    program's first thread between the steps (Triton 3.6 puts a barrier across the program before each)."""
-    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, TILE_N, 16])
-    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    Q_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1], [1, 0])
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-
-    q_block = gl.num_programs(0) - 1 - gl.program_id(0)   # last blocks (the longest causal rows) start first
-    kv_head = gl.program_id(1)
-    seq = find_sequence(q_block, query_start_loc_ptr, num_seqs, BLOCK_Q)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
-    first = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if first >= q_len:
-        return
-    context = gl.load(seq_lens_ptr + seq) - q_len
-    kv_hi = context + gl.minimum(first + BLOCK_Q, q_len)        # keys [0, kv_hi) are read
-    num_tiles = gl.cdiv(kv_hi, TILE_N)
-    num_full = (context + first + 1) // TILE_N                   # tiles every row sees whole
-    last_block = (kv_hi - 1) // BLOCK_SIZE
-    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-
-    # shared memory: the query rows, STAGES key and value tiles, their barriers
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype))
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, HEAD_DIM], v_desc.layout)
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-    for i in gl.static_range(STAGES):   # the first tiles in flight while the query rows load
-        if i < num_tiles:
-            copy_tile(k_desc, k_bars.index(i), k_smem.index(i), bt_row, i, last_block, kv_head, NUM_KV_HEADS,
-                      BLOCK_SIZE)
-            copy_tile(v_desc, v_bars.index(i), v_smem.index(i), bt_row, i, last_block, kv_head, NUM_KV_HEADS,
-                      BLOCK_SIZE)
-
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, Q_LOAD))
-    token = first + rows // GROUP
-    row_ok = (token < q_len) & (rows < BLOCK_Q * GROUP)
-    q_offs = ((q_start + token).to(gl.int64) * stride_qt + (kv_head * GROUP + rows % GROUP) * stride_qh)[:, None] \
-        + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q_LOAD))[None, :]
-    q_smem.store(gl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0))
-    fence_async_shared()
-    gl.thread_barrier()
-
-    q_pos = context + first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_LAYOUT)) // GROUP
-    zero_s = gl.zeros([BLOCK_M, TILE_N], gl.float32, S_LAYOUT)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, O_LAYOUT)
-
-    # tile 0: S_0, its softmax; its key buffer refilled with tile STAGES
-    mbarrier.wait(k_bars.index(0), 0)
-    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
-    gl.thread_barrier()
-    if STAGES < num_tiles:
-        copy_tile(k_desc, k_bars.index(0), k_smem.index(0), bt_row, STAGES, last_block, kv_head, NUM_KV_HEADS,
-                  BLOCK_SIZE)
-    if num_full > 0:
-        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, 0, q_pos, kv_hi, qk_scale, False, S_LAYOUT)
-    else:
-        p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, 0, q_pos, kv_hi, qk_scale, True, S_LAYOUT)
-    p_op = gl.convert_layout(p.to(dtype), P_OP)
-
-    for j in range(1, num_tiles):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        # S_j and P_{j-1} V_{j-1} issued; S_j waited for alone
-        mbarrier.wait(k_bars.index(stage), (j // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_bars.index(prev), ((j - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok,))
-        gl.thread_barrier()                  # every warp group is done with key tile j: refill its buffer
-        if j + STAGES < num_tiles:
-            copy_tile(k_desc, k_bars.index(stage), k_smem.index(stage), bt_row, j + STAGES, last_block, kv_head,
-                      NUM_KV_HEADS, BLOCK_SIZE)
-        # the softmax of tile j while P_{j-1} V_{j-1} runs
-        if j < num_full:
-            p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, j * TILE_N, q_pos, kv_hi, qk_scale, False, S_LAYOUT)
-        else:
-            p, alpha, m_i, l_i = softmax_tile(s, m_i, l_i, j * TILE_N, q_pos, kv_hi, qk_scale, True, S_LAYOUT)
-        acc, p_op = warpgroup_mma_wait(0, deps=(o_tok, p_op))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), P_OP)
-        gl.thread_barrier()                  # every warp group is done with value tile j - 1: refill its buffer
-        if j - 1 + STAGES < num_tiles:
-            copy_tile(v_desc, v_bars.index(prev), v_smem.index(prev), bt_row, j - 1 + STAGES, last_block, kv_head,
-                      NUM_KV_HEADS, BLOCK_SIZE)
-
-    # the last value tile: slots past the sequence's end zeroed, then P V
-    last = (num_tiles - 1) % STAGES
-    mbarrier.wait(v_bars.index(last), ((num_tiles - 1) // STAGES) & 1)
-    valid = kv_hi - (num_tiles - 1) * TILE_N
-    if valid < TILE_N:
-        zero_tail_rows(v_smem.index(last), valid, TILE_N, HEAD_DIM, num_warps)
-    o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(o_tok,))
-
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))
-    out = acc / l_o[:, None]
-    rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_LAYOUT))
-    token_o = first + rows_o // GROUP
-    ok_o = (token_o < q_len) & (rows_o < BLOCK_Q * GROUP)
-    o_offs = ((q_start + token_o).to(gl.int64) * stride_ot + (kv_head * GROUP + rows_o % GROUP) * stride_oh)[:, None] \
-        + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, O_LAYOUT))[None, :]
-    gl.store(out_ptr + o_offs, out.to(dtype), mask=ok_o[:, None])
-
-
 @gluon.jit
 def ws_consumer(WG: gl.constexpr, out_ptr, q_ptr, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty,
                 q_start, q_len, first, context, kv_hi, num_tiles, num_full, kv_head,
                 stride_qt, stride_qh, stride_ot, stride_oh, qk_scale,
                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, ROWS: gl.constexpr,
                 TILE_N: gl.constexpr):
-    """One consumer warp group of the warp-specialized kernel: rows [WG * ROWS, (WG + 1) * ROWS) of the program's
-    block, the loop of `prefill_kernel` without copies; a key or value buffer is handed back to the producer
-    (an arrive on its "empty" barrier, which counts both warp groups) once this warp group is done with it."""
+    """One consumer warp group: rows [WG * ROWS, (WG + 1) * ROWS) of the program's block. Each loop step issues
+    S_j and P_{j-1} V_{j-1}, waits for S_j alone and computes P_j while P_{j-1} V_{j-1} runs; a key or value buffer
+    is handed back to the producer (an arrive on its "empty" barrier, which counts both warp groups) once this warp
+    group is done with it."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
@@ -323,10 +200,10 @@ def prefill_ws_kernel(
     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, TILE_N: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """The served kernel: `prefill_kernel` warp-specialized. A producer warp issues every copy, and the two consumer
-    warp groups (64 rows each, the default partition and a worker) run on their own, with no barrier across the
-    program, so that one's softmax overlaps the other's products. Registers: 240 a consumer thread, 24 for the
-    producer (no spills; 232 for the default partition spilled 8 bytes)."""
+    """A program: BLOCK_M rows (query token x group head) of one sequence and KV head. A producer warp issues every
+    copy, and the two consumer warp groups (64 rows each, the default partition and a worker) run on their own, with
+    no barrier across the program, so that one's softmax overlaps the other's products. Registers: 240 a consumer
+    thread, 24 for the producer (no spills; 232 for the default partition spilled 8 bytes)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_M // 2
     q_block = gl.num_programs(0) - 1 - gl.program_id(0)
@@ -413,10 +290,8 @@ def descriptor(page: torch.Tensor, block_size: int) -> TensorDescriptor:
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta: AttentionMetadata, *,
-                    scale: float, specialized: bool = True) -> torch.Tensor:
-    """`attention.paged_attention` for the batches `supports` accepts: the warp-specialized kernel
-    (`prefill_ws_kernel`), or with `specialized=False` `prefill_kernel` (the baseline `bench/prefill_probe.py` times
-    beside it)."""
+                    scale: float) -> torch.Tensor:
+    """`attention.paged_attention` for the batches `supports` accepts."""
     view = page_view(fmt, pages)
     num_tokens, num_q_heads, head_dim = query.shape
     group = num_q_heads // view.num_kv_heads
@@ -426,12 +301,11 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         return out
     num_seqs = meta.block_table.shape[0]
     grid = (num_tokens // block_q + num_seqs, view.num_kv_heads)
-    kernel, warps = (prefill_ws_kernel, 4) if specialized else (prefill_kernel, NUM_WARPS)
-    kernel[grid](
+    prefill_ws_kernel[grid](
         out, query, descriptor(view.k, meta.block_size), descriptor(view.v, meta.block_size),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         num_seqs, float(scale) * 1.4426950408889634,
         NUM_KV_HEADS=view.num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size,
-        BLOCK_M=BLOCK_M, BLOCK_Q=block_q, TILE_N=TILE_N, num_warps=warps)
+        BLOCK_M=BLOCK_M, BLOCK_Q=block_q, TILE_N=TILE_N, num_warps=4)   # the default partition: a consumer
     return out
