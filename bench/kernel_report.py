@@ -99,10 +99,21 @@ def compile_decode(spec: str, tiles: TileConfig, batch: int = 64, context: int =
         DOT_PRECISION="tf32", num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=(1,))
 
 
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of each instruction of a SASS listing."""
+    return [(int(m.group(1), 16), m.group(2).strip())
+            for m in re.finditer(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);", sass, re.M)]
+
+
+def ptxas_usage(info: str) -> dict:
+    """Registers per thread and spill-store bytes from a `ptxas -v` report."""
+    return {"registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+            "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info))}
+
+
 def sass_loops(sass: str) -> list[list[str]]:
     """Bodies of the backward branches of a SASS listing (loops), longest first."""
-    ins = [(int(m.group(1), 16), m.group(2).strip())
-           for m in re.finditer(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);", sass, re.M)]
+    ins = sass_instructions(sass)
     loops = []
     for addr, text in ins:
         m = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
@@ -136,20 +147,14 @@ def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192, w
     """The warp-split decode kernel (`ops/triton/decode.py`) with DecodeTiles `tiles`, compiled for sm_90; with
     `window`, the variant that reads a dense recent window (recent_tokens=128) beside the pages."""
     from pagedkv.ops.triton import decode
-    from triton.runtime.jit import JITFunction
 
     fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
     pages = fmt.allocate_pages(4, BLOCK_SIZE)
     meta, rings = decode_batch(batch, context, window, HEAD_DIM, torch.bfloat16)
     q = torch.empty(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    compiled = []
-    run = JITFunction.run
-    JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
-    try:
+    with _CompileOnly() as launches:
         decode.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles, window=rings)
-    finally:
-        JITFunction.run = run
-    return compiled[0]
+    return launches.compiled[0]
 
 
 def assemble(kernel) -> tuple[str, str]:
@@ -183,28 +188,16 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
     fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, head_dim, dtype, "cpu")
     meta, rings = decode_batch(batch, context, window, head_dim, dtype)
     options = dict(launch_options, **({"window": rings} if window else {}))
-    compiled, pairs = [], []
-    from triton.runtime.jit import JITFunction
-
-    run = JITFunction.run
-
-    def compile_only(fn, *a, grid, warmup, **kw):
-        pairs.append(bool(kw.get("PAIRS", False)))
-        compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
-
-    JITFunction.run = compile_only
-    try:
+    with _CompileOnly() as launches:
         q = torch.empty(batch, NUM_Q_HEADS, head_dim, dtype=dtype)
         launch, _ = decode_gluon.launcher(fmt, q, BLOCK_SIZE, kernels=decode_gluon.KERNELS)
         launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=num_splits, **options)
-    finally:
-        JITFunction.run = run
-    info, sass = assemble(compiled[0])
+    kernel = launches.compiled[0]
+    info, sass = assemble(kernel)
     ops = loop_ops(sass_loops(sass)[0])
     return {"format": spec, "head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits, "window": window,
-            "keys_per_step": 32 if pairs[0] else 16, "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
-            "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
-            "shared_bytes": compiled[0].metadata.shared, "loop_ops": dict(ops)}
+            "keys_per_step": 32 if launches.options[0].get("PAIRS", False) else 16, **ptxas_usage(info),
+            "shared_bytes": kernel.metadata.shared, "loop_ops": dict(ops)}
 
 
 def gluon_prefill_report(head_dim: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> dict:
@@ -213,7 +206,6 @@ def gluon_prefill_report(head_dim: int, dtype: torch.dtype, block_size: int = BL
     the body, so its loops do not stand out as in the decode kernels)."""
     from pagedkv.ops.metadata import AttentionMetadata
     from pagedkv.ops.triton import prefill_gluon
-    from triton.runtime.jit import JITFunction
 
     fmt = make_format(KVFormat.parse("off"), NUM_KV_HEADS, head_dim, dtype, "cpu")
     n = 2048
@@ -221,19 +213,12 @@ def gluon_prefill_report(head_dim: int, dtype: torch.dtype, block_size: int = BL
     table = torch.zeros(1, n // block_size, dtype=torch.int32)
     meta = AttentionMetadata(table, torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
                              torch.zeros(n, dtype=torch.int64), None, [n], [0, n], block_size)
-    compiled = []
-    run = JITFunction.run
-    JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiled.append(run(fn, *a, grid=grid, warmup=True, **kw))
-    try:
+    with _CompileOnly() as launches:
         prefill_gluon.paged_attention(q, fmt.allocate_pages(n // block_size, block_size), fmt, meta, scale=0.1)
-    finally:
-        JITFunction.run = run
-    info, sass = assemble(compiled[0])
-    return {"head_dim": head_dim, "dtype": str(dtype), "block_size": block_size,
-            "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
-            "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
-            "shared_bytes": compiled[0].metadata.shared, "ops": dict(loop_ops(
-                [t for t in re.findall(r"^\s+/\*[0-9a-f]{4,6}\*/\s+(.*?);", sass, re.M)]))}
+    info, sass = assemble(launches.compiled[0])
+    return {"head_dim": head_dim, "dtype": str(dtype), "block_size": block_size, **ptxas_usage(info),
+            "shared_bytes": launches.compiled[0].metadata.shared,
+            "ops": dict(loop_ops([text for _, text in sass_instructions(sass)]))}
 
 
 def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
@@ -244,21 +229,29 @@ def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
     loop = sass_loops(sass)[0]
     ops = loop_ops(loop)
     return {"format": spec, "tile_n": tiles.tile_n, "warps": tiles.num_warps, "stages": tiles.num_stages,
-            "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
-            "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
-            "shared_bytes": kernel.metadata.shared, "page_tile_buffers": buffers,
+            **ptxas_usage(info), "shared_bytes": kernel.metadata.shared, "page_tile_buffers": buffers,
             "loop_instructions": len(loop), "per_key_row": round(len(loop) * tiles.num_warps / tiles.tile_n, 1),
             "top_ops": dict(ops.most_common(8)), "barriers": ops.get("BAR"), "local_loads": ops.get("LDL", 0)}
 
 
 class _CompileOnly:
-    """Within it, `kernel[grid](...)` compiles for the active target and launches nothing."""
+    """Within it, `kernel[grid](...)` compiles for the active target and launches nothing; `compiled` holds the
+    compiled kernels in launch order, `options` each launch's keyword arguments (the constexprs among them)."""
 
     def __enter__(self):
         from triton.runtime.jit import JITFunction
 
+        self.compiled, self.options = [], []
         self._run = JITFunction.run
-        JITFunction.run = lambda fn, *args, grid, warmup, **kw: self._run(fn, *args, grid=grid, warmup=True, **kw)
+
+        def compile_only(fn, *args, grid, warmup, **kw):
+            self.options.append(kw)
+            kernel = self._run(fn, *args, grid=grid, warmup=True, **kw)
+            self.compiled.append(kernel)
+            return kernel
+
+        JITFunction.run = compile_only
+        return self
 
     def __exit__(self, *exc):
         from triton.runtime.jit import JITFunction
