@@ -38,7 +38,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..metadata import AttentionMetadata
 from .page_view import page_view
 
-LOG2E = gl.constexpr(1.4426950408889634)
+LOG2E = 1.4426950408889634   # the host scales scores into log2 units: qk_scale = scale * LOG2E
 BLOCK_M = 128      # rows (query token x group head) a program
 TILE_N = gl.constexpr(128)   # keys a loop step
 STAGES = gl.constexpr(2)   # buffers of key tiles and of value tiles
@@ -305,7 +305,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         out, query, descriptor(view.k, meta.block_size), descriptor(view.v, meta.block_size),
         meta.block_table, meta.seq_lens, meta.query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-        num_seqs, float(scale) * 1.4426950408889634,
+        num_seqs, float(scale) * LOG2E,
         NUM_KV_HEADS=view.num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=meta.block_size,
         BLOCK_M=BLOCK_M, BLOCK_Q=block_q, TILE_N=TILE_N, num_warps=4)   # the default partition: a consumer
     return out
