@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels as kb  # noqa: E402
+import kernel_bench as kb  # noqa: E402
 from pagedkv.ops import reference  # noqa: E402
 from pagedkv.ops import triton as triton_ops  # noqa: E402
 from pagedkv.ops.triton import decode_gluon  # noqa: E402

@@ -42,7 +42,7 @@ ncu_decode() {  # ncu_decode FORMAT NCU_OPTIONS...: Nsight Compute on one decode
 case "${1:-kernels}" in
 kernels)
     run 120 python -m pytest -q -rf tests/triton/test_triton_write.py -k "turboquant or q4"
-    run 300 python bench/kernels.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --recent-tokens 128 \
+    run 300 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --recent-tokens 128 \
         --skip write --fused-prefill --out "$OUT/kernels"
     ;;
 tests)
@@ -59,7 +59,7 @@ engine)
 prefill)   # the Gluon prefill kernels against the reference, then timed: every format, and beside the other kernels
     run 300 python -m pytest -q -rf "${workers[@]}" tests/triton/test_prefill_gluon.py tests/triton/test_dense_prefill.py \
         tests/triton/test_triton_cuda_graph.py
-    run 150 python bench/kernels.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --skip decode,write \
+    run 150 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --skip decode,write \
         --out "$OUT/kernels_prefill"
     run 120 python bench/prefill_probe.py --out "$OUT/prefill_probe"
     ;;
@@ -67,9 +67,9 @@ gluon-tests)   # the Gluon decode kernels against the reference (about 90 kernel
     run 560 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py
     ;;
 gluon-window)   # decode with a dense recent window of 128: as served (WINDOW_KERNELS), then every format's Gluon kernel
-    run 200 python bench/kernels.py --formats "q8;q6;q4;turboquant" --recent-tokens 128 --skip prefill,write \
+    run 200 python bench/kernel_bench.py --formats "q8;q6;q4;turboquant" --recent-tokens 128 --skip prefill,write \
         --out "$OUT/kernels_window"
-    run 200 python bench/kernels.py --formats "q8;q6;q4;turboquant" --recent-tokens 128 --skip prefill,write \
+    run 200 python bench/kernel_bench.py --formats "q8;q6;q4;turboquant" --recent-tokens 128 --skip prefill,write \
         --gluon-window --out "$OUT/kernels_gluon_window"
     ;;
 gluon)   # each Gluon decode kernel beside the default decode, 16 and 32 keys a step

@@ -4,7 +4,7 @@ occupancy), on a CUDA device.
     ncu --clock-control none --set full -k regex:decode_kernel -c 1 -o q4 python bench/kernel_profile.py --format q4
     ncu --import q4.ncu-rep --page details
 
-The call is the decode benchmark's (`bench/kernels.py`): Llama-3-8B heads, block 16, shuffled block tables.
+The call is the decode benchmark's (`bench/kernel_bench.py`): Llama-3-8B heads, block 16, shuffled block tables.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernels as kb  # noqa: E402
+import kernel_bench as kb  # noqa: E402
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ from pagedkv.ops.triton import attention  # noqa: E402
 from pagedkv.ops.triton.page_view import page_view, stride3  # noqa: E402
 from pagedkv.ops.triton.tuning import TileConfig, choose_tiles, page_class  # noqa: E402
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16   # as bench/kernels.py
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16   # as bench/kernel_bench.py
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 

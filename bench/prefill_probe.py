@@ -6,7 +6,7 @@ over a contiguous cache.
     CHUNKS='[[1, 2048, 0], [1, 2048, 8192], [4, 1024, 0]]' python bench/prefill_probe.py   # (seqs, chunk, context)
 
 Llama-3-8B heads (32 query, 8 KV, head_dim 128), bf16, blocks of 16 on shuffled block tables, as
-`bench/kernels.py`. Prints a table (ms, TFLOP/s, speed against SDPA, error against SDPA) and writes OUT.json and
+`bench/kernel_bench.py`. Prints a table (ms, TFLOP/s, speed against SDPA, error against SDPA) and writes OUT.json and
 OUT.png.
 """
 import argparse
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels as kb  # noqa: E402
+import kernel_bench as kb  # noqa: E402
 import plotting  # noqa: E402  (bench/plotting.py)
 from pagedkv.ops.triton import attention, prefill_gluon  # noqa: E402
 
@@ -35,7 +35,7 @@ def probe(num_seqs: int, chunk: int, context: int, gen) -> dict:
     q = query.view(num_seqs, chunk, kb.NUM_Q_HEADS, kb.HEAD_DIM).transpose(1, 2)
     k = keys.view(num_seqs, total, kb.NUM_KV_HEADS, kb.HEAD_DIM).transpose(1, 2).contiguous()
     v = values.view(num_seqs, total, kb.NUM_KV_HEADS, kb.HEAD_DIM).transpose(1, 2).contiguous()
-    # SDPA: the faster of its formulations, as bench/kernels.py times it
+    # SDPA: the faster of its formulations, as bench/kernel_bench.py times it
     sdpa_ms, sdpa_kind, _, sdpa_out = kb.sdpa_prefill(q, k, v, context)
     ref = sdpa_out.transpose(1, 2).reshape(num_seqs * chunk, kb.NUM_Q_HEADS, kb.HEAD_DIM)
     fmt, pages, table = kb.paged_layer("off", keys, values, num_seqs, total, gen)

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels as kb  # noqa: E402
+import kernel_bench as kb  # noqa: E402
 from pagedkv.ops import triton as triton_ops  # noqa: E402
 
 SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]

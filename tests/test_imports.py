@@ -104,3 +104,17 @@ def test_a_cycle_through_an_import_inside_a_function_is_found(tmp_path):
     assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.a"]
     (pkg / "sub" / "b.py").write_text("thing = 1\n")
     assert find_cycle(import_graph(pkg, "pkg")) is None
+
+
+def test_script_folders_shadow_no_installed_package():
+    """bench/ and tests/ go on sys.path when their scripts run, so a module there named like an installed
+    package (or the standard library's) hides it from every import after, transformers' included
+    (transformers 5.25 imports the `kernels` package, once the name of a benchmark script)."""
+    import importlib.metadata
+    import sys
+
+    taken = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
+    root = PACKAGE.parent
+    clashes = sorted(f"{folder}/{path.name}" for folder in ("bench", "tests")
+                     for path in (root / folder).glob("*.py") if path.stem in taken)
+    assert not clashes, f"rename {clashes}: an installed package or the standard library has that name"

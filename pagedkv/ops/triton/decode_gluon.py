@@ -71,7 +71,7 @@ TQ_PAIRS = (("q4_0", "q4_0"),)
 # The formats whose decode batches with a dense recent window run the Gluon kernels (their page splits, then the
 # window as one more split, `window_splits`) from WINDOW_MIN_TOKENS query tokens on; the others, and smaller
 # batches, run `decode.py`, which reads the window in the same kernel. Timed side by side on an H200 (2026-12-02,
-# window of 128, `python bench/kernels.py --recent-tokens 128 --gluon-window` serves every format this way): q6
+# window of 128, `python bench/kernel_bench.py --recent-tokens 128 --gluon-window` serves every format this way): q6
 # 1.10-1.27x and TurboQuant 1.07-1.13x faster at (32, 4096) and (64, 8192), q6 1.22x and TurboQuant 0.99x at
 # (128, 2048); q8 and q4 0.95-1.03x; at one sequence every format 0.77-0.92x (the window's own kernel runs
 # after the pages', its latency not hidden). Again for q4 after its 32-key steps (session 16, same command): 1.04x

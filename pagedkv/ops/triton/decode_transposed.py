@@ -6,7 +6,7 @@ of every 16 rows are computed for nothing, in both products, in the softmax and 
 the heads fill N, padded to 8 columns, so half as many matrix instructions and softmax elements per key,
 and half the accumulator registers: capped at 128 registers, 16 warps fit a multiprocessor instead of 8.
 The price is P^T, which the second product reads as its B operand: Triton moves it through shared memory.
-Measured on an H200 (`bench/kernels.py --warp-split`): TurboQuant 1.11-1.25x and q4 0.96-1.12x faster than
+Measured on an H200 (`bench/kernel_bench.py --warp-split`): TurboQuant 1.11-1.25x and q4 0.96-1.12x faster than
 `decode.py`; unpipelined with 32 keys per warp, q8 and q6 too, so it is the default for every quantized
 format (`tuning.warp_split_tiles`). Those layout conversions synchronise a program's warps (12-18 barriers
 per step), so the default program is a single warp, 16 of them per multiprocessor, split-K filling the GPU;

@@ -6,7 +6,7 @@ and is bound by the matrix units. Decode is split (split-K) when the (sequence, 
 leave multiprocessors idle: long contexts of few sequences are spread over all of them, and a batch is
 split so that its last wave is not mostly empty (`splits_for`). Prefill is never split.
 
-Decode tiles are the fastest measured on an H200 (`python bench/kernels.py --sweep`, BENCHMARKS.md). With 2
+Decode tiles are the fastest measured on an H200 (`python bench/kernel_bench.py --sweep`, BENCHMARKS.md). With 2
 stages Triton's pipeliner gives each page tile a single shared-memory buffer (the TTGIR for sm_90 shows
 it: `bench/kernel_report.py`), so a program has nothing in flight while it computes; double-buffered dense
 tiles (5 stages) compile to more registers, fewer resident programs, and measured 25% slower. The
@@ -41,7 +41,7 @@ def is_decode_like(num_tokens: int, num_seqs: int) -> bool:
 # Prefill over quantized pages through dense scratch pages (`dense_prefill.py`: the context dequantized once,
 # then the dense kernel) instead of the fused kernels, which convert a context tile once per query block that
 # reads it. Measured on an H200 (2,048-token chunk after 8,192 tokens, Llama-3-8B heads, `python
-# bench/kernels.py --fused-prefill`): 1.00 ms for KV-Quant and 1.05 for TurboQuant against 1.68-2.71 ms fused
+# bench/kernel_bench.py --fused-prefill`): 1.00 ms for KV-Quant and 1.05 for TurboQuant against 1.68-2.71 ms fused
 # (`off`: 0.98). False: the fused kernels everywhere (`dense_prefill.step_of` checks it).
 DENSE_PREFILL = True
 
@@ -109,7 +109,7 @@ def multiprocessor_count(device_index: int) -> int:
 CTAS_PER_SM = {"dense": 4, "wide": 2}
 # Quantized pages are decoded by arithmetic, and their programs take unequal times; rather than a count of
 # full waves they need at least this many programs per multiprocessor (measured on an H200 over 1-4 splits
-# at batch 32, 64 and 128: `python bench/kernels.py --sweep`, BENCHMARKS.md).
+# at batch 32, 64 and 128: `python bench/kernel_bench.py --sweep`, BENCHMARKS.md).
 QUANTIZED_PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 1024    # keys per split at least, so each split streams long enough to hide latency
 MAX_SPLITS = 64
@@ -156,7 +156,7 @@ WARP_SPLIT_MAX_SPLITS = 256
 def warp_split_splits(num_programs: int, capacity_tokens: int, device: torch.device, programs_per_sm: int = 16) -> int:
     """Key ranges per program of the warp-split decode kernel (`decode.py`): none while the (query token, KV
     head) programs fill more than half of the resident slots (`programs_per_sm` per multiprocessor), else as
-    many as fill them. Measured on an H200 with one-warp programs, 16 per SM (`bench/kernels.py --warp-split`,
+    many as fill them. Measured on an H200 with one-warp programs, 16 per SM (`bench/kernel_bench.py --warp-split`,
     2026-12-01): at every shape the best split count is the one that makes about 2,048 programs (batch 128 at
     2,048 tokens: 2; batch 64 at 8,192: 4; batch 32 at 4,096: 8; batch 1 at 32,768: 256; TurboQuant at batch 64:
     512 us against 820 with half as many)."""
@@ -186,7 +186,7 @@ class DecodeTiles:
 
 def warp_split_tiles(fmt) -> DecodeTiles:
     """The warp-split decode kernel's config per format, the fastest measured on an H200 over batch 1-128
-    (`bench/kernels.py --warp-split`, BENCHMARKS.md): transposed, unpipelined (1 stage), one warp per program,
+    (`bench/kernel_bench.py --warp-split`, BENCHMARKS.md): transposed, unpipelined (1 stage), one warp per program,
     capped at 128 registers so that 16 programs fit a multiprocessor; 16 keys per step for TurboQuant, 32 for
     KV-Quant.
 

@@ -1,6 +1,6 @@
 """GPU benchmark of pagedkv's Triton kernels against SDPA over a contiguous bf16 cache, measured in one run.
 
-    python bench/kernels.py [--out bench/results/kernels] [--formats "off;q8;..."] [--sweep] [--quick]
+    python bench/kernel_bench.py [--out bench/results/kernels] [--formats "off;q8;..."] [--sweep] [--quick]
 
 Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16 queries, block_size 16,
 shuffled block tables. Every timing is the median over replays of a CUDA graph that runs the op on
