@@ -211,23 +211,37 @@ def generate_batch_run(model, prompts: list[list[int]], new_tokens: int) -> dict
     return {"seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed}
 
 
-def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int, timeline: list | None = None) -> dict:
+    """`LLM.generate`'s loop over `prompts` (EOS ignored): output tokens/s and TTFT. With `timeline` (a list), one
+    row per engine step is appended: (seconds since the start, running requests, waiting requests, blocks used,
+    graph replays so far, preemptions so far), read from attributes (no stats dict, no sync)."""
+    engine = llm.engine
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     sync()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    seqs = [engine.make_sequence(p, params) for p in prompts]
+    for seq in seqs:
+        engine.add(seq)
+    sched, pool, graphs = engine.scheduler, engine.cache.pool, engine.runner.graphs
+    while engine.has_unfinished():
+        engine.step()
+        if timeline is not None:
+            timeline.append((time.perf_counter() - start, len(sched.running), len(sched.waiting), pool.num_used,
+                             graphs.num_replays if graphs else 0, sched.num_preemptions))
     sync()
     elapsed = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
-    ttft = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
+    tokens = sum(s.num_output_tokens for s in seqs)
+    ttft = sorted(s.metrics.first_token_time - s.metrics.arrival_time for s in seqs)
     return {"seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
             "ttft_p50_s": ttft[len(ttft) // 2]}
 
 
 def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int,
-                    max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024) -> dict:
+                    max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024, swap: bool = False) -> dict:
     """`LLM.generate` over pages of `fmt` holding at most `budget_bytes` (all layers), every request admitted
-    as the pages allow: output tokens/s, preemptions, and how many blocks the budget bought."""
+    as the pages allow: output tokens/s, preemptions, how many blocks the budget bought, and the run's timeline
+    (one row per engine step, see `engine_generate_run`). swap: a preempted request's blocks go to a host tier
+    as large as the pages and come back on readmission (`swap_on_preemption`), instead of being recomputed."""
     from pagedkv.config import KVFormat
     from pagedkv.formats import make_format
 
@@ -237,8 +251,10 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     block_size = 16
     bytes_per_block = page.bytes_per_token() * text.num_hidden_layers * block_size
     num_blocks = budget_bytes // bytes_per_block
+    tiers = dict(cpu_cache_gb=budget_bytes / 2**30, swap_on_preemption=True) if swap else {}
     llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=len(prompts),
-              max_num_batched_tokens=max_num_batched_tokens, admission_lookahead_tokens=admission_lookahead_tokens)
+              max_num_batched_tokens=max_num_batched_tokens, admission_lookahead_tokens=admission_lookahead_tokens,
+              **tiers)
     # as many other requests of the same length for a few tokens first, so that the kernels' first-use compilation
     # is not timed (a cold Triton cache cut the measured tokens/s by 1.2-1.6x): full prefill steps, mixed steps and
     # decode batches of every size compile here (four short requests left some to the timed run: TurboQuant 13,740
@@ -246,13 +262,18 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     # shares nothing with the timed requests; their steps are left out of the counts
     engine_generate_run(llm, random_prompts(len(prompts), len(prompts[0]), text.vocab_size, seed=99), 4)
     warm = llm.stats()
-    out = engine_generate_run(llm, prompts, new_tokens)
+    timeline = []
+    out = engine_generate_run(llm, prompts, new_tokens, timeline)
     stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
              for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays")}
     out.update(num_blocks=num_blocks, bytes_per_token=page.bytes_per_token() * text.num_hidden_layers,
                tokens_that_fit=num_blocks * block_size, preemptions=stats["preemptions"],
-               admission_lookahead_tokens=admission_lookahead_tokens, steps=stats["steps"],
-               steps_queued_ahead=stats["steps_queued_ahead"], cuda_graph_replays=stats["cuda_graph_replays"])
+               admission_lookahead_tokens=admission_lookahead_tokens, swap_on_preemption=swap, steps=stats["steps"],
+               steps_queued_ahead=stats["steps_queued_ahead"], cuda_graph_replays=stats["cuda_graph_replays"],
+               mean_batch=out["output_tokens"] / max(1, stats["steps"]),
+               timeline={"columns": ["seconds", "running", "waiting", "blocks_used", "graph_replays", "preemptions"],
+                         "rows": [[round(t, 5), run, wait, used, replays - (warm.get("cuda_graph_replays") or 0),
+                                   pre - warm["preemptions"]] for t, run, wait, used, replays, pre in timeline]})
     del llm
     free_memory()
     return out
@@ -275,6 +296,32 @@ def plot_same_memory(results: dict, path: Path) -> bool:
     ax.set_title(f"the same {a['same_memory']} GiB of pages: {a['requests']} requests x {a['prompt_tokens']} prompt + "
                  f"{a['new_tokens']} new tokens\n{results.get('gpu', '')}, {a['layers']}-layer Llama-3-8B shape, "
                  f"{results.get('date', '')}", fontsize=9)
+    plotting.save(fig, path)
+    return True
+
+
+def plot_timelines(results: dict, path: Path) -> bool:
+    """Running requests and pages in use against time, one line per same-memory run: where the batch was full,
+    where it waited on prefill, and the tail of the last requests."""
+    plt = plotting.pyplot()
+    runs = {n: r for n, r in results["same_memory"].items() if r.get("timeline", {}).get("rows")}
+    if plt is None or not runs:
+        return False
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.6), sharex=True)
+    for i, (name, r) in enumerate(runs.items()):
+        rows = r["timeline"]["rows"]
+        t = [row[0] for row in rows]
+        top.plot(t, [row[1] for row in rows], color=f"C{i}", lw=1, label=f"{name}: {r['tokens_per_s']:.0f} tokens/s")
+        bottom.plot(t, [row[3] / r["num_blocks"] for row in rows], color=f"C{i}", lw=1)
+    top.set_ylabel("running requests")
+    top.legend(fontsize=7, loc="upper right")
+    bottom.set_ylabel("pages in use (fraction)")
+    bottom.set_ylim(0, 1.05)
+    bottom.set_xlabel("seconds since the requests arrived")
+    a = results["args"]
+    top.set_title(f"the same {a['same_memory']} GiB of pages over time: {a['requests']} requests x {a['prompt_tokens']} "
+                  f"prompt + {a['new_tokens']} new tokens\n{results.get('gpu', '')}, {a['layers']}-layer Llama-3-8B shape, "
+                  f"{results.get('date', '')}", fontsize=9)
     plotting.save(fig, path)
     return True
 
@@ -339,6 +386,9 @@ def main(argv=None) -> int:
     p.add_argument("--admission-lookahead-tokens", type=int, nargs="+", default=[1024], metavar="N",
                    help="the engine's admission lookahead in the same-memory run; several values run side by side "
                         "(0: admit on free blocks alone)")
+    p.add_argument("--preemption", nargs="+", choices=("recompute", "swap"), default=["recompute"],
+                   help="how the same-memory run's preempted requests come back: recomputed, or swapped to a host tier "
+                        "as large as the pages (swap_on_preemption); both: side by side")
     p.add_argument("--fused-prefill", action="store_true",
                    help="prefill chunks over quantized pages through the fused kernels (`tuning.DENSE_PREFILL = False`) "
                         "instead of dense scratch pages")
@@ -349,8 +399,11 @@ def main(argv=None) -> int:
         tuning.DENSE_PREFILL = False
     if args.replot:
         results = json.loads(Path(args.replot).read_text())
-        draw = plot_same_memory if "same_memory" in results else plot
-        return 0 if draw(results, Path(args.replot).with_suffix(".png")) else 1
+        if "same_memory" not in results:
+            return 0 if plot(results, Path(args.replot).with_suffix(".png")) else 1
+        path = Path(args.replot)
+        plot_timelines(results, path.with_name(path.stem + "_timeline.png"))
+        return 0 if plot_same_memory(results, path.with_suffix(".png")) else 1
     global DEVICE
     DEVICE = "cpu" if args.tiny else "cuda"
 
@@ -439,25 +492,31 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
     prompts = random_prompts(args.requests, args.prompt_tokens, model.config.vocab_size, seed=1234)
     budget = int(args.same_memory * 2**30)
     results["same_memory"] = {}
-    lookaheads = args.admission_lookahead_tokens
+    lookaheads, modes = args.admission_lookahead_tokens, args.preemption
     for fmt in args.formats:
-        for lookahead in lookaheads:  # several: side by side, each run named "format, lookahead N"
-            r = same_memory_run(model, fmt, budget, prompts, args.new_tokens, args.max_num_batched_tokens, lookahead)
-            results["same_memory"][fmt if len(lookaheads) == 1 else f"{fmt}, lookahead {lookahead}"] = r
-            print(f"pagedkv {fmt}, {args.same_memory} GiB of pages, admission lookahead {lookahead}: {r}", flush=True)
+        for lookahead in lookaheads:  # several: side by side, each run named "format, lookahead N[, swap]"
+            for mode in modes:
+                r = same_memory_run(model, fmt, budget, prompts, args.new_tokens, args.max_num_batched_tokens, lookahead,
+                                    swap=mode == "swap")
+                name = fmt + (f", lookahead {lookahead}" if len(lookaheads) > 1 else "") + (f", {mode}" if len(modes) > 1 else "")
+                results["same_memory"][name] = r
+                print(f"pagedkv {name}, {args.same_memory} GiB of pages, admission lookahead {lookahead}, preemption by "
+                      f"{mode}: {({k: v for k, v in r.items() if k != 'timeline'})}", flush=True)
     results["seconds"] = time.perf_counter() - t_start
     print(f"\n{results['gpu']}: the same {args.same_memory} GiB of pages, {args.requests} requests x "
           f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens (EOS ignored), {args.layers} layers")
-    print("| format | tokens that fit | output tokens/s | vs first | preemptions |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| run | tokens that fit | output tokens/s | vs first | preemptions | steps (graph replays) | output tokens / step |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     runs = results["same_memory"]
     base = next(iter(runs.values()))["tokens_per_s"]
-    for fmt, r in runs.items():
-        print(f"| {fmt} | {r['tokens_that_fit']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x | {r['preemptions']} |")
+    for name, r in runs.items():
+        print(f"| {name} | {r['tokens_that_fit']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x | "
+              f"{r['preemptions']} | {r['steps']} ({r['cuda_graph_replays']}) | {r['mean_batch']:.1f} |")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "engine_memory.json").write_text(json.dumps(results, indent=2, default=str))
         plot_same_memory(json.loads(json.dumps(results, default=str)), Path(args.out) / "engine_memory.png")
+        plot_timelines(json.loads(json.dumps(results, default=str)), Path(args.out) / "engine_memory_timeline.png")
     print(f"total {results['seconds']:.0f}s")
     return 0
 

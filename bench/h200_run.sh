@@ -8,6 +8,7 @@
 #                                                  # prefill also through the fused kernels)
 #   OUT=/some/dir bash bench/h200_run.sh tests     # the decode, window and CUDA graph GPU tests (long: they compile)
 #   OUT=/some/dir bash bench/h200_run.sh engine    # engine decode, same-memory (admission headroom on and off), tiers
+#   OUT=/some/dir bash bench/h200_run.sh memory    # same-memory timelines: default admission; no headroom, recompute / swap
 #   OUT=/some/dir bash bench/h200_run.sh prefill   # the Gluon prefill kernels' GPU tests, the prefill table, the probe
 #   OUT=/some/dir bash bench/h200_run.sh gluon-tests  # the Gluon decode kernels' GPU tests
 #   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
@@ -55,6 +56,12 @@ engine)
     run 280 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
         --formats off turboquant q4 --admission-lookahead-tokens 0 1024 --out "$OUT"
     run 90 python bench/tiers.py --model llama8b --device cuda --prefix-tokens 2048 8192 32768 --out "$OUT/h200"
+    ;;
+memory)   # the same-memory run with its timelines: the default admission, then no headroom with preemption by swap
+    run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --out "$OUT/memory_default"
+    run 300 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --admission-lookahead-tokens 0 --preemption recompute swap --out "$OUT/memory_swap"
     ;;
 prefill)   # the Gluon prefill kernels against the reference, then timed: every format, and beside the other kernels
     run 300 python -m pytest -q -rf "${workers[@]}" tests/triton/test_prefill_gluon.py tests/triton/test_dense_prefill.py \
