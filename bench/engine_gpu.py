@@ -311,6 +311,13 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     return out
 
 
+def same_memory_title(results: dict, what: str) -> str:
+    a = results["args"]
+    return (f"the same {a['same_memory']} GiB of {what}: {a['requests']} requests x {a['prompt_tokens']} prompt + "
+            f"{a['new_tokens']} new tokens\n{results.get('gpu', '')}, {a['layers']}-layer Llama-3-8B shape, "
+            f"{results.get('date', '')}")
+
+
 def plot_same_memory(results: dict, path: Path) -> bool:
     plt = plotting.pyplot()
     if plt is None:
@@ -324,10 +331,7 @@ def plot_same_memory(results: dict, path: Path) -> bool:
                  fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(f"output tokens/s (labels: x {names[0]}), higher is better")
-    a = results["args"]
-    ax.set_title(f"the same {a['same_memory']} GiB of pages: {a['requests']} requests x {a['prompt_tokens']} prompt + "
-                 f"{a['new_tokens']} new tokens\n{results.get('gpu', '')}, {a['layers']}-layer Llama-3-8B shape, "
-                 f"{results.get('date', '')}", fontsize=9)
+    ax.set_title(same_memory_title(results, "pages"), fontsize=9)
     plotting.save(fig, path)
     return True
 
@@ -350,10 +354,7 @@ def plot_timelines(results: dict, path: Path) -> bool:
     bottom.set_ylabel("pages in use (fraction)")
     bottom.set_ylim(0, 1.05)
     bottom.set_xlabel("seconds since the requests arrived")
-    a = results["args"]
-    top.set_title(f"the same {a['same_memory']} GiB of pages over time: {a['requests']} requests x {a['prompt_tokens']} "
-                  f"prompt + {a['new_tokens']} new tokens\n{results.get('gpu', '')}, {a['layers']}-layer Llama-3-8B shape, "
-                  f"{results.get('date', '')}", fontsize=9)
+    top.set_title(same_memory_title(results, "pages over time"), fontsize=9)
     plotting.save(fig, path)
     return True
 
