@@ -60,7 +60,7 @@ engine)
 memory)   # the same-memory run with its timelines: the default admission, then no headroom with preemption by swap
     run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
         --formats off turboquant q4 --out "$OUT/memory_default"
-    run 300 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 350 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
         --formats off turboquant q4 --admission-lookahead-tokens 0 --preemption recompute swap --out "$OUT/memory_swap"
     ;;
 prefill)   # the Gluon prefill kernels against the reference, then timed: every format, and beside the other kernels
