@@ -297,12 +297,14 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     timeline = []
     out = engine_generate_run(llm, prompts, new_tokens, timeline)
     stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
-             for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays")}
+             for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays", "tier_host_hits",
+                       "tier_offloaded_blocks")}
     out.update(num_blocks=num_blocks, bytes_per_token=page.bytes_per_token() * text.num_hidden_layers,
                tokens_that_fit=num_blocks * block_size, preemptions=stats["preemptions"],
                admission_lookahead_tokens=admission_lookahead_tokens, swap_on_preemption=swap, steps=stats["steps"],
                steps_queued_ahead=stats["steps_queued_ahead"], cuda_graph_replays=stats["cuda_graph_replays"],
                mean_batch=out["output_tokens"] / max(1, stats["steps"]),
+               blocks_swapped_in=stats["tier_host_hits"], blocks_offloaded=stats["tier_offloaded_blocks"],
                timeline={"columns": ["seconds", "running", "waiting", "blocks_used", "graph_replays", "preemptions"],
                          "rows": [[round(t, 5), run, wait, used, replays - (warm.get("cuda_graph_replays") or 0),
                                    pre - warm["preemptions"]] for t, run, wait, used, replays, pre in timeline]})
@@ -547,9 +549,13 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     runs = results["same_memory"]
     base = next(iter(runs.values()))["tokens_per_s"]
+
+    def swapped(r):
+        return f" ({r['blocks_swapped_in']} blocks back from the host)" if r.get("swap_on_preemption") else ""
+
     for name, r in runs.items():
         print(f"| {name} | {r['tokens_that_fit']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x | "
-              f"{r['preemptions']} | {r['steps']} ({r['cuda_graph_replays']}) | {r['mean_batch']:.1f} |")
+              f"{r['preemptions']}{swapped(r)} | {r['steps']} ({r['cuda_graph_replays']}) | {r['mean_batch']:.1f} |")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "engine_memory.json").write_text(json.dumps(results, indent=2, default=str))
