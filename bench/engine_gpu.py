@@ -184,7 +184,7 @@ def engine_decode(llm: LLM, batch: int, context: int, steps: int, eager_steps: i
     prompts = random_prompts(batch, context, engine.vocab_size, seed=batch)
     # the first prompts decode while the last ones prefill: none may finish before the timed steps end
     prefill_steps = prefill_step_count(batch, context, engine.config.max_num_batched_tokens)
-    eager_total = (warm + 2 * eager_steps if profile else warm + eager_steps) if eager_steps else 0  # warm, timed, profiled
+    eager_total = warm + eager_steps * (2 if profile else 1) if eager_steps else 0  # warmed, timed, then profiled
     params = SamplingParams(max_tokens=warm + steps + eager_total + prefill_steps + 2, ignore_eos=True)
     rids = [engine.add_request(p, params) for p in prompts]
     seqs = [engine.requests[r] for r in rids]
@@ -243,29 +243,36 @@ def generate_batch_run(model, prompts: list[list[int]], new_tokens: int) -> dict
     return {"seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed}
 
 
-def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int, timeline: list | None = None) -> dict:
-    """`LLM.generate`'s loop over `prompts` (EOS ignored): output tokens/s and TTFT. With `timeline` (a list), one
-    row per engine step is appended: (seconds since the start, running requests, waiting requests, blocks used,
-    graph replays so far, preemptions so far), read from attributes (no stats dict, no sync)."""
+TIMELINE_COLUMNS = ["seconds", "running", "waiting", "blocks_used", "graph_replays", "preemptions"]
+
+
+def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int, timeline: bool = False) -> dict:
+    """`LLM.generate`'s loop over `prompts` (EOS ignored): output tokens/s and TTFT. With `timeline`, also one row
+    per engine step (`TIMELINE_COLUMNS`; replays and preemptions counted from this run's start), read from
+    attributes (no stats dict, no sync)."""
     engine = llm.engine
+    sched, pool, graphs = engine.scheduler, engine.cache.pool, engine.runner.graphs
+    replays0, preemptions0 = (graphs.num_replays if graphs else 0), sched.num_preemptions
+    rows = []
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     sync()
     start = time.perf_counter()
     seqs = [engine.make_sequence(p, params) for p in prompts]
     for seq in seqs:
         engine.add(seq)
-    sched, pool, graphs = engine.scheduler, engine.cache.pool, engine.runner.graphs
     while engine.has_unfinished():
         engine.step()
-        if timeline is not None:
-            timeline.append((time.perf_counter() - start, len(sched.running), len(sched.waiting), pool.num_used,
-                             graphs.num_replays if graphs else 0, sched.num_preemptions))
+        if timeline:
+            rows.append([round(time.perf_counter() - start, 5), len(sched.running), len(sched.waiting), pool.num_used,
+                         (graphs.num_replays if graphs else 0) - replays0, sched.num_preemptions - preemptions0])
     sync()
     elapsed = time.perf_counter() - start
     tokens = sum(s.num_output_tokens for s in seqs)
     ttft = sorted(s.metrics.first_token_time - s.metrics.arrival_time for s in seqs)
-    return {"seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "ttft_p50_s": ttft[len(ttft) // 2]}
+    out = {"seconds": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed, "ttft_p50_s": ttft[len(ttft) // 2]}
+    if timeline:
+        out["timeline"] = {"columns": TIMELINE_COLUMNS, "rows": rows}
+    return out
 
 
 def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int,
@@ -294,8 +301,7 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     # shares nothing with the timed requests; their steps are left out of the counts
     engine_generate_run(llm, random_prompts(len(prompts), len(prompts[0]), text.vocab_size, seed=99), 4)
     warm = llm.stats()
-    timeline = []
-    out = engine_generate_run(llm, prompts, new_tokens, timeline)
+    out = engine_generate_run(llm, prompts, new_tokens, timeline=True)
     stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
              for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays", "tier_host_hits",
                        "tier_offloaded_blocks")}
@@ -304,10 +310,7 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
                admission_lookahead_tokens=admission_lookahead_tokens, swap_on_preemption=swap, steps=stats["steps"],
                steps_queued_ahead=stats["steps_queued_ahead"], cuda_graph_replays=stats["cuda_graph_replays"],
                mean_batch=out["output_tokens"] / max(1, stats["steps"]),
-               blocks_swapped_in=stats["tier_host_hits"], blocks_offloaded=stats["tier_offloaded_blocks"],
-               timeline={"columns": ["seconds", "running", "waiting", "blocks_used", "graph_replays", "preemptions"],
-                         "rows": [[round(t, 5), run, wait, used, replays - (warm.get("cuda_graph_replays") or 0),
-                                   pre - warm["preemptions"]] for t, run, wait, used, replays, pre in timeline]})
+               blocks_swapped_in=stats["tier_host_hits"], blocks_offloaded=stats["tier_offloaded_blocks"])
     del llm
     free_memory()
     return out
@@ -559,8 +562,9 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "engine_memory.json").write_text(json.dumps(results, indent=2, default=str))
-        plot_same_memory(json.loads(json.dumps(results, default=str)), Path(args.out) / "engine_memory.png")
-        plot_timelines(json.loads(json.dumps(results, default=str)), Path(args.out) / "engine_memory_timeline.png")
+        plain = json.loads(json.dumps(results, default=str))
+        plot_same_memory(plain, Path(args.out) / "engine_memory.png")
+        plot_timelines(plain, Path(args.out) / "engine_memory_timeline.png")
     print(f"total {results['seconds']:.0f}s")
     return 0
 
