@@ -255,17 +255,7 @@ def serves(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta: Atten
     from .tuning import is_decode_like
 
     return (not is_decode_like(query.shape[0], meta.block_table.shape[0])
-            and supports(query, pages, fmt, meta, sliding_window=sliding_window, softcap=softcap)
-            and verified(query, pages, fmt, meta))
-
-
-def verified(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta: AttentionMetadata) -> bool:
-    """Whether this kernel has matched the reference on an H200 for batches like this one: bfloat16, groups of
-    1 to 4 query heads, blocks of 16 or 32 slots (the shapes of `tests/triton/test_prefill_gluon.py` it passed).
-    The rest of what `supports` accepts (float16, groups of 8 and 16, blocks of 64 and 128) compiles but has not
-    run on a GPU yet, so the tile-language kernel serves it; widen this once that test passes on every shape."""
-    group = query.shape[1] // page_view(fmt, pages).num_kv_heads
-    return query.dtype == torch.bfloat16 and group <= 4 and meta.block_size in (16, 32)
+            and supports(query, pages, fmt, meta, sliding_window=sliding_window, softcap=softcap))
 
 
 def supports(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta: AttentionMetadata, *,
