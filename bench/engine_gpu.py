@@ -25,6 +25,7 @@ import argparse
 import datetime
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import plotting  # noqa: E402  (bench/plotting.py, beside this script)
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
+from pagedkv.engine.config import EngineConfig  # noqa: E402
 from pagedkv.hf import cache_kwarg  # noqa: E402
 
 
@@ -341,6 +343,32 @@ def plot_same_memory(results: dict, path: Path) -> bool:
     return True
 
 
+def plot_lookahead(results: dict, path: Path) -> bool:
+    """Output tokens/s against the admission lookahead, one line per format (through the median of repeated runs;
+    every run a point), for same-memory runs named "format, lookahead N": where waves (a long lookahead) and
+    recomputed preemptions (a short one) cost least."""
+    plt = plotting.pyplot()
+    points: dict[str, dict[int, list[float]]] = {}
+    for name, r in results["same_memory"].items():
+        if "lookahead" in name and not r.get("swap_on_preemption"):
+            points.setdefault(name.split(",")[0], {}).setdefault(r["admission_lookahead_tokens"], []).append(r["tokens_per_s"])
+    if plt is None or not any(len(p) > 1 for p in points.values()):
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (fmt, per) in enumerate(points.items()):
+        xs = sorted(per)
+        ax.plot(xs, [statistics.median(per[x]) for x in xs], color=f"C{i}", marker="o", label=fmt)
+        for x in xs:
+            ax.scatter([x] * len(per[x]), per[x], color=f"C{i}", s=10, alpha=0.6)
+    ax.set_xlabel("admission_lookahead_tokens")
+    ax.set_ylabel("output tokens/s, higher is better")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title(same_memory_title(results, "pages") + ", by admission lookahead", fontsize=9)
+    plotting.save(fig, path)
+    return True
+
+
 def plot_timelines(results: dict, path: Path) -> bool:
     """Running requests and pages in use against time, one line per same-memory run: where the batch was full,
     where it waited on prefill, and the tail of the last requests."""
@@ -421,9 +449,9 @@ def main(argv=None) -> int:
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw engine_gpu.png next to this JSON")
     p.add_argument("--same-memory", type=float, default=None, metavar="GIB",
                    help="only the same-memory run: every format's pages get GIB gibibytes")
-    p.add_argument("--admission-lookahead-tokens", type=int, nargs="+", default=[1024], metavar="N",
-                   help="the engine's admission lookahead in the same-memory run; several values run side by side "
-                        "(0: admit on free blocks alone)")
+    p.add_argument("--admission-lookahead-tokens", type=int, nargs="+", default=[EngineConfig.admission_lookahead_tokens],
+                   metavar="N", help="the engine's admission lookahead in the same-memory run (default: the engine's); "
+                                     "several values run side by side (0: admit on free blocks alone)")
     p.add_argument("--preemption", nargs="+", choices=("recompute", "swap"), default=["recompute"],
                    help="how the same-memory run's preempted requests come back: recomputed, or swapped to a host tier "
                         "as large as the pages (swap_on_preemption); both: side by side")
@@ -441,6 +469,7 @@ def main(argv=None) -> int:
             return 0 if plot(results, Path(args.replot).with_suffix(".png")) else 1
         path = Path(args.replot)
         plot_timelines(results, path.with_name(path.stem + "_timeline.png"))
+        plot_lookahead(results, path.with_name(path.stem + "_lookahead.png"))
         return 0 if plot_same_memory(results, path.with_suffix(".png")) else 1
     global DEVICE
     DEVICE = "cpu" if args.tiny else "cuda"
@@ -565,6 +594,7 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
         plain = json.loads(json.dumps(results, default=str))
         plot_same_memory(plain, Path(args.out) / "engine_memory.png")
         plot_timelines(plain, Path(args.out) / "engine_memory_timeline.png")
+        plot_lookahead(plain, Path(args.out) / "engine_memory_lookahead.png")
     print(f"total {results['seconds']:.0f}s")
     return 0
 
