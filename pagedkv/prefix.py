@@ -108,6 +108,9 @@ class PrefixCache:
         self.cache.trim(self.cache.seq_len(seq_id), seq_id)  # trim frees the last block first
         self.cache.free(seq_id)
 
+    def forget(self, seq_id: int) -> None:
+        """A preempted sequence left the queue without coming back (a tiered cache drops what it kept for it)."""
+
     def as_dict(self) -> dict:
         return {
             "prefix_caching": self.enabled,

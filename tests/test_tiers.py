@@ -31,12 +31,13 @@ def make_tiered(kv_format="off", num_blocks=12, model=MODEL, **settings):
     return cache, TieredPrefixCache(cache, TierSettings(**settings))
 
 
-def run_sequence(cache, prefix, tokens, seed=0):
-    """Admit `tokens` through the prefix cache, write the uncached rest, register its full blocks."""
+def run_sequence(cache, prefix, tokens, seed=0, seq_id=None):
+    """Admit `tokens` through the prefix cache (as sequence `seq_id`: a preempted one coming back), write the
+    uncached rest, register its full blocks."""
     hashes = prefix.block_hashes([], tokens)
     free = cache.pool.num_free if cache.pool.num_blocks else None  # what the scheduler passes
     cached = prefix.match(hashes, (len(tokens) - 1) // BS, free_blocks=free)
-    seq = cache.add_sequence(prefix_block_ids=cached)
+    seq = cache.add_sequence(seq_id, prefix_block_ids=cached)
     n = len(tokens) - len(cached) * BS
     gen = torch.Generator().manual_seed(seed)
     cache.begin_step([seq], [n])
@@ -108,6 +109,53 @@ def test_host_slots_of_a_chain_are_consecutive_and_its_stored_blocks_stay():
     assert host.allocate(a[:1] + c[:2]) == [0, 4, 5]  # a's first block keeps its slot; b's tail's, ascending
     assert host.num_evictions == 2 and list(host._slots) == [b[0], a[2], a[1], a[0], c[0], c[1]]
     assert host.allocate([bytes([9, i]) for i in range(8)]) == list(range(6))  # too long: its first blocks
+
+
+def test_held_blocks_are_never_evicted():
+    host = HostTier(4 * 8, 8, pin=False)
+    a, b = ([bytes([k, i]) for i in range(2)] for k in range(2))
+    host.allocate(a)
+    host.allocate(b)
+    host.hold(a)
+    host.touch(reversed(b))  # b used last: a would go first, but it is held
+    c = [bytes([2, i]) for i in range(3)]
+    assert host.allocate(c) == [2, 3]  # only b's slots are free to take: a prefix of the chain
+    assert all(h in host for h in a) and host.num_held == 2
+    host.hold(a[:1])
+    host.unhold(a)
+    assert host.num_held == 1  # held twice, released once
+    assert host.allocate([bytes([3, 0])]) == [1]  # a[1] is no longer held: it goes; a[0] stays
+    assert a[0] in host and a[1] not in host
+
+
+def test_a_swapped_out_request_keeps_its_blocks_until_it_is_back():
+    # a host tier of 3 blocks: a preempted request's 3 blocks stay there while a finished request's offload
+    # finds no room; once the request is back and registered, they may be evicted again
+    block_bytes = 2 * 2 * 2 * BS * 64 * 4  # layers x (keys, values) x heads x slots x head_dim x float32
+    cache, prefix = make_tiered(cpu_cache_gb=3 * block_bytes / 2**30, swap_on_preemption=True)
+    seq, hashes, _ = run_sequence(cache, prefix, TOKENS)
+    prefix.release(seq, preempted=True)
+    assert prefix.as_dict()["tier_host_held_blocks"] == 3
+    other, other_hashes, _ = run_sequence(cache, prefix, [7] + TOKENS, seed=1)
+    prefix.release(other)  # finished: the prefix cache would keep it, but there is no room that is not held
+    assert all(h in prefix.host for h in hashes[:3]) and not any(h in prefix.host for h in other_hashes[:3])
+    evict_device(cache)
+    again, _, num_cached = run_sequence(cache, prefix, TOKENS, seed=2, seq_id=seq)
+    assert num_cached == 3 and prefix.loaded_blocks["host"] == 3  # loaded back, not recomputed
+    assert prefix.as_dict()["tier_host_held_blocks"] == 0  # back: registered, no longer held
+    prefix.release(again)
+    third, third_hashes, _ = run_sequence(cache, prefix, [8] + TOKENS, seed=3)
+    prefix.release(third)
+    assert all(h in prefix.host for h in third_hashes[:3])  # evicted the request's blocks this time
+
+
+def test_a_swapped_out_request_that_is_aborted_lets_its_blocks_go():
+    block_bytes = 2 * 2 * 2 * BS * 64 * 4
+    cache, prefix = make_tiered(cpu_cache_gb=3 * block_bytes / 2**30, swap_on_preemption=True)
+    seq, _, _ = run_sequence(cache, prefix, TOKENS)
+    prefix.release(seq, preempted=True)
+    prefix.forget(seq)  # what the scheduler does when a waiting request is aborted
+    assert prefix.as_dict()["tier_host_held_blocks"] == 0
 
 
 def test_copies_go_by_runs_of_consecutive_rows():

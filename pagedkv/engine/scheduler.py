@@ -252,6 +252,7 @@ class Scheduler:
             self.is_admission_blocked = False
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.prefix.forget(seq.seq_id)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start `child` (another sample of `parent`'s request, which has just computed its prompt) on `parent`'s

@@ -2,11 +2,13 @@
 
 One uint8 tensor `[num_slots, block_bytes]`, allocated on first use; the owner copies rows in and out
 (`layout.copy_runs`). Chains are touched tail first, so a chain's first block is always more recent than
-its last and eviction removes chains from their tails.
+its last and eviction removes chains from their tails. Blocks held (`hold`: a preempted request's, swapped out
+until it is back) are never evicted.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 import torch
@@ -20,6 +22,7 @@ class HostTier:
         self.data: torch.Tensor | None = None  # [num_slots, block_bytes] uint8
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot; head = least recently used
         self._free: list[int] = []
+        self._held: dict[bytes, int] = {}  # hash -> holds on it (requests swapped out with this block)
         self.num_evictions = 0
 
     @property
@@ -52,19 +55,46 @@ class HostTier:
 
     def allocate(self, hashes: list[bytes]) -> list[int]:
         """Slots for a chain's blocks `hashes`, in order (a block stored already keeps its slot): as many as fit,
-        evicting the least recently used other blocks. New blocks take the lowest free slots in ascending order,
-        so a chain's rows are mostly consecutive and move in few copies. The caller fills the new slots."""
+        evicting the least recently used other blocks that are not held; a prefix of the chain when held blocks
+        leave too little room. New blocks take the lowest free slots in ascending order, so a chain's rows are
+        mostly consecutive and move in few copies. The caller fills the new slots."""
         self.storage()
         hashes = hashes[:self.num_slots]
         for h in hashes:
             if h in self._slots:
                 self._slots.move_to_end(h)  # not evicted below
-        new = [h for h in hashes if h not in self._slots]
-        while len(self._free) < len(new):
-            _, slot = self._slots.popitem(last=False)
-            self._free.append(slot)
-            self.num_evictions += 1
+        short = sum(h not in self._slots for h in hashes) - len(self._free)
+        if short > 0:
+            chain = set(hashes)
+            victims = list(itertools.islice((h for h in self._slots if h not in self._held and h not in chain), short))
+            for h in victims:
+                self._free.append(self._slots.pop(h))
+            self.num_evictions += len(victims)
         self._free.sort(reverse=True)
-        for h in new:
-            self._slots[h] = self._free.pop()
-        return [self._slots[h] for h in hashes]
+        slots = []
+        for h in hashes:
+            if h not in self._slots:
+                if not self._free:
+                    break
+                self._slots[h] = self._free.pop()
+            slots.append(self._slots[h])
+        return slots
+
+    def hold(self, hashes) -> None:
+        """Keep these stored blocks from eviction until as many `unhold`s."""
+        for h in hashes:
+            if h in self._slots:
+                self._held[h] = self._held.get(h, 0) + 1
+
+    def unhold(self, hashes) -> None:
+        for h in hashes:
+            count = self._held.get(h)
+            if count is not None:
+                if count > 1:
+                    self._held[h] = count - 1
+                else:
+                    del self._held[h]
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)

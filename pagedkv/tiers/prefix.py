@@ -1,7 +1,9 @@
 """`TieredPrefixCache`: the engine's prefix cache with a host tier and a disk tier under the device pool.
 
     release(seq)  full, computed blocks not stored below yet are copied, all layers of a block in one row,
-                  to the host tier (and queued for the disk tier's writer); the device blocks stay cached
+                  to the host tier (and queued for the disk tier's writer); the device blocks stay cached. A
+                  preempted request's blocks (`swap_on_preemption`) are held in the host tier until it is back
+                  (its next `register` or `release`) or gone (`forget`): later offloads evict other blocks
     match(hashes) device hits first; the chain goes on in the host tier, then on disk: those blocks are
                   loaded into freshly allocated device blocks (instead of being recomputed) and registered
 
@@ -108,6 +110,7 @@ class TieredPrefixCache(PrefixCache):
             self.disk = DiskTier(settings.kv_cache_dir, int(settings.disk_cache_gb * GB), self.identity_digest,
                                  busy=lambda: bool(cache.seqs))
         self._seq_hashes: dict[int, list[bytes]] = {}
+        self._swapped: dict[int, list[bytes]] = {}  # a preempted request -> its blocks held in the host tier
         self._writing: list[tuple[torch.cuda.Event, set[int]]] = []  # copies in flight into these host slots
         self._last_match = (0, 0, 0)  # blocks from the device, the host, the disk
         self.hits = {"gpu": 0, "host": 0, "disk": 0}
@@ -124,6 +127,7 @@ class TieredPrefixCache(PrefixCache):
     # ------------------------------------------------------------------------------------------
     # the prefix-cache protocol
     def register(self, seq_id, hashes, num_registered, num_computed_tokens):
+        self.forget(seq_id)  # back in the device pool: its swapped-out blocks may be evicted again
         self._seq_hashes[seq_id] = hashes  # the engine's list, extended in place as the sequence grows
         return super().register(seq_id, hashes, num_registered, num_computed_tokens)
 
@@ -158,10 +162,20 @@ class TieredPrefixCache(PrefixCache):
 
     def release(self, seq_id, preempted: bool = False):
         self.poll()
+        self.forget(seq_id)
         hashes = self._seq_hashes.pop(seq_id, None)
         if hashes and (not preempted or self.settings.swap_on_preemption):
-            self._offload(seq_id, hashes)
+            stored = [h for h in self._offload(seq_id, hashes) if h in self.host]
+            if preempted and stored:  # swapped out: kept until the request is back
+                self.host.hold(stored)
+                self._swapped[seq_id] = stored
         super().release(seq_id)
+
+    def forget(self, seq_id):
+        """Let the host tier evict the blocks held for a swapped-out request again (it is back, or gone)."""
+        held = self._swapped.pop(seq_id, None)
+        if held:
+            self.host.unhold(held)
 
     # ------------------------------------------------------------------------------------------
     # copies
@@ -223,8 +237,9 @@ class TieredPrefixCache(PrefixCache):
         self.loaded_blocks["disk"] += len(disk_at)
         return block_ids
 
-    def _offload(self, seq_id: int, hashes: list[bytes]) -> None:
-        """Copy the sequence's full, computed blocks that a lower tier lacks into it."""
+    def _offload(self, seq_id: int, hashes: list[bytes]) -> list[bytes]:
+        """Copy the sequence's full, computed blocks that a lower tier lacks into it; returns those blocks' hashes
+        (stored below now, as far as the tiers had room)."""
         cache, bs = self.cache, self.cache.block_size
         block_ids = cache.block_table(seq_id)
         n = min(len(hashes), cache.seq_len(seq_id) // bs, len(block_ids))
@@ -232,7 +247,7 @@ class TieredPrefixCache(PrefixCache):
         to_disk = [i for i in range(n) if self._disk_lacks(hashes[i])]
         todo = sorted(set(to_host) | set(to_disk))
         if not todo:
-            return
+            return hashes[:n]
         # on the current stream: the blocks are free for the next writes as soon as the sequence releases them
         rows = self.layout.gather(cache, [block_ids[i] for i in todo])  # [len(todo), block_bytes] on the device
         row = {i: j for j, i in enumerate(todo)}
@@ -244,6 +259,7 @@ class TieredPrefixCache(PrefixCache):
         if self.disk is not None:
             self.disk.touch(h.hex() for h in reversed(hashes[:todo[-1] + 1]))
         self.offloaded_blocks += len(todo)
+        return hashes[:n]
 
     def _copy_out(self, rows: torch.Tensor, host_at: list[int], slots: list[int],
                   disk_jobs: list[tuple[bytes, str, int]]) -> None:
@@ -302,6 +318,7 @@ class TieredPrefixCache(PrefixCache):
             "tier_block_bytes": self.layout.block_bytes,
             "tier_host_blocks": len(self.host),
             "tier_host_capacity_blocks": self.host.num_slots,
+            "tier_host_held_blocks": self.host.num_held,
             "tier_host_evictions": self.host.num_evictions,
             "tier_disk_enabled": bool(disk is not None and disk.enabled),
             "tier_disk_blocks": len(disk) if disk else 0,
