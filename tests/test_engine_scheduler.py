@@ -2,6 +2,8 @@
 so a small pool under load preempts rarely, and outputs are the same with or without preemption."""
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,52 +14,17 @@ from pagedkv.cache import PagedKVCache
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import Sequence
-from pagedkv.errors import CacheCapacityError, ConfigError
+from pagedkv.errors import ConfigError
 from pagedkv.prefix import PrefixCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from scheduler_sim import FORMATS, simulate  # noqa: E402  (bench/scheduler_sim.py)
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, **options) -> Scheduler:
     cache = PagedKVCache(num_blocks=num_blocks, block_size=block_size)
     config = EngineConfig(prefix_caching=False, **options)
     return Scheduler(config, cache, PrefixCache(cache, enabled=False))
-
-
-def simulate(scheduler: Scheduler, requests, arrivals=None) -> dict:
-    """Run `requests` [(prompt tokens, max_tokens or None, tokens it ends at)] through `scheduler` without a
-    model: every step reserves the scheduled slots as the model runner does and appends one token to each
-    sequence whose computed tokens caught up. Returns preemptions, steps, tokens fed and the largest batch."""
-    seqs = []
-    for i, (num_prompt, max_tokens, num_out) in enumerate(requests):
-        params = SamplingParams(max_tokens=max_tokens if max_tokens is not None else 1000, ignore_eos=True)
-        seqs.append((Sequence(str(i), i, [1 + i] * num_prompt, params, has_max_tokens=max_tokens is not None),
-                     num_out))
-    ends = {s.seq_id: n for s, n in seqs}
-    pending, cache, steps, largest, fed = list(seqs), scheduler.cache, 0, 0, 0
-    while pending or scheduler.has_unfinished():
-        while pending and (arrivals is None or arrivals[len(seqs) - len(pending)] <= steps):
-            scheduler.add(pending.pop(0)[0])
-        steps += 1
-        assert steps < 100_000, "the scheduler stopped making progress"
-        batch = scheduler.schedule()
-        if not batch:
-            continue
-        try:
-            cache.reserve([s.seq_id for s in batch.seqs], batch.num_new_tokens)
-        except CacheCapacityError:  # what the engine does when a step does not fit after all
-            scheduler.preempt_last()
-            continue
-        scheduler.after_step(batch)
-        largest = max(largest, len(batch.seqs))
-        fed += batch.num_tokens
-        for seq in batch.seqs:
-            if seq.num_computed_tokens == len(seq.token_ids):
-                seq.token_ids.append(7)
-                if seq.num_output_tokens >= ends[seq.seq_id]:
-                    seq.finish("length")
-                    scheduler.finish(seq)
-    assert cache.pool.num_used == 0 and not cache.seqs
-    cache.pool.check()
-    return {"preemptions": scheduler.num_preemptions, "steps": steps, "tokens_fed": fed, "largest_batch": largest}
 
 
 def test_growth_blocks_is_the_peak_before_a_sequence_ends():
@@ -161,3 +128,16 @@ def test_a_lookahead_shorter_than_the_outputs_packs_requests_that_start_together
     assert half["steps"] < 0.9 * waves["steps"]
     # without headroom, preemption recomputes several times as much
     assert half["tokens_fed"] - waves["tokens_fed"] < (none["tokens_fed"] - waves["tokens_fed"]) / 2
+
+
+def test_the_model_free_run_reproduces_the_h200_same_memory_steps():
+    """bench/scheduler_sim.py on the H200 same-memory run's TurboQuant pages (10,485 blocks of 16), lookahead 512: the
+    GPU run took 3,081 steps with 52 preemptions; the simulation must land there, and its step-cost model within 10%
+    of the measured 19,734-20,114 output tokens/s."""
+    num_blocks, cost = FORMATS["turboquant"]
+    cache = PagedKVCache(num_blocks=num_blocks, block_size=16)
+    scheduler = Scheduler(EngineConfig(prefix_caching=False, max_num_batched_tokens=16384, max_num_seqs=256,
+                                       admission_lookahead_tokens=512), cache, PrefixCache(cache, enabled=False))
+    r = simulate(scheduler, [(1024, 1024, 1024)] * 256, cost=cost)
+    assert abs(r["steps"] - 3081) <= 10 and abs(r["preemptions"] - 52) <= 5
+    assert 0.9 * 19734 < 256 * 1024 / r["seconds"] < 1.1 * 20114
