@@ -38,6 +38,7 @@ import plotting  # noqa: E402  (bench/plotting.py, beside this script)
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.engine.config import EngineConfig  # noqa: E402
 from pagedkv.hf import cache_kwarg  # noqa: E402
+from scheduler_sim import page_bytes_per_token  # noqa: E402  (bench/scheduler_sim.py)
 
 
 DEVICE = "cuda"
@@ -283,15 +284,11 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     as the pages allow: output tokens/s, preemptions, how many blocks the budget bought, and the run's timeline
     (one row per engine step, see `engine_generate_run`). swap: a preempted request's blocks go to a host tier
     as large as the pages and come back on readmission (`swap_on_preemption`), instead of being recomputed."""
-    from pagedkv.config import KVFormat
-    from pagedkv.formats import make_format
-
     text = model.config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    page = make_format(KVFormat.parse(fmt), text.num_key_value_heads, head_dim, torch.bfloat16, "cpu")
     block_size = 16
-    bytes_per_block = page.bytes_per_token() * text.num_hidden_layers * block_size
-    num_blocks = budget_bytes // bytes_per_block
+    bytes_per_token = page_bytes_per_token(fmt, text.num_key_value_heads, head_dim, text.num_hidden_layers)
+    num_blocks = budget_bytes // (bytes_per_token * block_size)
     tiers = dict(cpu_cache_gb=budget_bytes / 2**30, swap_on_preemption=True) if swap else {}
     llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=len(prompts),
               max_num_batched_tokens=max_num_batched_tokens, admission_lookahead_tokens=admission_lookahead_tokens,
@@ -307,7 +304,7 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
              for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays", "tier_host_hits",
                        "tier_offloaded_blocks")}
-    out.update(num_blocks=num_blocks, bytes_per_token=page.bytes_per_token() * text.num_hidden_layers,
+    out.update(format=fmt, num_blocks=num_blocks, bytes_per_token=bytes_per_token,
                tokens_that_fit=num_blocks * block_size, preemptions=stats["preemptions"],
                admission_lookahead_tokens=admission_lookahead_tokens, swap_on_preemption=swap, steps=stats["steps"],
                steps_queued_ahead=stats["steps_queued_ahead"], cuda_graph_replays=stats["cuda_graph_replays"],
@@ -345,13 +342,13 @@ def plot_same_memory(results: dict, path: Path) -> bool:
 
 def plot_lookahead(results: dict, path: Path) -> bool:
     """Output tokens/s against the admission lookahead, one line per format (through the median of repeated runs;
-    every run a point), for same-memory runs named "format, lookahead N": where waves (a long lookahead) and
-    recomputed preemptions (a short one) cost least."""
+    every run a point), for same-memory runs at several lookaheads: where waves (a long lookahead) and recomputed
+    preemptions (a short one) cost least."""
     plt = plotting.pyplot()
     points: dict[str, dict[int, list[float]]] = {}
-    for name, r in results["same_memory"].items():
-        if "lookahead" in name and not r.get("swap_on_preemption"):
-            points.setdefault(name.split(",")[0], {}).setdefault(r["admission_lookahead_tokens"], []).append(r["tokens_per_s"])
+    for r in results["same_memory"].values():
+        if not r.get("swap_on_preemption"):
+            points.setdefault(r["format"], {}).setdefault(r["admission_lookahead_tokens"], []).append(r["tokens_per_s"])
     if plt is None or not any(len(p) > 1 for p in points.values()):
         return False
     fig, ax = plt.subplots(figsize=(7, 4))

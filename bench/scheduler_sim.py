@@ -44,9 +44,27 @@ class StepCost:
         return self.fixed_s + self.per_decode_s * num_decodes + self.per_prefill_token_s * num_prefill_tokens
 
 
-# the same-memory run's pages: blocks of 16 that 2 GiB buys per format, and the per-sequence decode cost fitted
-FORMATS = {"off": (4096, StepCost(per_decode_s=0.016e-3)), "turboquant": (10485, StepCost()),
-           "q4": (15420, StepCost(per_decode_s=0.0078e-3))}
+# the per-sequence decode cost fitted per format on the same-memory run
+FORMATS = {"off": StepCost(per_decode_s=0.016e-3), "turboquant": StepCost(), "q4": StepCost(per_decode_s=0.0078e-3)}
+# the same-memory run's model: Llama-3-8B attention (8 KV heads, head_dim 128), 8 layers
+NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 8, 128, 8
+
+
+def page_bytes_per_token(fmt: str, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
+                         num_layers: int = NUM_LAYERS) -> int:
+    """Bytes one token takes in `fmt` pages, all layers."""
+    import torch
+
+    from pagedkv.config import KVFormat
+    from pagedkv.formats import make_format
+
+    return make_format(KVFormat.parse(fmt), num_kv_heads, head_dim, torch.bfloat16, "cpu").bytes_per_token() * num_layers
+
+
+def blocks_in(fmt: str, budget_bytes: int, block_size: int = 16) -> int:
+    """Blocks of `fmt` pages at the same-memory run's shape that `budget_bytes` buys (2 GiB: `off` 4,096,
+    TurboQuant 10,485, q4 15,420)."""
+    return budget_bytes // (page_bytes_per_token(fmt) * block_size)
 
 
 def make_scheduler(num_blocks: int, block_size: int = 16, **options) -> Scheduler:
@@ -117,7 +135,7 @@ def plot(results: dict, path: Path) -> bool:
     ax.legend(fontsize=7, ncol=2)
     a = results["args"]
     ax.set_title(f"the real scheduler, modelled step costs: {a['requests']} requests x {a['prompt_tokens']} + "
-                 f"{a['new_tokens']} tokens,\nthe same 2 GiB of pages per format (H200 fit)", fontsize=9)
+                 f"{a['new_tokens']} tokens,\nthe same {a['same_memory']} GiB of pages per format (H200 fit)", fontsize=9)
     plotting.save(fig, path)
     return True
 
@@ -126,6 +144,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--lookahead", type=int, nargs="+", default=[0, 128, 256, 384, 512, 640, 768, 896, 1024])
+    p.add_argument("--same-memory", type=float, default=2.0, metavar="GIB", help="every format's pages get GIB gibibytes")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=1024)
@@ -139,7 +158,7 @@ def main(argv=None) -> int:
     print("| format | lookahead | steps | preemptions | tokens fed | modelled s | modelled output tokens/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for fmt in args.formats:
-        num_blocks, cost = FORMATS[fmt]
+        num_blocks, cost = blocks_in(fmt, int(args.same_memory * 2**30)), FORMATS[fmt]
         results["runs"][fmt] = {}
         for lookahead in args.lookahead:
             start = time.perf_counter()
@@ -153,9 +172,10 @@ def main(argv=None) -> int:
     measured = Path(args.measured)
     if measured.exists():
         results["measured"] = {}
-        for name, r in json.loads(measured.read_text())["same_memory"].items():
-            results["measured"].setdefault(name.split(",")[0], []).append((r["admission_lookahead_tokens"],
-                                                                           r["tokens_per_s"]))
+        for r in json.loads(measured.read_text())["same_memory"].values():
+            if not r.get("swap_on_preemption"):
+                results["measured"].setdefault(r["format"], []).append((r["admission_lookahead_tokens"],
+                                                                        r["tokens_per_s"]))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

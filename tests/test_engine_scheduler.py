@@ -18,7 +18,8 @@ from pagedkv.errors import ConfigError
 from pagedkv.prefix import PrefixCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from scheduler_sim import FORMATS, simulate  # noqa: E402  (bench/scheduler_sim.py)
+import scheduler_sim  # noqa: E402  (bench/scheduler_sim.py)
+from scheduler_sim import simulate  # noqa: E402
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, **options) -> Scheduler:
@@ -134,10 +135,10 @@ def test_the_model_free_run_reproduces_the_h200_same_memory_steps():
     """bench/scheduler_sim.py on the H200 same-memory run's TurboQuant pages (10,485 blocks of 16), lookahead 512: the
     GPU run took 3,081 steps with 52 preemptions; the simulation must land there, and its step-cost model within 10%
     of the measured 19,734-20,114 output tokens/s."""
-    num_blocks, cost = FORMATS["turboquant"]
-    cache = PagedKVCache(num_blocks=num_blocks, block_size=16)
-    scheduler = Scheduler(EngineConfig(prefix_caching=False, max_num_batched_tokens=16384, max_num_seqs=256,
-                                       admission_lookahead_tokens=512), cache, PrefixCache(cache, enabled=False))
-    r = simulate(scheduler, [(1024, 1024, 1024)] * 256, cost=cost)
+    num_blocks = scheduler_sim.blocks_in("turboquant", 2 << 30)
+    assert num_blocks == 10485
+    scheduler = scheduler_sim.make_scheduler(num_blocks, max_num_batched_tokens=16384, max_num_seqs=256,
+                                             admission_lookahead_tokens=512)
+    r = simulate(scheduler, [(1024, 1024, 1024)] * 256, cost=scheduler_sim.FORMATS["turboquant"])
     assert abs(r["steps"] - 3081) <= 10 and abs(r["preemptions"] - 52) <= 5
     assert 0.9 * 19734 < 256 * 1024 / r["seconds"] < 1.1 * 20114

@@ -165,10 +165,10 @@ class TieredPrefixCache(PrefixCache):
         self.forget(seq_id)
         hashes = self._seq_hashes.pop(seq_id, None)
         if hashes and (not preempted or self.settings.swap_on_preemption):
-            stored = [h for h in self._offload(seq_id, hashes) if h in self.host]
-            if preempted and stored:  # swapped out: kept until the request is back
-                self.host.hold(stored)
-                self._swapped[seq_id] = stored
+            offloaded = self._offload(seq_id, hashes)
+            if preempted:  # swapped out: kept until the request is back
+                self._swapped[seq_id] = [h for h in offloaded if h in self.host]
+                self.host.hold(self._swapped[seq_id])
         super().release(seq_id)
 
     def forget(self, seq_id):
