@@ -9,10 +9,12 @@ import torch
 from pagedkv.ops.triton.split_k import ROTATE_IN_MERGE_ROWS, ROTATE_ROWS, reduce_splits
 
 
+@pytest.mark.parametrize("plain_last", [False, True], ids=["all_rotated", "window_plain"])
 @pytest.mark.parametrize("tokens", [3, 5], ids=["rows_in_merge", "row_tiles"])
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
-def test_reduce_splits_merges_the_partial_states_and_rotates_back(rotate, tokens):
-    """Rotated in the merge (48 rows), and by `rotate_out_kernel` (80 rows: three tiles, the last one partial)."""
+def test_reduce_splits_merges_the_partial_states_and_rotates_back(rotate, tokens, plain_last):
+    """Rotated in the merge (48 rows), and by `rotate_out_kernel` (80 rows: three tiles, the last one partial);
+    `plain_last`: the last slot (a dense window's) is already in the output's domain, so only the others rotate."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     heads, splits, d = 16, 5, 64
@@ -25,10 +27,12 @@ def test_reduce_splits_merges_the_partial_states_and_rotates_back(rotate, tokens
     on_dev = rotation.to(dev)
     view = SimpleNamespace(rotate_out=rotate, aux=lambda name: on_dev if name == "out_rotation" else None)
     out = torch.zeros(tokens, 2 * heads, d, dtype=torch.bfloat16, device=dev)[:, ::2]   # strided rows
-    reduce_splits(out, tuple(t.to(dev) for t in (part_out, part_m, part_l)), view, "ieee")
+    reduce_splits(out, tuple(t.to(dev) for t in (part_out, part_m, part_l)), view, "ieee", plain_last=plain_last)
     out = out.cpu()
     w = torch.exp2(part_m - part_m.amax(-1, keepdim=True))
-    want = (part_out * w[..., None]).sum(2) / (w * part_l).sum(-1)[..., None]
-    if rotate:
-        want = want @ rotation
+    shares = part_out * (w / (w * part_l).sum(-1, keepdim=True))[..., None]   # [tokens, heads, splits, d]
+    if rotate and plain_last:
+        want = shares[:, :, :-1].sum(2) @ rotation + shares[:, :, -1]
+    else:
+        want = shares.sum(2) @ rotation if rotate else shares.sum(2)
     assert torch.allclose(out.float(), want, atol=1e-2, rtol=1e-2), (out.float() - want).abs().max()

@@ -192,7 +192,7 @@ def test_verify_steps_over_a_window_run_the_triton_kernel(monkeypatch, spec):
 def test_the_ring_as_the_last_split_attends_the_whole_window(spec, head_dim):
     """`split_k.ring_partials` (how the Gluon decode kernels read a window: their splits stop where the ring
     begins, the ring is one more split): every block from the ring, then merged by `reduce_splits` (TurboQuant:
-    written into the values' rotated domain, rotated back by the reduce)."""
+    the ring's share is added after the reduce rotates the pages' shares back, here none)."""
     from pagedkv.ops.triton.attention import dot_precision
     from pagedkv.ops.triton.page_view import page_view
     from pagedkv.ops.triton.split_k import partial_states, reduce_splits, ring_partials
@@ -204,5 +204,5 @@ def test_the_ring_as_the_last_split_attends_the_whole_window(spec, head_dim):
     parts = partial_states(case.query, 1, head_dim)
     ring_partials(case.query, view, case.meta, rings, parts, 0.2, precision)
     out = torch.empty_like(case.query)
-    reduce_splits(out, parts, view, precision)
+    reduce_splits(out, parts, view, precision, plain_last=True)
     assert rel_err(out, ref) < TOL[torch.float32]

@@ -674,7 +674,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     if window is not None:
         ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
-    reduce_splits(out, parts, view, dot_precision(query.dtype))
+    reduce_splits(out, parts, view, dot_precision(query.dtype), plain_last=window is not None)
     return out
 
 
@@ -937,7 +937,7 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     if window is not None:
         ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
     if parts is not None:
-        reduce_splits(out, parts, view, dot_precision(query.dtype))
+        reduce_splits(out, parts, view, dot_precision(query.dtype), plain_last=window is not None)
     return out
 
 
@@ -989,7 +989,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     if window is not None:
         ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
     if parts is not None:
-        reduce_splits(out, parts, view, dot_precision(query.dtype))
+        reduce_splits(out, parts, view, dot_precision(query.dtype), plain_last=window is not None)
     return out
 
 

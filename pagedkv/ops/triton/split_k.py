@@ -18,7 +18,7 @@ from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .attention import PER_STEP_ARGS, check_inputs, dot_precision, launch_args, query_block_rows
 from .page_view import page_view, ring_pages, stride3
-from .decode_io import attend_ring, ring_rotated, token_sequence
+from .decode_io import attend_ring, token_sequence
 from .tiles import attend_range, load_queries, rotate_rows
 from .tuning import TileConfig, choose_tiles, page_class
 
@@ -78,12 +78,14 @@ def split_attention_kernel(
 
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
 def reduce_splits_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, rotation_ptr,
+    out_ptr, plain_ptr, part_out_ptr, part_m_ptr, part_l_ptr, rotation_ptr,
     stride_ot, stride_oh, num_splits,
     SPLITS_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    ROTATE_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROTATE_OUT: tl.constexpr, PLAIN_LAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (query token, query head): every split's partial state read at once."""
+    """One program per (query token, query head): every split's partial state read at once. PLAIN_LAST: the last
+    slot is in the output's domain; with ROTATE_OUT it is added after the rotation, without (`rotate_out_kernel`
+    rotates) its share goes to plain_ptr (float32, laid out as out_ptr)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -96,26 +98,39 @@ def reduce_splits_kernel(
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)                                               # [SPLITS_PAD]
     total = tl.sum(w * l, axis=0)
+    w = w / tl.where(total > 0, total, 1.0)
     part = tl.load(part_out_ptr + (state0 + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_ok[:, None],
                    other=0.0)
-    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM_PAD]
+    at = token * stride_ot + head * stride_oh + offs_d
+    if PLAIN_LAST:
+        last = offs_s == num_splits - 1
+        share = tl.sum(part * tl.where(last, w, 0.0)[:, None], axis=0)         # [HEAD_DIM_PAD]
+        w = tl.where(last, 0.0, w)
+    out = tl.sum(part * w[:, None], axis=0)                                   # [HEAD_DIM_PAD]
     if ROTATE_OUT:
         out = tl.sum(rotate_rows(out[None, :], rotation_ptr, HEAD_DIM, DOT_PRECISION), axis=0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    if PLAIN_LAST:
+        if ROTATE_OUT:
+            out += share
+        else:
+            tl.store(plain_ptr + at, share, mask=offs_d < HEAD_DIM)
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def rotate_out_kernel(out_ptr, src_ptr, rotation_ptr, num_rows, stride_ot, stride_oh,
+def rotate_out_kernel(out_ptr, src_ptr, plain_ptr, rotation_ptr, num_rows, stride_ot, stride_oh,
                       NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    """out rows = src rows (float32 [num_rows, HEAD_DIM], row = token * NUM_Q_HEADS + head) @ rotation, BLOCK_R
-    rows per program: the rotation matrix is read once per tile of rows, not once per row."""
+                      ADD_PLAIN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out rows = src rows (float32 [num_rows, HEAD_DIM], row = token * NUM_Q_HEADS + head) @ rotation (+ plain
+    rows, laid out as src's, with ADD_PLAIN), BLOCK_R rows per program: the rotation matrix is read once
+    per tile of rows, not once per row."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = (rows < num_rows)[:, None]
     x = tl.load(src_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
     y = rotate_rows(x, rotation_ptr, HEAD_DIM, DOT_PRECISION)
+    if ADD_PLAIN:
+        y += tl.load(plain_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
     token = (rows // NUM_Q_HEADS).to(tl.int64)
     at = out_ptr + token[:, None] * stride_ot + (rows % NUM_Q_HEADS)[:, None] * stride_oh + offs_d[None, :]
     tl.store(at, y.to(out_ptr.dtype.element_ty), mask=ok)
@@ -135,17 +150,17 @@ RING_WARPS = 1
 
 @triton.jit(do_not_specialize=["num_seqs", "num_slots"])
 def ring_partial_kernel(
-    part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr, rotation_ptr,
+    part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr,
     query_start_loc_ptr, seq_lens_ptr, stride_qt, stride_qh, r_strides, num_seqs, num_slots, qk_scale,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr, ROTATE_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, RING_WARPS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    RING_WARPS: tl.constexpr,
 ):
     """A dense recent window as the last split: one program per (query token, KV head) attends the keys its
     sequence's ring holds up to the query's position (`decode_io.attend_ring`, as the tile-language decode kernel
     does) and writes its partial state to slot num_slots - 1 (`partial_states`); the pages' splits hold the keys
-    before it. With ROTATE_OUT its output goes into the values' rotated domain (`decode_io.ring_rotated`), where
-    the reduce expects every split's."""
+    before it. Its output stays in the output's domain even where the pages' values accumulate rotated
+    (TurboQuant): `reduce_splits(..., plain_last=True)` adds it after rotating the rest back."""
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = token_sequence(token, query_start_loc_ptr, num_seqs)
@@ -161,10 +176,7 @@ def ring_partial_kernel(
         ring_first_ptr, stride_qt, stride_qh, r_strides, qk_scale, 1.0, HEAD_DIM, HEAD_DIM, BLOCK_SIZE,
         NUM_RING_BLOCKS, False, DOT_PRECISION)
     offs_d = tl.arange(0, HEAD_DIM)
-    if ROTATE_OUT:
-        out = ring_rotated(acc, offs_d, rotation_ptr, HEAD_DIM, DOT_PRECISION)          # [ROWS, HEAD_DIM]
-    else:
-        out = tl.trans(acc)
+    out = tl.trans(acc)                                                                 # [ROWS, HEAD_DIM]
     state = (token.to(tl.int64) * NUM_Q_HEADS + head) * num_slots + num_slots - 1
     tl.store(part_m_ptr + state, tl.max(m_i, axis=0), mask=h_ok)
     tl.store(part_l_ptr + state, tl.sum(l_i, axis=0), mask=h_ok)
@@ -174,7 +186,8 @@ def ring_partial_kernel(
 def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, parts, scale: float, precision: str):
     """The dense recent window `window` (rings of keys and values, `decode.paged_attention`'s argument, planned in
     `meta.window`) attended as the last split of `parts` (`partial_states`, head_dim_pad = head_dim): the page
-    kernel's splits must stop where each sequence's ring begins."""
+    kernel's splits must stop where each sequence's ring begins, and `reduce_splits` merge with plain_last=True
+    (the window's share is not in TurboQuant's rotated domain)."""
     plan = meta.window
     rk, rv = ring_pages(view, meta, window)
     part_out, part_m, part_l = parts
@@ -182,12 +195,10 @@ def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, pa
     assert head_dim == view.head_dim, "the ring's partial states are written unpadded"
     group = num_q_heads // view.num_kv_heads
     ring_partial_kernel[(num_tokens, view.num_kv_heads)](
-        part_out, part_m, part_l, query, rk, rv, plan.rows, plan.first_block, view.aux("out_rotation"),
-        meta.query_start_loc, meta.seq_lens, query.stride(0), query.stride(1), stride3(rk),
+        part_out, part_m, part_l, query, rk, rv, plan.rows, plan.first_block, meta.query_start_loc, meta.seq_lens, query.stride(0), query.stride(1), stride3(rk),
         meta.block_table.shape[0], num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, NUM_RING_BLOCKS=plan.num_ring_blocks, ROTATE_OUT=view.rotate_out,
-        DOT_PRECISION=precision, RING_WARPS=RING_WARPS, num_warps=RING_WARPS)
+        BLOCK_SIZE=meta.block_size, NUM_RING_BLOCKS=plan.num_ring_blocks, DOT_PRECISION=precision, RING_WARPS=RING_WARPS, num_warps=RING_WARPS)
 
 
 def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
@@ -200,25 +211,30 @@ def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
     return part_out, part_m, torch.empty_like(part_m)
 
 
-def reduce_splits(out: torch.Tensor, parts, view, precision: str) -> None:
+def reduce_splits(out: torch.Tensor, parts, view, precision: str, *, plain_last: bool = False) -> None:
     """Merge the partial states `parts` (`partial_states`) into out [num_tokens, num_q_heads, head_dim],
     rotating back when the format accumulates values in a rotated domain: for more than ROTATE_IN_MERGE_ROWS
     rows the merged rows go to a float32 buffer first and `rotate_out_kernel` rotates them a tile of rows at a
-    time."""
+    time. `plain_last`: the last slot (a dense window's, `ring_partials`) is already in the output's domain, so it
+    is added after the rotation instead of rotated with the rest."""
     part_out, part_m, part_l = parts
     num_tokens, num_q_heads, num_splits, head_dim_pad = part_out.shape
     head_dim, num_rows = out.shape[-1], num_tokens * num_q_heads
+    plain_last = plain_last and view.rotate_out
     tiled = view.rotate_out and num_rows > ROTATE_IN_MERGE_ROWS
     merged = out.new_empty(out.shape, dtype=torch.float32) if tiled else out
+    plain = merged.new_empty(out.shape) if tiled and plain_last else merged   # the window's share, rotated last
     reduce_splits_kernel[(num_tokens, num_q_heads)](
-        merged, part_out, part_m, part_l, view.aux("out_rotation"), merged.stride(0), merged.stride(1), num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, ROTATE_OUT=view.rotate_out and not tiled, DOT_PRECISION=precision, num_warps=4,
+        merged, plain, part_out, part_m, part_l, view.aux("out_rotation"), merged.stride(0), merged.stride(1),
+        num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, ROTATE_OUT=view.rotate_out and not tiled, PLAIN_LAST=plain_last,
+        DOT_PRECISION=precision, num_warps=4,
     )
     if tiled:
         rotate_out_kernel[(triton.cdiv(num_rows, ROTATE_ROWS),)](
-            out, merged, view.aux("out_rotation"), num_rows, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_R=ROTATE_ROWS, DOT_PRECISION=precision, num_warps=4,
+            out, merged, plain, view.aux("out_rotation"), num_rows, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_R=ROTATE_ROWS, ADD_PLAIN=plain_last,
+            DOT_PRECISION=precision, num_warps=4,
         )
 
 
