@@ -54,7 +54,7 @@ engine)
     run 200 python bench/engine_gpu.py --formats off q8 q4 turboquant --batches 16 64 --context 8192 --requests 32 \
         --skip-generate-batch --out "$OUT"
     run 280 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 --admission-lookahead-tokens 0 512 1024 --out "$OUT"
+        --formats off turboquant q4 --admission-lookahead-tokens 0 640 1024 --out "$OUT"
     run 90 python bench/tiers.py --model llama8b --device cuda --prefix-tokens 2048 8192 32768 --out "$OUT/h200"
     ;;
 memory)   # the same-memory run with its timelines: the default admission, then no headroom with preemption by swap

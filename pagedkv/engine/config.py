@@ -21,10 +21,11 @@ class EngineConfig:
     admission_lookahead_tokens: a request is admitted only if the pool keeps room for the running requests'
     growth until they end (prompt + max_tokens), each looked ahead at most this many tokens (one block for
     a request without max_tokens; 0: admit on free blocks alone); growth past it is met by preemption.
-    512 by measurement (H200, the same 2 GiB of pages, 256 requests of 1,024 + 1,024 tokens, lookahead 0-1024,
-    `bench/results/h200/engine_memory_sweep.json`): a lookahead as long as the outputs runs requests that start
-    together in waves that also end together, the last one at a small batch (-4% to -11% against 512); none
-    recomputes 3x as many preempted requests (-1% to -7%).
+    640 by measurement (H200, the same 2 GiB of pages, 256 requests of 1,024 + 1,024 tokens, lookahead 0-1024,
+    `bench/results/h200/engine_memory_sweep.json`, then 512 against 640 in one run, `engine_memory_640.json`: 640
+    1.01x / 1.06x / 1.06x faster for `off` / TurboQuant / q4, fewer preemptions for each): a lookahead as long
+    as the outputs runs requests that start together in waves that also end together, the last one at a small
+    batch (-4% to -11% against 512); none recomputes 3x as many preempted requests (-1% to -7%).
     Prefix-cache tiers (`pagedkv.tiers`): cpu_cache_gb: host memory for blocks evicted from the device pool
     (0: off); kv_cache_dir: a directory keeping them on disk across restarts, up to disk_cache_gb;
     swap_on_preemption: a preempted request's blocks go to the host tier and are loaded back, not recomputed.
@@ -36,7 +37,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
     max_model_len: int | None = None
-    admission_lookahead_tokens: int = 512
+    admission_lookahead_tokens: int = 640
     cpu_cache_gb: float = 0.0
     kv_cache_dir: str | None = None
     disk_cache_gb: float = 16.0
