@@ -3,9 +3,11 @@ with CUDA graphs off, for each page format, on the Llama-3-8B-shaped model of `b
 
 Two kinds of step are profiled: a mixed prefill step (`--requests` prompts of `--prompt-tokens`, as
 in the batch workload) and, once every request is prefilled, pure decode steps run eagerly. Prints
-the steps' wall times and the functions with the most own time.
+the steps' wall times and the functions with the most own time. `--kernels` profiles the decode steps with
+`torch.profiler` instead: device time per step by kernel, and the kernels' total, per format.
 
     python bench/engine_profile.py --formats off turboquant
+    python bench/engine_profile.py --formats off q4 turboquant --requests 128 --prompt-tokens 1536 --kernels
 """
 
 from __future__ import annotations
@@ -44,6 +46,31 @@ def profiled(fn, n: int, top: int, label: str) -> float:
     return ms
 
 
+def kernel_times(fn, n: int, top: int, label: str) -> dict:
+    """Device time per call of `fn` by kernel (`torch.profiler`), the `top` largest printed; returns
+    {kernel: us per call} with the total under "(all kernels)"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.cuda.is_available()   # on the CPU (--tiny) the operators' CPU time stands in
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            fn()
+        sync()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if on_gpu and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = event.device_time_total if on_gpu else event.self_cpu_time_total
+        times[event.name] = times.get(event.name, 0.0) + us / n
+    total = sum(times.values())
+    print(f"--- {label}: {total:.0f} us of {'kernels' if on_gpu else 'CPU operators'} per step")
+    for name, us in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{us:9.1f} us  {100 * us / total:5.1f}%  {name[:110]}")
+    times["(all kernels)"] = total
+    return times
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=8)
@@ -53,6 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
+    p.add_argument("--kernels", action="store_true", help="device time by kernel of the decode steps (torch.profiler)")
     args = p.parse_args(argv)
     if args.tiny:
         engine_gpu.DEVICE = "cpu"
@@ -70,10 +98,16 @@ def main(argv=None) -> int:
             engine.step()
         rids = [engine.add_request(prompt, params) for prompt in prompts]
         seqs = [engine.requests[r] for r in rids]
-        profiled(engine.step, 1, args.top, f"{fmt}: first prefill step ({args.max_num_batched_tokens} tokens)")
+        if not args.kernels:
+            profiled(engine.step, 1, args.top, f"{fmt}: first prefill step ({args.max_num_batched_tokens} tokens)")
         while any(s.num_output_tokens == 0 for s in seqs):
             engine.step()
-        profiled(engine.step, 4, args.top, f"{fmt}: eager decode step, batch {args.requests}")
+        if args.kernels:
+            engine.step()
+            kernel_times(engine.step, 4, args.top, f"{fmt}: eager decode step, batch {args.requests}, "
+                         f"{args.prompt_tokens} tokens of context")
+        else:
+            profiled(engine.step, 4, args.top, f"{fmt}: eager decode step, batch {args.requests}")
         for r in rids:
             engine.abort(r)
         del llm, engine
