@@ -4,7 +4,8 @@ with CUDA graphs off, for each page format, on the Llama-3-8B-shaped model of `b
 Two kinds of step are profiled: a mixed prefill step (`--requests` prompts of `--prompt-tokens`, as
 in the batch workload) and, once every request is prefilled, pure decode steps run eagerly. Prints
 the steps' wall times and the functions with the most own time. `--kernels` profiles the decode steps with
-`torch.profiler` instead: device time per step by kernel, and the kernels' total, per format.
+`torch.profiler` instead (the first prefill step, then decode steps): device time per step by kernel, and the
+kernels' total, per format.
 
     python bench/engine_profile.py --formats off turboquant
     python bench/engine_profile.py --formats off q4 turboquant --requests 128 --prompt-tokens 1536 --kernels
@@ -98,7 +99,9 @@ def main(argv=None) -> int:
             engine.step()
         rids = [engine.add_request(prompt, params) for prompt in prompts]
         seqs = [engine.requests[r] for r in rids]
-        if not args.kernels:
+        if args.kernels:
+            kernel_times(engine.step, 1, args.top, f"{fmt}: first prefill step ({args.max_num_batched_tokens} tokens)")
+        else:
             profiled(engine.step, 1, args.top, f"{fmt}: first prefill step ({args.max_num_batched_tokens} tokens)")
         while any(s.num_output_tokens == 0 for s in seqs):
             engine.step()
