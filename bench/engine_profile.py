@@ -47,9 +47,9 @@ def profiled(fn, n: int, top: int, label: str) -> float:
     return ms
 
 
-def kernel_times(fn, n: int, top: int, label: str) -> dict:
-    """Device time per call of `fn` by kernel (`torch.profiler`), the `top` largest printed; returns
-    {kernel: us per call} with the total under "(all kernels)"."""
+def kernel_times(fn, n: int, top: int, label: str) -> float:
+    """Device time per call of `fn` by kernel (`torch.profiler`), the `top` largest printed; returns the total
+    (us per call)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = torch.cuda.is_available()   # on the CPU (--tiny) the operators' CPU time stands in
@@ -68,8 +68,7 @@ def kernel_times(fn, n: int, top: int, label: str) -> dict:
     print(f"--- {label}: {total:.0f} us of {'kernels' if on_gpu else 'CPU operators'} per step")
     for name, us in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
         print(f"{us:9.1f} us  {100 * us / total:5.1f}%  {name[:110]}")
-    times["(all kernels)"] = total
-    return times
+    return total
 
 
 def main(argv=None) -> int:
@@ -81,10 +80,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
-    p.add_argument("--kernels", action="store_true", help="device time by kernel of the decode steps (torch.profiler)")
+    p.add_argument("--kernels", action="store_true", help="device time by kernel of the steps (torch.profiler)")
     args = p.parse_args(argv)
     if args.tiny:
         engine_gpu.DEVICE = "cpu"
+    measure = kernel_times if args.kernels else profiled
     model = build_model(args.layers, args.tiny)
     prompts = random_prompts(args.requests, args.prompt_tokens, model.config.vocab_size, seed=1234)
     for fmt in args.formats:
@@ -99,18 +99,13 @@ def main(argv=None) -> int:
             engine.step()
         rids = [engine.add_request(prompt, params) for prompt in prompts]
         seqs = [engine.requests[r] for r in rids]
-        if args.kernels:
-            kernel_times(engine.step, 1, args.top, f"{fmt}: first prefill step ({args.max_num_batched_tokens} tokens)")
-        else:
-            profiled(engine.step, 1, args.top, f"{fmt}: first prefill step ({args.max_num_batched_tokens} tokens)")
+        measure(engine.step, 1, args.top, f"{fmt}: first prefill step ({args.max_num_batched_tokens} tokens)")
         while any(s.num_output_tokens == 0 for s in seqs):
             engine.step()
         if args.kernels:
-            engine.step()
-            kernel_times(engine.step, 4, args.top, f"{fmt}: eager decode step, batch {args.requests}, "
-                         f"{args.prompt_tokens} tokens of context")
-        else:
-            profiled(engine.step, 4, args.top, f"{fmt}: eager decode step, batch {args.requests}")
+            engine.step()   # the first step that decodes every request runs outside the profile
+        measure(engine.step, 4, args.top, f"{fmt}: eager decode step, batch {args.requests}, "
+                f"{args.prompt_tokens} tokens of context")
         for r in rids:
             engine.abort(r)
         del llm, engine

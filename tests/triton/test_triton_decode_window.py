@@ -190,19 +190,18 @@ def test_verify_steps_over_a_window_run_the_triton_kernel(monkeypatch, spec):
 
 @pytest.mark.parametrize("spec,head_dim", [("q8", 64), ("q4", 128), ("turboquant", 128)])
 def test_the_ring_as_the_last_split_attends_the_whole_window(spec, head_dim):
-    """`split_k.ring_partials` (how the Gluon decode kernels read a window: their splits stop where the ring
-    begins, the ring is one more split): every block from the ring, then merged by `reduce_splits` (TurboQuant:
-    the ring's share is added after the reduce rotates the pages' shares back, here none)."""
+    """`split_k.reduce_with_window` (how the Gluon decode kernels read a window: their splits stop where the ring
+    begins, `ring_partials` attends the ring as one more split): every block from the ring, then merged by
+    `reduce_splits` (TurboQuant: the ring's share is added after the pages' shares are rotated back, here none)."""
     from pagedkv.ops.triton.attention import dot_precision
     from pagedkv.ops.triton.page_view import page_view
-    from pagedkv.ops.triton.split_k import partial_states, reduce_splits, ring_partials
+    from pagedkv.ops.triton.split_k import partial_states, reduce_with_window
 
     case, rings = window_case(spec, 8, 2, head_dim, seed=5, first_blocks=[0] * len(CTX_LENS), num_ring_blocks=16)
     ref = window_reference(case, rings, scale=0.2)
     view = page_view(case.fmt, case.pages)
     precision = dot_precision(case.query.dtype)
     parts = partial_states(case.query, 1, head_dim)
-    ring_partials(case.query, view, case.meta, rings, parts, 0.2, precision)
     out = torch.empty_like(case.query)
-    reduce_splits(out, parts, view, precision, plain_last=True)
+    reduce_with_window(out, parts, case.query, view, case.meta, rings, 0.2, precision)
     assert rel_err(out, ref) < TOL[torch.float32]

@@ -626,7 +626,7 @@ def group_scores(d, sc, z, qsum):
 def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: bool):
     """(partial states or None, slots per (token, head), each sequence's first window block) of a Gluon decode
     over `num_splits` splits of the pages, with a dense recent window `window` (`decode.paged_attention`'s) as one
-    more slot that `split_k.ring_partials` fills: the page splits then stop where each sequence's window begins
+    more slot that `split_k.reduce_with_window` fills: the page splits then stop where each sequence's window begins
     (without a window the last argument is a placeholder the kernel does not read)."""
     from .split_k import partial_states
 
@@ -644,7 +644,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import reduce_splits, ring_partials
+    from .split_k import reduce_with_window
 
     from .decode import check_scale_words
 
@@ -672,9 +672,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
         num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
-    if window is not None:
-        ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
-    reduce_splits(out, parts, view, dot_precision(query.dtype), plain_last=window is not None)
+    reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
 
@@ -914,7 +912,7 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     `Q4_PAIRS_BITS`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import reduce_splits, ring_partials
+    from .split_k import reduce_with_window
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -934,10 +932,7 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, PAIRS=pairs,
         num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
-    if window is not None:
-        ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
-    if parts is not None:
-        reduce_splits(out, parts, view, dot_precision(query.dtype), plain_last=window is not None)
+    reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
 
@@ -968,7 +963,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     (`window_splits`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import reduce_splits, ring_partials
+    from .split_k import reduce_with_window
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -986,10 +981,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=parts is not None, K_LOAD=key_load_layout(head_dim),
         V_LOAD=value_load_layout(head_dim), STAGES=stages, WINDOW=window is not None, num_warps=1)
-    if window is not None:
-        ring_partials(query, view, meta, window, parts, scale, dot_precision(query.dtype))
-    if parts is not None:
-        reduce_splits(out, parts, view, dot_precision(query.dtype), plain_last=window is not None)
+    reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
 

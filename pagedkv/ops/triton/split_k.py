@@ -187,7 +187,7 @@ def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, pa
     """The dense recent window `window` (rings of keys and values, `decode.paged_attention`'s argument, planned in
     `meta.window`) attended as the last split of `parts` (`partial_states`, head_dim_pad = head_dim): the page
     kernel's splits must stop where each sequence's ring begins, and `reduce_splits` merge with plain_last=True
-    (the window's share is not in TurboQuant's rotated domain)."""
+    (the window's share is not in TurboQuant's rotated domain): `reduce_with_window` does both."""
     plan = meta.window
     rk, rv = ring_pages(view, meta, window)
     part_out, part_m, part_l = parts
@@ -195,10 +195,23 @@ def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, pa
     assert head_dim == view.head_dim, "the ring's partial states are written unpadded"
     group = num_q_heads // view.num_kv_heads
     ring_partial_kernel[(num_tokens, view.num_kv_heads)](
-        part_out, part_m, part_l, query, rk, rv, plan.rows, plan.first_block, meta.query_start_loc, meta.seq_lens, query.stride(0), query.stride(1), stride3(rk),
-        meta.block_table.shape[0], num_slots, float(scale),
+        part_out, part_m, part_l, query, rk, rv, plan.rows, plan.first_block, meta.query_start_loc, meta.seq_lens,
+        query.stride(0), query.stride(1), stride3(rk), meta.block_table.shape[0], num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, NUM_RING_BLOCKS=plan.num_ring_blocks, DOT_PRECISION=precision, RING_WARPS=RING_WARPS, num_warps=RING_WARPS)
+        BLOCK_SIZE=meta.block_size, NUM_RING_BLOCKS=plan.num_ring_blocks, DOT_PRECISION=precision,
+        RING_WARPS=RING_WARPS, num_warps=RING_WARPS)
+
+
+def reduce_with_window(out: torch.Tensor, parts, query: torch.Tensor, view, meta: AttentionMetadata, window,
+                       scale: float, precision: str) -> None:
+    """The end of a split decode over pages: the dense recent window `window`, if any, attended into the last
+    slot of `parts` (`ring_partials`), then every slot merged into out (`reduce_splits`, the window's share added
+    after the rotation back). parts None (one split, no window): the page kernel wrote out itself."""
+    if parts is None:
+        return
+    if window is not None:
+        ring_partials(query, view, meta, window, parts, scale, precision)
+    reduce_splits(out, parts, view, precision, plain_last=window is not None)
 
 
 def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
