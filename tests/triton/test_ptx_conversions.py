@@ -12,8 +12,8 @@ import torch
 
 from pagedkv.formats.codebook import lloyd_max_codebook
 from pagedkv.formats.packing import pack_code_nibbles, pack_sign_nibbles
-from pagedkv.ops.triton.conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_PAIRS_ASM, NIBBLE_KEY_PAIRS_ASM,
-                                            NIBBLE_PAIRS_ASM, NIBBLE_QUADS_ASM, SIGN_NIBBLES_ASM,
+from pagedkv.ops.triton.conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_OFFSET_ASM, INT8_PAIRS_ASM,
+                                            NIBBLE_KEY_PAIRS_ASM, NIBBLE_OFFSET_ASM, NIBBLE_PAIRS_ASM, NIBBLE_QUADS_ASM, SIGN_NIBBLES_ASM,
                                             SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM,
                                             SIX_BIT_KEY_PAIRS_ASM, SIX_BIT_QUADS_ASM, SIX_BIT_SPREAD_ASM)
 
@@ -186,6 +186,20 @@ def test_int8_asm_gives_the_signed_codes():
         got = _f16(_lanes(run_ptx(INT8_ASM.value, [word], 2)))
         assert got == [_signed8((word >> (8 * k)) & 0xFF) for k in range(4)], hex(word)
 
+
+def test_int8_offset_asm_leaves_the_codes_over_1152():
+    for word in _bytes(np.random.default_rng(9), 200):
+        got = _f16(_lanes(run_ptx(INT8_OFFSET_ASM.value, [word], 2)))
+        assert got == [1152 + _signed8((word >> (8 * k)) & 0xFF) for k in range(4)], hex(word)
+
+
+def test_nibble_offset_asm_leaves_low_nibbles_over_1024_high_over_64():
+    """Bytes in the order 0, 2, 1, 3: the low nibbles as 1024 + n, then the high ones as 64 + n."""
+    order = [0, 2, 1, 3]
+    for word in _bytes(np.random.default_rng(10), 300):
+        got = _f16(_lanes(run_ptx(NIBBLE_OFFSET_ASM.value, [word], 4)))
+        byte = [(word >> (8 * k)) & 0xFF for k in order]
+        assert got == [1024 + (b & 15) for b in byte] + [64 + (b >> 4) for b in byte], hex(word)
 
 def test_int8_pairs_asm_splits_even_and_odd_channels():
     for word in _bytes(np.random.default_rng(4), 200):

@@ -71,6 +71,19 @@ and.b32 lo, $4, 0x0F0F0F0F; shr.b32 hi, $4, 4; and.b32 hi, hi, 0x0F0F0F0F;
 prmt.b32 $0, lo, 0x64646464, 0x4140; prmt.b32 $1, lo, 0x64646464, 0x4342;
 prmt.b32 $2, hi, 0x64646464, 0x4140; prmt.b32 $3, hi, 0x64646464, 0x4342;
 sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; sub.f16x2 $2, $2, b; sub.f16x2 $3, $3, b; }""")
+# Offset forms for keys with zero points (TurboQuant q8_0 / q4_0 in the Gluon kernel), no subtraction per value:
+# the codes stay under the exponent and the kernel takes the offsets' share of a dot product off once per key group
+# (folded into the zero point, or the start of the matrix product). int8 codes, four per call ($2): float16
+# 1152 + c, bytes 0, 1 in $0, 2, 3 in $1 (three instructions for four values; INT8_ASM's five).
+INT8_OFFSET_ASM = tl.constexpr("""{ .reg .b32 u; xor.b32 u, $2, 0x80808080;
+prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362; }""")
+# 4-bit codes, four bytes ($4) per call: the low nibbles under the exponent of 1024 (float16 1024 + n, bits 0-3 of
+# the mantissa) in $0 (bytes 0, 2), $1 (bytes 1, 3); the high nibbles left in place under the exponent of 64
+# (bits 4-7 of the mantissa: float16 64 + n) in $2 (bytes 0, 2), $3 (bytes 1, 3). Five instructions for eight
+# values (NIBBLE_PAIRS_ASM's eleven); the byte order 0, 2, 1, 3 is the kernel's to name.
+NIBBLE_OFFSET_ASM = tl.constexpr("""{ .reg .b32 t;
+lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $2, $4, 0x00F000F0, 0x54005400, 0xEA; shr.b32 t, $4, 8;
+lop3.b32 $1, t, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $3, t, 0x00F000F0, 0x54005400, 0xEA; }""")
 
 # The LOP3 form of the same conversions: `lop3 (x & 0x000F000F) | 0x64006400` turns the nibbles at bits 0 and 16 of
 # x into two float16 1024 + n at once (with mask 0x00F000F0, 1024 + 16 n); one subtraction (one fused multiply-add

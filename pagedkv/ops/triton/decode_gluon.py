@@ -41,7 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .conversions import (CODE_NIBBLES_ASM, INT8_ASM, NIBBLE_KEY_PAIRS_ASM, NIBBLE_PAIRS_ASM,
+from .conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_OFFSET_ASM, NIBBLE_KEY_PAIRS_ASM, NIBBLE_OFFSET_ASM,
                           SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
                           SIX_BIT_SPREAD_ASM)
 
@@ -339,33 +339,47 @@ SCALE_ROW = gl.constexpr(gl.DistributedLinearLayout(   # [1, 16] scale words as 
 
 @gluon.jit
 def tq_key_group(k_ring, stage, G: gl.constexpr, K_BITS: gl.constexpr):
-    """Key group G of a step from the ring: [16 keys, 32 channels] float16 as the A operand. q8_0: lane q's
-    bytes 8q + 4j + 2a + b are its operand columns 16j + 8a + 2q + b; q4_0: its bytes 4q + 2j + b, low (a = 0)
-    and high (a = 1) nibbles, are columns 16j + 8a + 2q + b."""
+    """Key group G of a step from the ring: [16 keys, 32 channels] float16 as the A operand, the codes left over an
+    offset (`tq_query_group` takes its share off). q8_0: 1152 + c; lane q's bytes 8q + 4j + 2a + b are its operand
+    columns 16j + 8a + 2q + b. q4_0: low nibbles 1024 + n, high ones 64 + n; lane q's bytes 4q + 2j + b, low (a = 0)
+    and high (a = 1) nibbles, are columns 16a + 8b + 2q + j."""
     if K_BITS == 8:
         codes = k_ring.index(stage).slice(32 * G, 32, dim=1).load(TQ_KEYS8)
-        k = gl.reshape(gl.permute(gl.reshape(int8_to_f16(codes), [16, 4, 2, 2, 2]), (0, 2, 3, 1, 4)), [16, 32])
+        k = gl.inline_asm_elementwise(INT8_OFFSET_ASM, "=r,=r,r", [codes], dtype=gl.float16, is_pure=True, pack=4)
+        k = gl.reshape(gl.permute(gl.reshape(k, [16, 4, 2, 2, 2]), (0, 2, 3, 1, 4)), [16, 32])
     else:
         codes = k_ring.index(stage).slice(16 * G, 16, dim=1).load(TQ_KEYS4)
-        lo, hi = gl.inline_asm_elementwise(NIBBLE_PAIRS_ASM, "=r,=r,=r,=r,r", [codes],
-                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-        k = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [16, 4, 2, 2, 2]), (0, 2, 4, 1, 3)), [16, 32])
+        lo, hi = gl.inline_asm_elementwise(NIBBLE_OFFSET_ASM, "=r,=r,=r,=r,r", [codes],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)   # bytes 0, 2, 1, 3
+        k = gl.reshape(gl.permute(gl.reshape(gl.join(lo, hi), [16, 4, 2, 2, 2]), (0, 4, 2, 1, 3)), [16, 32])
     return gl.convert_layout(k, A_OP, assert_trivial=True)
+
+
+# the float16 offset over the 8-bit TurboQuant key codes in `tq_key_group` (4-bit: 1024 low nibbles, 64 high ones)
+KEY_OFFSET8 = gl.constexpr(1152.0)
 
 
 @gluon.jit
 def tq_query_group(q_at, h_ok, G: gl.constexpr, K_BITS: gl.constexpr):
     """Channels of key group G of the query heads, in tq_key_group's column order: (Q^T [32, 8] as the B
-    operand, the group's channel sums [8] for the keys' zero points)."""
+    operand, the group's channel sums [8] for the keys' zero points, and the start of the group's key products
+    [16, 8]: minus the 4-bit keys' offsets times the query, so that the matrix product gives codes . q; zero for
+    8-bit keys, whose one offset `key_zero` folds into the zero points)."""
     c = gl.arange(0, 32, layout=gl.SliceLayout(1, PLAIN))
-    q_, j, a, b = (c >> 1) & 3, c >> 4, (c >> 3) & 1, c & 1
     if K_BITS == 8:
+        q_, j, a, b = (c >> 1) & 3, c >> 4, (c >> 3) & 1, c & 1
         stored = 32 * G + 8 * q_ + 4 * j + 2 * a + b
     else:
+        q_, j, a, b = (c >> 1) & 3, c & 1, c >> 4, (c >> 3) & 1
         stored = 32 * G + 8 * q_ + 4 * j + 2 * b + a
     q = gl.load(q_at + stored[:, None], mask=h_ok[None, :], other=0.0).to(gl.float16)
-    qsum = gl.convert_layout(gl.sum(q.to(gl.float32), axis=0), gl.SliceLayout(0, MMA))
-    return gl.convert_layout(q, B_OP), qsum
+    qf = q.to(gl.float32)
+    qsum = gl.convert_layout(gl.sum(qf, axis=0), gl.SliceLayout(0, MMA))
+    start = gl.full([16, 8], 0.0, gl.float32, MMA)
+    if K_BITS == 4:
+        offset = gl.where(a == 0, 1024.0, 64.0)
+        start -= gl.convert_layout(gl.sum(qf * offset[:, None], axis=0), gl.SliceLayout(0, MMA))[None, :]
+    return gl.convert_layout(q, B_OP), qsum, start
 
 
 @gluon.jit
@@ -455,14 +469,29 @@ def scale_row(s_ring, stage, KIND: gl.constexpr):
 
 
 @gluon.jit
-def tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS: gl.constexpr):
-    """S^T [16 keys, 8 heads] of the TurboQuant keys in ring stage `stage` (unmasked, before the softmax scale)."""
+def key_zero(kz, G: gl.constexpr, K_BITS: gl.constexpr):
+    """Group G's key zero points [16] as the products of `tq_key_group`'s codes need them: 8-bit codes come
+    1152 over, so the zero point is 1152 under."""
+    z = column(kz, G)
+    if K_BITS == 8:
+        z -= KEY_OFFSET8
+    return z
+
+
+@gluon.jit
+def tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3, K_BITS: gl.constexpr):
+    """S^T [16 keys, 8 heads] of the TurboQuant keys in ring stage `stage` (unmasked, before the softmax scale);
+    c0..c3: each group's start of the key products (`tq_query_group`)."""
     ks = scale_row(s_ring, stage, 0)
     kz = scale_row(s_ring, stage, 1)
-    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 0, K_BITS), q0, zero), column(ks, 0), column(kz, 0), qs0)
-    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 1, K_BITS), q1, zero), column(ks, 1), column(kz, 1), qs1)
-    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, zero), column(ks, 2), column(kz, 2), qs2)
-    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 3, K_BITS), q3, zero), column(ks, 3), column(kz, 3), qs3)
+    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 0, K_BITS), q0, c0), column(ks, 0),
+                     key_zero(kz, 0, K_BITS), qs0)
+    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 1, K_BITS), q1, c1), column(ks, 1),
+                      key_zero(kz, 1, K_BITS), qs1)
+    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, c2), column(ks, 2),
+                      key_zero(kz, 2, K_BITS), qs2)
+    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 3, K_BITS), q3, c3), column(ks, 3),
+                      key_zero(kz, 3, K_BITS), qs3)
     return s
 
 
@@ -518,10 +547,10 @@ def decode_tq_kernel(
 
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
     q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
-    q0, qs0 = tq_query_group(q_at, qh < GROUP, 0, K_BITS)
-    q1, qs1 = tq_query_group(q_at, qh < GROUP, 1, K_BITS)
-    q2, qs2 = tq_query_group(q_at, qh < GROUP, 2, K_BITS)
-    q3, qs3 = tq_query_group(q_at, qh < GROUP, 3, K_BITS)
+    q0, qs0, c0 = tq_query_group(q_at, qh < GROUP, 0, K_BITS)
+    q1, qs1, c1 = tq_query_group(q_at, qh < GROUP, 1, K_BITS)
+    q2, qs2, c2 = tq_query_group(q_at, qh < GROUP, 2, K_BITS)
+    q3, qs3, c3 = tq_query_group(q_at, qh < GROUP, 3, K_BITS)
 
     kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
     head_off = kv_head.to(gl.int64)
@@ -572,8 +601,10 @@ def decode_tq_kernel(
                              m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS)
             async_copy.wait_group(2)
             nxt = stage + 1
-            sa = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
-            sb = tq_scores(k_ring, s_ring, nxt, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
+            sa = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
+                           K_BITS)
+            sb = tq_scores(k_ring, s_ring, nxt, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
+                           K_BITS)
             sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
             pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
@@ -590,7 +621,8 @@ def decode_tq_kernel(
                          ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
                          m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS)
             async_copy.wait_group(STAGES - 1)
-            s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, zero, K_BITS)
+            s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
+                           K_BITS)
             s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
             p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
             alpha = alpha[None, :]
