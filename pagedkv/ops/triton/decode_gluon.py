@@ -484,14 +484,15 @@ def tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1,
     c0..c3: each group's start of the key products (`tq_query_group`)."""
     ks = scale_row(s_ring, stage, 0)
     kz = scale_row(s_ring, stage, 1)
-    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 0, K_BITS), q0, c0), column(ks, 0),
-                     key_zero(kz, 0, K_BITS), qs0)
-    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 1, K_BITS), q1, c1), column(ks, 1),
-                      key_zero(kz, 1, K_BITS), qs1)
-    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, c2), column(ks, 2),
-                      key_zero(kz, 2, K_BITS), qs2)
-    s += group_scores(mma_v2(tq_key_group(k_ring, stage, 3, K_BITS), q3, c3), column(ks, 3),
-                      key_zero(kz, 3, K_BITS), qs3)
+    s = mma_v2(tq_key_group(k_ring, stage, 0, K_BITS), q0, c0)
+    z = key_zero(kz, 0, K_BITS)
+    s = s * column(ks, 0)[:, None] + (z * column(ks, 0))[:, None] * qs0[None, :]
+    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 1, K_BITS), q1, c1), column(ks, 1),
+                     key_zero(kz, 1, K_BITS), qs1, s)
+    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, c2), column(ks, 2),
+                     key_zero(kz, 2, K_BITS), qs2, s)
+    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 3, K_BITS), q3, c3), column(ks, 3),
+                     key_zero(kz, 3, K_BITS), qs3, s)
     return s
 
 
@@ -650,9 +651,10 @@ def decode_tq_kernel(
 
 
 @gluon.jit
-def group_scores(d, sc, z, qsum):
-    """A key group's scores^T from d = codes . q: scale * (d + zero * sum(q)) (scale and zero per score row)."""
-    return d * sc[:, None] + (z * sc)[:, None] * qsum[None, :]
+def group_scores(d, sc, z, qsum, acc):
+    """acc plus a key group's scores^T from d = codes . q: scale * (d + zero * sum(q)) (scale and zero per score
+    row), summed so that each score takes two fused multiply-adds."""
+    return d * sc[:, None] + ((z * sc)[:, None] * qsum[None, :] + acc)
 
 
 def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: bool):
