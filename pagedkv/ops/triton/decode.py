@@ -414,5 +414,5 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **registers, **ring_constants, **extra,
     )
     if split:
-        reduce_splits(out, parts, view, precision)
+        reduce_splits(out, parts, view)
     return out

@@ -1124,7 +1124,7 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
                           num_splits: int = 1, stages: int = STAGES) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
     dtype)."""
-    from .attention import check_inputs, dot_precision
+    from .attention import check_inputs
     from .page_view import page_view, stride3
     from .split_k import partial_states, reduce_splits
 
@@ -1146,7 +1146,7 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=split, STAGES=stages, num_warps=1)
     if split:
-        reduce_splits(out, parts, view, dot_precision(query.dtype))
+        reduce_splits(out, parts, view)
     return out
 
 # Each format's Gluon kernel: (whether it reads a decode, its launcher)

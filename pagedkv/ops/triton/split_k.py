@@ -10,6 +10,8 @@ running max (log2 units) and sum [num_tokens, num_q_heads, num_splits].
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -19,7 +21,8 @@ from ..metadata import AttentionMetadata
 from .attention import PER_STEP_ARGS, check_inputs, dot_precision, launch_args, query_block_rows
 from .page_view import page_view, ring_pages, stride3
 from .decode_io import attend_ring, token_sequence
-from .tiles import attend_range, load_queries, rotate_rows
+from .codecs import fwht
+from .tiles import attend_range, load_queries
 from .tuning import TileConfig, choose_tiles, page_class
 
 
@@ -78,14 +81,15 @@ def split_attention_kernel(
 
 @triton.jit(do_not_specialize=PER_STEP_ARGS)
 def reduce_splits_kernel(
-    out_ptr, plain_ptr, part_out_ptr, part_m_ptr, part_l_ptr, rotation_ptr,
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, signs_ptr,
     stride_ot, stride_oh, num_splits,
     SPLITS_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    ROTATE_OUT: tl.constexpr, PLAIN_LAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROTATE_OUT: tl.constexpr, PLAIN_LAST: tl.constexpr, LOG2_HEAD_DIM: tl.constexpr, SQRT_HEAD_DIM: tl.constexpr,
 ):
-    """One program per (query token, query head): every split's partial state read at once. PLAIN_LAST: the last
-    slot is in the output's domain; with ROTATE_OUT it is added after the rotation, without (`rotate_out_kernel`
-    rotates) its share goes to plain_ptr (float32, laid out as out_ptr)."""
+    """One program per (query token, query head): every split's partial state read at once. ROTATE_OUT: the
+    merged row is rotated back by the values' Walsh-Hadamard rotation (`hadamard.unrotate`: the butterflies in
+    registers, then the signs; no matrix read). PLAIN_LAST: the last slot is in the output's domain, so it is
+    added after the rotation."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -101,47 +105,19 @@ def reduce_splits_kernel(
     w = w / tl.where(total > 0, total, 1.0)
     part = tl.load(part_out_ptr + (state0 + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_ok[:, None],
                    other=0.0)
-    at = token * stride_ot + head * stride_oh + offs_d
     if PLAIN_LAST:
         last = offs_s == num_splits - 1
         share = tl.sum(part * tl.where(last, w, 0.0)[:, None], axis=0)         # [HEAD_DIM_PAD]
         w = tl.where(last, 0.0, w)
     out = tl.sum(part * w[:, None], axis=0)                                   # [HEAD_DIM_PAD]
-    if ROTATE_OUT:
-        out = tl.sum(rotate_rows(out[None, :], rotation_ptr, HEAD_DIM, DOT_PRECISION), axis=0)
-    if PLAIN_LAST:
-        if ROTATE_OUT:
+    if ROTATE_OUT:   # HEAD_DIM_PAD == HEAD_DIM (a power of two)
+        out = tl.sum(fwht(out[None, :], HEAD_DIM, LOG2_HEAD_DIM), axis=0) * (tl.load(signs_ptr + offs_d) / SQRT_HEAD_DIM)
+        if PLAIN_LAST:
             out += share
-        else:
-            tl.store(plain_ptr + at, share, mask=offs_d < HEAD_DIM)
-    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def rotate_out_kernel(out_ptr, src_ptr, plain_ptr, rotation_ptr, num_rows, stride_ot, stride_oh,
-                      NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                      ADD_PLAIN: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """out rows = src rows (float32 [num_rows, HEAD_DIM], row = token * NUM_Q_HEADS + head) @ rotation (+ plain
-    rows, laid out as src's, with ADD_PLAIN), BLOCK_R rows per program: the rotation matrix is read once
-    per tile of rows, not once per row."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = (rows < num_rows)[:, None]
-    x = tl.load(src_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
-    y = rotate_rows(x, rotation_ptr, HEAD_DIM, DOT_PRECISION)
-    if ADD_PLAIN:
-        y += tl.load(plain_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
-    token = (rows // NUM_Q_HEADS).to(tl.int64)
-    at = out_ptr + token[:, None] * stride_ot + (rows % NUM_Q_HEADS)[:, None] * stride_oh + offs_d[None, :]
-    tl.store(at, y.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-ROTATE_ROWS = 32   # rows per program of `rotate_out_kernel`
-# Outputs to rotate back up to this many rows (query tokens x heads) are rotated row by row in the merge itself.
-# Measured on an H200 (`bench/profile_decode.py`, TurboQuant, 2026-12-02): at 32 rows (one sequence, 32 heads) the
-# merge with the rotation took 4.8 us against 2.8 + 4.3 for the merge then `rotate_out_kernel`; at 1,024 rows and
-# more, 15.6-41.4 us against 8.7-11.5 (the rotation matrix read once per row is what costs)
-ROTATE_IN_MERGE_ROWS = 64
 # Warps of `ring_partial_kernel`, each attending its own 16 keys of the window a step: 4 and 8 were slower than one
 # at 32 sequences and more (H200, window of 128: q8 at (128, 2048) 188 and 267 us against 158), faster only for
 # one sequence (36.6 against 39.5 us), which `decode_gluon.WINDOW_MIN_TOKENS` leaves to `decode.py`
@@ -211,7 +187,7 @@ def reduce_with_window(out: torch.Tensor, parts, query: torch.Tensor, view, meta
         return
     if window is not None:
         ring_partials(query, view, meta, window, parts, scale, precision)
-    reduce_splits(out, parts, view, precision, plain_last=window is not None)
+    reduce_splits(out, parts, view, plain_last=window is not None)
 
 
 def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
@@ -224,31 +200,23 @@ def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
     return part_out, part_m, torch.empty_like(part_m)
 
 
-def reduce_splits(out: torch.Tensor, parts, view, precision: str, *, plain_last: bool = False) -> None:
+def reduce_splits(out: torch.Tensor, parts, view, *, plain_last: bool = False) -> None:
     """Merge the partial states `parts` (`partial_states`) into out [num_tokens, num_q_heads, head_dim],
-    rotating back when the format accumulates values in a rotated domain: for more than ROTATE_IN_MERGE_ROWS
-    rows the merged rows go to a float32 buffer first and `rotate_out_kernel` rotates them a tile of rows at a
-    time. `plain_last`: the last slot (a dense window's, `ring_partials`) is already in the output's domain, so it
-    is added after the rotation instead of rotated with the rest."""
+    rotating back when the format accumulates values in a rotated domain (`view.rotate_out`). `plain_last`: the
+    last slot (a dense window's, `ring_partials`) is already in the output's domain, so it is added after the
+    rotation instead of rotated with the rest."""
     part_out, part_m, part_l = parts
     num_tokens, num_q_heads, num_splits, head_dim_pad = part_out.shape
-    head_dim, num_rows = out.shape[-1], num_tokens * num_q_heads
-    plain_last = plain_last and view.rotate_out
-    tiled = view.rotate_out and num_rows > ROTATE_IN_MERGE_ROWS
-    merged = out.new_empty(out.shape, dtype=torch.float32) if tiled else out
-    plain = merged.new_empty(out.shape) if tiled and plain_last else merged   # the window's share, rotated last
+    head_dim = out.shape[-1]
+    rotate = bool(view.rotate_out)
+    assert not rotate or head_dim == head_dim_pad == 1 << (head_dim.bit_length() - 1), \
+        f"the rotation back needs a power-of-two head_dim, got {head_dim}"
     reduce_splits_kernel[(num_tokens, num_q_heads)](
-        merged, plain, part_out, part_m, part_l, view.aux("out_rotation"), merged.stride(0), merged.stride(1),
+        out, part_out, part_m, part_l, view.aux("value_signs") if rotate else part_m, out.stride(0), out.stride(1),
         num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, ROTATE_OUT=view.rotate_out and not tiled, PLAIN_LAST=plain_last,
-        DOT_PRECISION=precision, num_warps=4,
+        HEAD_DIM_PAD=head_dim_pad, ROTATE_OUT=rotate, PLAIN_LAST=plain_last and rotate,
+        LOG2_HEAD_DIM=head_dim.bit_length() - 1, SQRT_HEAD_DIM=math.sqrt(head_dim), num_warps=4,
     )
-    if tiled:
-        rotate_out_kernel[(triton.cdiv(num_rows, ROTATE_ROWS),)](
-            out, merged, plain, view.aux("out_rotation"), num_rows, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_R=ROTATE_ROWS, ADD_PLAIN=plain_last,
-            DOT_PRECISION=precision, num_warps=4,
-        )
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
@@ -283,5 +251,5 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_Q=view.rotate_keys, DOT_PRECISION=precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    reduce_splits(out, (part_out, part_m, part_l), view, precision)
+    reduce_splits(out, (part_out, part_m, part_l), view)
     return out
