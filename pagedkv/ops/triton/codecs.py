@@ -432,34 +432,242 @@ def encode_turboquant_keys(ptr, s_ptr, z_ptr, row, s_row, x, HEAD_DIM: tl.conste
     tl.store(z_ptr + s_row[:, None] + offs_g[None, :], zero.to(tl.float16))
 
 
+@triton.constexpr_function
+def log2(n):
+    return n.bit_length() - 1
+
+
+@triton.jit
+def halving_sum(v, LANES: tl.constexpr):
+    """Sums of v [A, B, N] over its last axis (N = 2, 4, 8 or 16) as [A, B], in the order of a warp's butterfly
+    reduction over N lanes that hold the elements in order: element e added to e + N/2 first, then to e + N/4,
+    and so on. With LANES (compiled, the axis laid out across lanes, one element each: tests/triton/
+    test_sm90_write.py checks the layouts of `write_kv`) that is what `tl.sum` does. Otherwise -- the interpreter
+    sums with numpy's own order, and gathered loads give the compiler other layouts -- the levels are spelled
+    out, each a sum of two, exact in any order and layout."""
+    A: tl.constexpr = v.shape[0]
+    B: tl.constexpr = v.shape[1]
+    N: tl.constexpr = v.shape[2]
+    if LANES:
+        return tl.sum(v, axis=2)
+    for level in tl.static_range(log2(N)):
+        v = tl.sum(tl.reshape(v, [A, B, 2, N >> (level + 1)]), axis=2)
+    return tl.reshape(v, [A, B])
+
+
+@triton.jit
+def group_rms(g, LANES: tl.constexpr):
+    """sqrt(mean(g * g)) per group of g [G, 32] as [G], the squares summed in one fixed order: for e < 16,
+    fma(g_e, g_e, g_{e+16}^2), then `halving_sum`. That is the sum lanes 0-15 computed when the kernel reduced a
+    group with one element per lane; lanes 16-31 fused the other square of each pair, so their sum could end one
+    float32 step apart, and the two halves of a group then saw a candidate scale one fp16 step apart now and then
+    (and the stored scale was either). Here every element and the stored scale see the same sum."""
+    G: tl.constexpr = g.shape[0]
+    lo, hi = tl.split(tl.permute(tl.reshape(g, [G, 2, GROUP // 2]), [0, 2, 1]))        # elements e, e + 16
+    sq = tl.fma(lo, lo, hi * hi)
+    return tl.sqrt_rn(tl.reshape(halving_sum(tl.reshape(sq, [1, G, GROUP // 2]), LANES), [G]) / GROUP)
+
+
+@triton.jit
+def group_pieces(g):
+    """g [G, 32] (G = 2, 4 or 8 groups) as a tuple of G pieces [G, L], L = 32 // G: piece r holds elements
+    r * L .. r * L + L - 1 of each group. A group's squared errors are summed over its pieces first, element by
+    element (`candidate_errors`), then over the L elements of that sum (`halving_sum`): the order in which the
+    kernel summed them when each of L lanes held elements e, e + L, e + 2L, ... of a group."""
+    G: tl.constexpr = g.shape[0]
+    L: tl.constexpr = GROUP // G
+    if G == 2:
+        p0, p1 = tl.split(tl.permute(tl.reshape(g, [G, 2, L]), [0, 2, 1]))
+        return p0, p1
+    elif G == 4:   # element 2L a + L b + e is piece 2a + b
+        a0, a1 = tl.split(tl.permute(tl.reshape(g, [G, 2, 2, L]), [0, 3, 2, 1]))
+        p0, p1 = tl.split(a0)
+        p2, p3 = tl.split(a1)
+        return p0, p1, p2, p3
+    else:          # element 4L a + 2L b + L c + e is piece 4a + 2b + c
+        tl.static_assert(G == 8, "head_dim 64, 128 or 256")
+        a0, a1 = tl.split(tl.permute(tl.reshape(g, [G, 2, 2, 2, L]), [0, 4, 3, 2, 1]))
+        b0, b1 = tl.split(a0)
+        b2, b3 = tl.split(a1)
+        p0, p1 = tl.split(b0)
+        p2, p3 = tl.split(b1)
+        p4, p5 = tl.split(b2)
+        p6, p7 = tl.split(b3)
+        return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def reciprocal(s, COMPILED: tl.constexpr):
+    """What `divide` multiplies by: compiled, the reciprocal approximation of s (one MUFU.RCP); else s itself."""
+    if COMPILED:
+        return tl.inline_asm_elementwise(asm="rcp.approx.ftz.f32 $0, $1;", constraints="=r,r", args=[s],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return s
+
+
+@triton.jit
+def divide(x, s, r, COMPILED: tl.constexpr):
+    """x / s, s a value scale (an fp16 value > 0, or 1.0: a normal float32), r = reciprocal(s, COMPILED): bit for
+    bit what `x / s` gives where the kernel runs. Compiled for the GPU, `/` on float32 is div.full.f32, which
+    for such a divisor is x times the reciprocal approximation of s (its range checks on s, and the scaling of x
+    they guard, never apply): with r computed once per group and scale, each element costs one multiply. The
+    interpreter divides exactly, as `/` does there."""
+    if COMPILED:
+        return x * r
+    return x / s
+
+
+@triton.jit
+def magnitude_key(y):
+    """The bits of |y| plus the sign bit of y (uint32): for a positive midpoint t, t < |y| where y > 0 and t <= |y|
+    where y <= 0 are both `bits(t) < key` (positive floats order as their bits, and t <= a is t < a + 1 ulp). A
+    NaN's key is above every midpoint's."""
+    u = y.to(tl.uint32, bitcast=True)
+    return (u & 0x7FFFFFFF) + (u >> 31)
+
+
+@triton.jit
+def half_search(key, thresholds_ptr, BITS: tl.constexpr):
+    """For BITS <= 4: (m, b0, b1, b2), m the number of positive midpoints (the upper half of the sorted midpoints,
+    thresholds[2**(BITS-1) ..]) whose bits are below key = `magnitude_key(y)`, and its bits as booleans (unused
+    ones False); by a binary search with selects among the midpoints, each a load for the whole program.
+
+    The codebook is symmetric (`codebook.lloyd_max_codebook`: c_i == -c_{N-1-i} exactly, so the midpoints are
+    too, and the middle one is 0), so the code of y, the number of midpoints below y, is 2**(BITS-1) + m where
+    y > 0 and 2**(BITS-1) - 1 - m elsewhere: for y <= 0, t_i < y is -t_i > |y|, i.e. not t_k <= |y| for the
+    mirrored positive t_k. The centroid is +-codebook[2**(BITS-1) + m]."""
+    t = thresholds_ptr + (1 << (BITS - 1))         # the positive midpoints
+    no = tl.zeros(key.shape, dtype=tl.int1)
+    if BITS == 1:
+        b0, b1, b2 = no, no, no
+        m = tl.zeros(key.shape, dtype=tl.int32)
+    elif BITS == 2:
+        b0 = key > tl.load(t).to(tl.uint32, bitcast=True)
+        b1, b2 = no, no
+        m = b0.to(tl.int32)
+    elif BITS == 3:
+        b1 = key > tl.load(t + 1).to(tl.uint32, bitcast=True)
+        b0 = key > tl.where(b1, tl.load(t + 2), tl.load(t)).to(tl.uint32, bitcast=True)
+        b2 = no
+        m = 2 * b1.to(tl.int32) + b0.to(tl.int32)
+    else:
+        tl.static_assert(BITS == 4, "a select search for 1 to 4 bits")
+        b2 = key > tl.load(t + 3).to(tl.uint32, bitcast=True)
+        b1 = key > tl.where(b2, tl.load(t + 5), tl.load(t + 1)).to(tl.uint32, bitcast=True)
+        p = tl.where(b2, tl.where(b1, tl.load(t + 6), tl.load(t + 4)), tl.where(b1, tl.load(t + 2), tl.load(t)))
+        b0 = key > p.to(tl.uint32, bitcast=True)
+        m = 4 * b2.to(tl.int32) + 2 * b1.to(tl.int32) + b0.to(tl.int32)
+    return m, b0, b1, b2
+
+
 @triton.jit
 def nearest_centroid(y, thresholds_ptr, BITS: tl.constexpr):
-    """`codebook.nearest_centroid`: the number of sorted midpoints below y (a binary search)."""
-    codes = tl.zeros(y.shape, dtype=tl.int32)
-    for step in tl.static_range(BITS):
-        probe = codes + (1 << (BITS - 1 - step))
-        codes = tl.where(tl.load(thresholds_ptr + probe - 1) < y, probe, codes)
+    """`codebook.nearest_centroid`: the number of sorted midpoints below y, for every float32 y (NaN: 0). Up to
+    4 bits by `half_search` (no gathers), beyond by a binary search whose probes are gathered loads."""
+    if BITS <= 4:
+        HALF: tl.constexpr = 1 << (BITS - 1)
+        m, _, _, _ = half_search(magnitude_key(y), thresholds_ptr, BITS)
+        codes = tl.where(y > 0, HALF + m, HALF - 1 - m)
+    else:
+        codes = tl.zeros(y.shape, dtype=tl.int32)
+        for step in tl.static_range(BITS):
+            probe = codes + (1 << (BITS - 1 - step))
+            codes = tl.where(tl.load(thresholds_ptr + probe - 1) < y, probe, codes)
     return codes
 
 
 @triton.jit
-def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, row, s_row, x, scratch_ptr,
-                             HEAD_DIM: tl.constexpr, BITS: tl.constexpr, NUM_MULTIPLIERS: tl.constexpr):
-    """Quantize rotated values x [R, HEAD_DIM] float32 per group of 32 as `turboquant._encode_values`: for
-    each fp16 scale rms * multiplier (in grid order), the nearest centroids of x / scale; keep the first
-    scale of least squared error.
+def candidate_errors(pieces, rms, mult, thresholds_ptr, codebook_ptr, BITS: tl.constexpr, COMPILED: tl.constexpr):
+    """(squared errors, fp16 scales), both [G, CH], BITS <= 4: each group's candidate scale rms * mult (rms [G],
+    mult [CH]) and the error of its nearest-centroid codes, pieces = `group_pieces` of the rotated values; as
+    `turboquant._search_value_scales` per candidate: the fp16 scale (1.0 in place of 0), x / scale to the nearest
+    centroid c, sum((c * scale - x)^2).
 
-    3- and 4-bit codes reach `pack_code_nibbles` / `pack_sign_nibbles` through memory (`scratch_ptr`: this row's
-    HEAD_DIM int8, stored, a barrier, loaded back): packed straight from the registers of the scale search, 3-bit
-    codes in units came out wrong at head_dim 64 when compiled for an H200 (the same packing of loaded codes is
-    right, and both are right under the interpreter)."""
-    R: tl.constexpr = x.shape[0]
-    G: tl.constexpr = HEAD_DIM // GROUP
-    g = tl.reshape(x, [R, G, GROUP])
-    rms = tl.sqrt_rn(tl.sum(g * g, axis=2) / GROUP)
-    best_err = tl.full([R, G], float("inf"), dtype=tl.float32)
-    best_scale = tl.zeros([R, G], dtype=tl.float16)
-    best_codes = tl.zeros([R, G, GROUP], dtype=tl.int32)
+    The arithmetic is the one-candidate-at-a-time search's (`search_scales_one_by_one`), so the errors are bit for
+    bit the same: per element d = fma(c, scale, -x); per group the squares of d summed over the pieces, the first
+    two as fma(d_0, d_0, d_1^2) and each further one fused, then over the L elements by `halving_sum`.
+
+    Except that d is computed as fma(c', scale, -|x|) = +-d, which squares the same: c' = |c|, but where y = x /
+    scale is +0, c' = c = -c_0 (c_0 the smallest positive centroid). Elsewhere c has the sign of y and y that of x
+    (also where y is -0), so c * scale - x = sign(x) (|c| scale - |x|), rounded alike; where y is +0, x is +0 (any
+    sign of c gives the same |d|) or a tiny positive x whose quotient underflowed (|d| is c_0 scale + x, which can
+    round apart from c_0 scale - x where fused). So the magnitude of c is all a candidate needs: `half_search` of
+    |y|'s bits plus x's sign bit (`magnitude_key`), with selects, no gathers, no signs per candidate."""
+    scale16 = (rms[:, None] * mult[None, :]).to(tl.float16)
+    s = scale16.to(tl.float32)
+    s = tl.where(s > 0, s, 1.0)
+    r = reciprocal(s, COMPILED)[:, :, None]
+    s = s[:, :, None]
+    G: tl.constexpr = rms.shape[0]
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    tl.static_assert(BITS <= 4, "a select search for 1 to 4 bits")
+    for p in tl.static_range(G):
+        x = pieces[p][:, None, :]                                                  # [G, 1, L]
+        ax = tl.abs(x)
+        key = divide(ax, s, r, COMPILED).to(tl.uint32, bitcast=True) + (x.to(tl.uint32, bitcast=True) >> 31)
+        _, b0, b1, b2 = half_search(key, thresholds_ptr, BITS)
+        c = codebook_ptr + HALF
+        if BITS == 1:
+            mag = tl.zeros(key.shape, dtype=tl.float32) + tl.load(c)
+        elif BITS == 2:
+            mag = tl.where(b0, tl.load(c + 1), tl.load(c))
+        elif BITS == 3:
+            mag = pick4(b0, b1, c)
+        else:
+            mag = tl.where(b2, pick4(b0, b1, c + 4), pick4(b0, b1, c))
+        mag = tl.where(key == 0, -tl.load(c), mag)                                # y = +0: c = -c_0 (see above)
+        d = tl.fma(mag, tl.broadcast_to(s, mag.shape), tl.broadcast_to(-ax, mag.shape))
+        if p == 0:
+            d0 = d
+        elif p == 1:
+            acc = tl.fma(d0, d0, d * d)
+        else:
+            acc = tl.fma(d, d, acc)
+    return halving_sum(acc, COMPILED), scale16
+
+
+@triton.jit
+def search_scales(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS: tl.constexpr, NUM_MULTIPLIERS: tl.constexpr,
+                  CANDIDATES: tl.constexpr, COMPILED: tl.constexpr):
+    """(fp16 scale, found) per group of g [G, 32], BITS <= 4: the first candidate scale of least error, CANDIDATES
+    candidates at a time (`candidate_errors`: [G, CANDIDATES, 32 // G] tiles with no gathers or dependent loads);
+    each of the CANDIDATES slots keeps the least (error, index) of the candidates it saw, and the least over the
+    slots is the first minimum, as one candidate at a time with a strict < finds it. An error of +inf or NaN never
+    wins; found is False where none did (scale 0)."""
+    rms = group_rms(g, COMPILED)
+    pieces = group_pieces(g)
+    # (error, index, fp16 scale) as one int64, from the high bits down: non-negative floats order as their bits, so
+    # the least holds the first least error and its scale; errors of +inf or NaN (and candidates past the grid)
+    # enter as NONE (index NUM_MULTIPLIERS, scale 0)
+    NONE: tl.constexpr = (0x7F800000 << 32) + (NUM_MULTIPLIERS << 16)
+    for chunk in tl.static_range((NUM_MULTIPLIERS + CANDIDATES - 1) // CANDIDATES):
+        idx = chunk * CANDIDATES + tl.arange(0, CANDIDATES)
+        real = idx < NUM_MULTIPLIERS
+        mult = tl.load(multipliers_ptr + idx, mask=real, other=0.0)
+        err, scale16 = candidate_errors(pieces, rms, mult, thresholds_ptr, codebook_ptr, BITS, COMPILED)
+        entry = ((err.to(tl.int32, bitcast=True).to(tl.int64) << 32) + (idx[None, :] << 16)
+                 + scale16.to(tl.int16, bitcast=True).to(tl.int64))               # (a finite error's scale is >= 0)
+        entry = tl.where(real[None, :] & (err < float("inf")), entry, NONE)
+        if chunk == 0:
+            best = entry
+        else:
+            best = tl.minimum(best, entry)
+    best = tl.min(best, axis=1)
+    return (best & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True), ((best >> 16) & 0xFFFF) < NUM_MULTIPLIERS
+
+
+@triton.jit
+def search_scales_one_by_one(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS: tl.constexpr,
+                             NUM_MULTIPLIERS: tl.constexpr):
+    """`search_scales` for codebooks of 5 and 8 bits, one candidate at a time with a strict <, as the kernel always
+    searched (only the group RMS is `group_rms` now). Their centroids take gathered loads (`nearest_centroid`), whose
+    layouts the compiler then gives the error sums (`tl.sum` in-thread first); tiled, with the sums spelled out
+    level by level, compiled for sm_90 the search had as many instructions as this loop, and spilled."""
+    G: tl.constexpr = g.shape[0]
+    g = g[None, :, :]
+    rms = group_rms(tl.reshape(g, [G, GROUP]), False)[None, :]
+    best_err = tl.full([1, G], float("inf"), dtype=tl.float32)
+    best_scale = tl.zeros([1, G], dtype=tl.float16)
     for i in range(NUM_MULTIPLIERS):
         scale16 = (rms * tl.load(multipliers_ptr + i)).to(tl.float16)
         s = scale16.to(tl.float32)
@@ -470,8 +678,38 @@ def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multiplie
         better = err < best_err
         best_err = tl.where(better, err, best_err)
         best_scale = tl.where(better, scale16, best_scale)
-        best_codes = tl.where(better[:, :, None], codes, best_codes)
-    codes = tl.reshape(best_codes, [R, HEAD_DIM])
+    return tl.reshape(best_scale, [G]), tl.reshape(best_err < float("inf"), [G])
+
+
+@triton.jit
+def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, row, s_row, x, scratch_ptr,
+                             HEAD_DIM: tl.constexpr, BITS: tl.constexpr, NUM_MULTIPLIERS: tl.constexpr,
+                             CANDIDATES: tl.constexpr, COMPILED: tl.constexpr):
+    """Quantize one row of rotated values x [1, HEAD_DIM] float32 per group of 32 as `turboquant._encode_values`:
+    for each fp16 scale rms * multiplier (in grid order), the nearest centroids of x / scale; keep the first
+    scale of least squared error.
+
+    Up to 4 bits the scales are searched CANDIDATES at a time (`search_scales`), beyond one at a time
+    (`search_scales_one_by_one`); both find the same first minimum. The codes are then computed once more, for
+    the chosen scales, with the search's arithmetic (codes 0 where no scale had a finite error; scale 0).
+
+    3- and 4-bit codes reach `pack_code_nibbles` / `pack_sign_nibbles` through memory (`scratch_ptr`: this row's
+    HEAD_DIM int8, stored, a barrier, loaded back): packed straight from the registers of the scale search, 3-bit
+    codes in units came out wrong at head_dim 64 when compiled for an H200 (the same packing of loaded codes is
+    right, and both are right under the interpreter)."""
+    tl.static_assert(x.shape[0] == 1, "one row of values per program")
+    G: tl.constexpr = HEAD_DIM // GROUP
+    g = tl.reshape(x, [G, GROUP])
+    if BITS <= 4:
+        scale16, found = search_scales(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS, NUM_MULTIPLIERS,
+                                       CANDIDATES, COMPILED)
+    else:
+        scale16, found = search_scales_one_by_one(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS,
+                                                  NUM_MULTIPLIERS)
+    s = scale16.to(tl.float32)
+    s = tl.where(s > 0, s, 1.0)
+    y = divide(g, s[:, None], reciprocal(s, COMPILED)[:, None], COMPILED)
+    codes = tl.reshape(tl.where(found[:, None], nearest_centroid(y, thresholds_ptr, BITS), 0), [1, HEAD_DIM])
     if BITS == 3 or BITS == 4:
         offs = tl.arange(0, HEAD_DIM)
         tl.store(scratch_ptr + offs[None, :], codes.to(tl.int8))
@@ -484,4 +722,4 @@ def encode_turboquant_values(ptr, s_ptr, thresholds_ptr, codebook_ptr, multiplie
     else:
         pack_codes(ptr, row, codes, HEAD_DIM, BITS)
     offs_g = tl.arange(0, G)
-    tl.store(s_ptr + s_row[:, None] + offs_g[None, :], best_scale)
+    tl.store(s_ptr + s_row[:, None] + offs_g[None, :], tl.reshape(scale16, [1, G]))

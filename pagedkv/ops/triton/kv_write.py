@@ -7,6 +7,7 @@ slot (padding) is skipped on the device, so the launch is the same for every ste
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -16,6 +17,22 @@ from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .codecs import KVQUANT, TURBOQUANT, encode_kvquant, encode_turboquant_keys, encode_turboquant_values, fwht
 from .page_view import PageView, page_view, stride3
+
+# TurboQuant's value-scale search for codebooks of up to 4 bits (`codecs.search_scales`): candidate scales scored at a
+# time, and the warps of a program per 128 channels (one warp at head_dim 64 too; at 256 one warp would spill). More
+# warps split a program's fixed work (the rotation, the key codes, packing) into exchanges between warps: on an H200
+# (K q8_0 / V q3_0, 8 KV heads of 128), 1 / 2 / 4 warps took 6.9 / 5.9 / 5.7 us for 64 decode tokens, 7.4 / 8.0 /
+# 8.7 for 128 and 77 / 86 / 102 for a 2,048-token chunk (searching one candidate at a time: 12.1, 13.7, 127.5).
+# Other formats, and 5- and 8-bit values (`codecs.search_scales_one_by_one`), write with one warp per program.
+TQ_CANDIDATES = 8
+TQ_WARPS = 1
+
+
+def compiled() -> bool:
+    """Whether the kernel runs compiled, not under the Triton interpreter (which cannot run PTX): TurboQuant's
+    value search then divides by a scale as `/` compiles for the GPU, a reciprocal and a product, and leaves its
+    sums' order to `tl.sum` (`codecs.divide`, `codecs.halving_sum`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 @triton.jit
@@ -27,6 +44,7 @@ def write_kv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     KIND: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, ROTATE_KEYS: tl.constexpr,
     LOG2_HEAD_DIM: tl.constexpr, SQRT_HEAD_DIM: tl.constexpr, NUM_MULTIPLIERS: tl.constexpr,
+    CANDIDATES: tl.constexpr, COMPILED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -57,7 +75,7 @@ def write_kv_kernel(
                      LOG2_HEAD_DIM) / SQRT_HEAD_DIM
             scratch = scratch_ptr + (t * tl.num_programs(1) + head) * HEAD_DIM   # 3-, 4-bit codes' trip through memory
             encode_turboquant_values(v_ptr, vs_ptr, thresholds_ptr, codebook_ptr, multipliers_ptr, v_row, vs_row, x,
-                                     scratch, HEAD_DIM, V_BITS, NUM_MULTIPLIERS)
+                                     scratch, HEAD_DIM, V_BITS, NUM_MULTIPLIERS, CANDIDATES, COMPILED)
     else:
         tl.store(k_ptr + k_row[:, None] + offs_d[None, :], key.to(k_ptr.dtype.element_ty), mask=d_ok)
         tl.store(v_ptr + v_row[:, None] + offs_d[None, :], value.to(v_ptr.dtype.element_ty), mask=d_ok)
@@ -91,5 +109,7 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=meta.block_size,
         KIND=view.kind, K_BITS=view.k_bits, V_BITS=view.v_bits, ROTATE_KEYS=view.rotate_keys,
         LOG2_HEAD_DIM=head_dim.bit_length() - 1, SQRT_HEAD_DIM=math.sqrt(head_dim),
-        NUM_MULTIPLIERS=0 if view.scale_multipliers is None else view.scale_multipliers.numel(), num_warps=1,
+        NUM_MULTIPLIERS=0 if view.scale_multipliers is None else view.scale_multipliers.numel(),
+        CANDIDATES=TQ_CANDIDATES, COMPILED=compiled(),
+        num_warps=TQ_WARPS * max(1, head_dim // 128) if view.kind == TURBOQUANT and view.v_bits <= 4 else 1,
     )

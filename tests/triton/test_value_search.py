@@ -1,0 +1,146 @@
+"""The TurboQuant value-scale search's pieces (`codecs.nearest_centroid`, `codecs.candidate_errors`) against plain
+PyTorch at the values where shortcuts go wrong: exactly on a midpoint (+-t * scale), one float step either side,
++-0, tiny values whose quotient underflows, NaN and infinities; and the codebook symmetry they rely on.
+
+Under the interpreter only: compiled, the search divides and fuses as the GPU does (`codecs.divide`; the same
+errors as the kernel before its candidates were tiled, checked on an H200), which plain PyTorch does not.
+"""
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.formats.codebook import decision_thresholds, lloyd_max_codebook
+from pagedkv.ops.triton import codecs
+from triton_cases import DEVICE
+
+pytestmark = pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's arithmetic (see the module docstring)")
+
+
+@triton.jit
+def nearest_centroid_kernel(y_ptr, thresholds_ptr, out_ptr, N: tl.constexpr, BITS: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, codecs.nearest_centroid(tl.load(y_ptr + offs), thresholds_ptr, BITS))
+
+
+@triton.jit
+def candidate_errors_kernel(x_ptr, rms_ptr, mult_ptr, thresholds_ptr, codebook_ptr, err_ptr, scale_ptr,
+                            G: tl.constexpr, CH: tl.constexpr, BITS: tl.constexpr):
+    g = tl.load(x_ptr + tl.arange(0, G)[:, None] * 32 + tl.arange(0, 32)[None, :])
+    rms = tl.load(rms_ptr + tl.arange(0, G))
+    mult = tl.load(mult_ptr + tl.arange(0, CH))
+    err, scale16 = codecs.candidate_errors(codecs.group_pieces(g), rms, mult, thresholds_ptr, codebook_ptr, BITS, False)
+    at = tl.arange(0, G)[:, None] * CH + tl.arange(0, CH)[None, :]
+    tl.store(err_ptr + at, err)
+    tl.store(scale_ptr + at, scale16)
+
+
+def tables(bits):
+    cb = lloyd_max_codebook(bits)
+    return cb, decision_thresholds(cb).contiguous()
+
+
+def ties(t: torch.Tensor, scale: float) -> torch.Tensor:
+    """+-t * scale, one float step either side of each, and +-0 (scale a power of two: the products are exact)."""
+    on = torch.cat([t, -t]) * scale
+    up = torch.nextafter(on, torch.full_like(on, float("inf")))
+    down = torch.nextafter(on, torch.full_like(on, -float("inf")))
+    return torch.cat([on, up, down, torch.tensor([0.0, -0.0])])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+def test_nearest_centroid_counts_the_midpoints_below(bits):
+    _, t = tables(bits)
+    tiny = torch.tensor([1, 2, 3, 0x7FFFFF], dtype=torch.int32).view(torch.float32)          # denormals
+    special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 3.4e38, -3.4e38])
+    nan_bits = torch.tensor([-1, 0x7FFFFFFF], dtype=torch.int32).view(torch.float32)        # NaNs, all bits set
+    y = torch.cat([ties(t, 1.0), ties(t, 0.25), tiny, -tiny, special, nan_bits, torch.randn(200) * 2])
+    n = triton.next_power_of_2(y.numel())
+    y = torch.cat([y, torch.zeros(n - y.numel())])
+    out = torch.empty(n, dtype=torch.int32)
+    nearest_centroid_kernel[(1,)](y, t, out, N=n, BITS=bits)
+    want = (t[None, :] < y[:, None]).sum(1).to(torch.int32)     # NaN: below nothing, code 0
+    bad = (out != want).nonzero().flatten()
+    assert bad.numel() == 0, [(y[i].item(), out[i].item(), want[i].item()) for i in bad[:8]]
+
+
+def expected_errors(x, rms, mult, cb, t):
+    """The errors of `candidate_errors` by plain PyTorch, each candidate on its own: y = x / scale, its code
+    (midpoints below y), d = codebook[code] * scale - x; summed as the kernel does: per group, element e's squares
+    over the pieces e, e + L, e + 2L, ... (L = 32 / groups) in order, then pairwise from the widest stride down."""
+    G = x.shape[0]
+    L = 32 // G
+    scale16 = (rms[:, None] * mult[None, :]).half()
+    s = scale16.float()
+    s = torch.where(s > 0, s, torch.ones_like(s))[:, :, None]                   # [G, CH, 1]
+    y = x[:, None, :] / s                                                       # [G, CH, 32]
+    code = (t[None, None, None, :] < y[..., None]).sum(-1)
+    d = cb[code] * s - x[:, None, :]
+    sq = (d * d).reshape(G, -1, G, L)                                           # [G, CH, piece, e]
+    acc = sq[:, :, 0] + sq[:, :, 1]
+    for r in range(2, G):
+        acc = acc + sq[:, :, r]
+    while acc.shape[-1] > 1:
+        h = acc.shape[-1] // 2
+        acc = acc[..., :h] + acc[..., h:]
+    return acc[..., 0], scale16
+
+
+def midpoint_scale(c0: float) -> float | None:
+    """A positive fp16 scale > 2 whose exact product with c0 lies halfway between two float32 values, if any."""
+    h = np.arange(0x4000, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)    # 2 <= h < inf
+    p = np.float64(c0) * h
+    r = p.astype(np.float32).astype(np.float64)
+    up = np.nextafter(r.astype(np.float32), np.float32(np.inf)).astype(np.float64)
+    down = np.nextafter(r.astype(np.float32), np.float32(-np.inf)).astype(np.float64)
+    mid = (r != p) & ((2 * p == r + up) | (2 * p == r + down))
+    return float(h[mid][0]) if mid.any() else None
+
+
+@pytest.mark.parametrize("groups", [2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_candidate_errors_are_the_plain_errors(bits, groups):
+    """Bit for bit, at ties: group 0 holds +-t * scale (and the neighbours) for the scale of candidate 0, +-0 and
+    centroids (error 0 there); group 1 tiny values (denormals: their quotients underflow to +-0 for the larger
+    scales) among ordinary ones; group 2 is all zero (scale 0 -> 1); group 3 random. Where the codebook has one,
+    a scale whose exact product with the smallest positive centroid is a float32 rounding midpoint is a
+    candidate: there a tiny positive value's sign decides the last bit of its error."""
+    cb, t = tables(bits)
+    rng = torch.Generator().manual_seed(bits * 10 + groups)
+    mult = torch.tensor([1.0, 0.5, 2.0, 4.0, 0.75, 1.25, 8.0, 16.0])
+    rms = torch.tensor([1.0, 1.0, 0.0, 0.3, 7.0, 0.01, 1e-4, 300.0])[:groups].clone()
+    x = torch.randn(groups, 32, generator=rng)
+    tie = ties(t, 1.0)
+    tie = tie[torch.randperm(tie.numel(), generator=rng)][:24]
+    x[0, :tie.numel()] = tie
+    x[0, 24:28] = torch.cat([cb[-2:], -cb[:2]])
+    x[0, 28:30] = torch.tensor([0.0, -0.0])
+    tiny = torch.tensor([1, 2, 5, 1000, 0x7FFFFF], dtype=torch.int32).view(torch.float32)
+    x[1, :5], x[1, 5:10] = tiny, -tiny
+    x[1, 10:12] = torch.tensor([0.0, -0.0])
+    mid = midpoint_scale(float(cb[(1 << (bits - 1))]))
+    if mid is not None:
+        rms[1] = mid                      # candidate 0 of group 1 scales by `mid`; 1 * 2**-149 / mid underflows
+    if groups > 2:
+        x[2] = 0.0
+    x = x.contiguous()
+    err = torch.empty(groups, mult.numel())
+    scale = torch.empty(groups, mult.numel(), dtype=torch.float16)
+    candidate_errors_kernel[(1,)](x, rms, mult, t, cb, err, scale, G=groups, CH=mult.numel(), BITS=bits)
+    want_err, want_scale = expected_errors(x, rms, mult, cb, t)
+    assert torch.equal(scale, want_scale)
+    same = err.view(torch.int32) == want_err.view(torch.int32)
+    assert bool(same.all()), (err[~same], want_err[~same])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+def test_the_codebooks_are_exactly_symmetric(bits):
+    """`codecs.half_search` (codes and centroids from the positive half of the codebook) needs c_i == -c_{N-1-i}
+    and hence t_i == -t_{N-2-i}, the middle midpoint exactly 0."""
+    cb, t = tables(bits)
+    assert torch.equal(cb, -cb.flip(0))
+    assert torch.equal(t, -t.flip(0))
+    assert t[(1 << (bits - 1)) - 1].item() == 0.0
+    assert bool((cb[1:] > cb[:-1]).all())
