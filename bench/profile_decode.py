@@ -2,6 +2,7 @@
 and shape, so that the cost of the reduce is seen apart.
 
     python bench/profile_decode.py --formats "off;q8;q4;turboquant" --out bench/results/h200
+    python bench/profile_decode.py --formats "turboquant:k=q4_0,v=q4_0" --shapes 64x8192 --recent-tokens 128
 
 With `--plain` the calls run without torch.profiler, for a hardware-counter profiler around the process (Nsight
 Compute: `bash bench/h200_run.sh ncu`).
@@ -22,27 +23,32 @@ from pagedkv.ops import triton as triton_ops  # noqa: E402
 SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 
 
-def profile(spec: str, num_seqs: int, seq_len: int, gen: torch.Generator, calls: int = 20, plain: bool = False) -> dict:
+def profile(spec: str, num_seqs: int, seq_len: int, gen: torch.Generator, calls: int = 20, plain: bool = False,
+            recent_tokens: int = 0) -> dict:
     n = num_seqs * seq_len
     keys = torch.randn(n, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
     values = torch.randn_like(keys)
     fmt, pages, table = kb.paged_layer(spec, keys, values, num_seqs, seq_len, gen)
     meta = kb.decode_meta(table, seq_len)
+    window = None
+    if recent_tokens and spec != "off":   # the last tokens read exact from a dense ring (`kernel_bench.window_for`)
+        meta, window = kb.window_for(table, seq_len, recent_tokens, meta, keys, values)
     q = torch.randn(num_seqs, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
     for _ in range(3):
-        triton_ops.paged_attention(q, pages, fmt, meta, scale=kb.SCALE)
+        triton_ops.paged_attention(q, pages, fmt, meta, scale=kb.SCALE, window=window)
     torch.cuda.synchronize()
     if plain:
         return {"format": spec, "batch": num_seqs, "context": seq_len, "kernels_us": {}}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            triton_ops.paged_attention(q, pages, fmt, meta, scale=kb.SCALE)
+            triton_ops.paged_attention(q, pages, fmt, meta, scale=kb.SCALE, window=window)
         torch.cuda.synchronize()
     us = defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             us[e.name] += e.device_time_total / calls if hasattr(e, "device_time_total") else e.cuda_time_total / calls
-    return {"format": spec, "batch": num_seqs, "context": seq_len, "kernels_us": dict(us)}
+    return {"format": spec, "batch": num_seqs, "context": seq_len, "window_tokens": recent_tokens if window else 0,
+            "kernels_us": dict(us)}
 
 
 def main() -> None:
@@ -51,12 +57,14 @@ def main() -> None:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES), help="batch x context, e.g. 64x8192")
     p.add_argument("--plain", action="store_true", help="the calls only, no torch.profiler (for ncu)")
+    p.add_argument("--recent-tokens", type=int, default=0,
+                   help="quantized formats read their last tokens from a dense recent window this long")
     args = p.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
     for num_seqs, seq_len in (tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")):
         for spec in args.formats.split(";"):
-            r = profile(spec, num_seqs, seq_len, gen, plain=args.plain)
+            r = profile(spec, num_seqs, seq_len, gen, plain=args.plain, recent_tokens=args.recent_tokens)
             if args.plain:
                 continue
             rows.append(r)

@@ -132,6 +132,15 @@ def value_channel(c, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
+def launch_dependents(PDL: gl.constexpr):
+    """With PDL: let the kernel launched after this one (the window's or the split reduce, `split_k.dependent_launch`)
+    start its programs as this kernel's last ones run (griddepcontrol.launch_dependents, at each program's start)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
 def int8_to_f16(c):
     """int8 codes -> float16, exact (four per call, `conversions.INT8_ASM`)."""
     return gl.inline_asm_elementwise(INT8_ASM, "=r,=r,r", [c], dtype=gl.float16, is_pure=True, pack=4)
@@ -239,8 +248,10 @@ def decode_q8_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr = 2,
+    PDL: gl.constexpr = False,
     WINDOW: gl.constexpr = False,
 ):
+    launch_dependents(PDL)
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -538,9 +549,11 @@ def decode_tq_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s."""
+    launch_dependents(PDL)
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -678,7 +691,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import reduce_with_window
+    from .split_k import dependent_launch, reduce_with_window
 
     from .decode import check_scale_words
 
@@ -705,7 +718,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
-        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        PDL=dependent_launch(query.device), num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
@@ -801,9 +814,11 @@ def decode_q4_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):
     """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
     then has 4 stages), else 16 keys a step with STAGES - 1 ahead."""
+    launch_dependents(PDL)
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -946,7 +961,7 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     `Q4_PAIRS_BITS`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import reduce_with_window
+    from .split_k import dependent_launch, reduce_with_window
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -965,7 +980,7 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, PAIRS=pairs,
-        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        PDL=parts is not None and dependent_launch(query.device), num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
@@ -997,7 +1012,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     (`window_splits`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import reduce_with_window
+    from .split_k import dependent_launch, reduce_with_window
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -1014,7 +1029,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=parts is not None, K_LOAD=key_load_layout(head_dim),
-        V_LOAD=value_load_layout(head_dim), STAGES=stages, WINDOW=window is not None, num_warps=1)
+        V_LOAD=value_load_layout(head_dim), STAGES=stages, WINDOW=window is not None,
+        PDL=parts is not None and dependent_launch(query.device), num_warps=1)
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
@@ -1050,7 +1066,9 @@ def decode_dense_kernel(
     num_seqs, num_splits, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     SPLIT: gl.constexpr, STAGES: gl.constexpr = 2,
+    PDL: gl.constexpr = False,
 ):
+    launch_dependents(PDL)
     token = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
@@ -1126,7 +1144,7 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
     dtype)."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
-    from .split_k import partial_states, reduce_splits
+    from .split_k import dependent_launch, partial_states, reduce_splits
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -1144,7 +1162,8 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), meta.block_table.shape[0], num_splits, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, SPLIT=split, STAGES=stages, num_warps=1)
+        BLOCK_SIZE=meta.block_size, SPLIT=split, STAGES=stages, PDL=split and dependent_launch(query.device),
+        num_warps=1)
     if split:
         reduce_splits(out, parts, view)
     return out

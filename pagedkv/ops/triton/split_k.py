@@ -22,6 +22,7 @@ from .attention import PER_STEP_ARGS, check_inputs, dot_precision, launch_args, 
 from .page_view import page_view, ring_pages, stride3
 from .decode_io import attend_ring, token_sequence
 from .codecs import fwht
+from .kv_write import compiled
 from .tiles import attend_range, load_queries
 from .tuning import TileConfig, choose_tiles, page_class
 
@@ -85,11 +86,15 @@ def reduce_splits_kernel(
     stride_ot, stride_oh, num_splits,
     SPLITS_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     ROTATE_OUT: tl.constexpr, PLAIN_LAST: tl.constexpr, LOG2_HEAD_DIM: tl.constexpr, SQRT_HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per (query token, query head): every split's partial state read at once. ROTATE_OUT: the
     merged row is rotated back by the values' Walsh-Hadamard rotation (`hadamard.unrotate`: the butterflies in
     registers, then the signs; no matrix read). PLAIN_LAST: the last slot is in the output's domain, so it is
-    added after the rotation."""
+    added after the rotation. PDL: launched as a programmatic dependent (`dependent_launch`), so it first waits for
+    the kernels before it."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -122,6 +127,12 @@ def reduce_splits_kernel(
 # at 32 sequences and more (H200, window of 128: q8 at (128, 2048) 188 and 267 us against 158), faster only for
 # one sequence (36.6 against 39.5 us), which `decode_gluon.WINDOW_MIN_TOKENS` leaves to `decode.py`
 RING_WARPS = 1
+# Keys a step and the loads' pipeline stages of its loop: timed on an H200 (`bench/profile_decode.py --recent-tokens
+# 128`, 2026-12-04), us for K q4_0 / V q4_0 at (64, 8192), TurboQuant at (32, 4096), q4 at (128, 2048): 16 keys in 1
+# / 2 / 3 stages 18.3 / 15.0 / 15.5, 17.8 / 12.9 / 14.1, 23.8 / 21.7 / 23.2; 32 keys in 2 stages 14.4, 12.5, 23.1,
+# in 3 22.9, 19.9, 34.2; 64 keys slower still
+RING_TILE_N = 16
+RING_STAGES = 2
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_slots"])
@@ -130,13 +141,17 @@ def ring_partial_kernel(
     query_start_loc_ptr, seq_lens_ptr, stride_qt, stride_qh, r_strides, num_seqs, num_slots, qk_scale,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    RING_WARPS: tl.constexpr,
+    RING_WARPS: tl.constexpr, RING_TILE_N: tl.constexpr, RING_STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """A dense recent window as the last split: one program per (query token, KV head) attends the keys its
     sequence's ring holds up to the query's position (`decode_io.attend_ring`, as the tile-language decode kernel
     does) and writes its partial state to slot num_slots - 1 (`partial_states`); the pages' splits hold the keys
     before it. Its output stays in the output's domain even where the pages' values accumulate rotated
-    (TurboQuant): `reduce_splits(..., plain_last=True)` adds it after rotating the rest back."""
+    (TurboQuant): `reduce_splits(..., plain_last=True)` adds it after rotating the rest back.
+
+    PDL: launched as a programmatic dependent of the page kernel (`dependent_launch`), whose output it does not read:
+    its programs run beside the page kernel's last ones, and wait for that kernel only at the end, so that the
+    reduce after it, which waits for this kernel, sees the pages' splits too."""
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = token_sequence(token, query_start_loc_ptr, num_seqs)
@@ -150,13 +165,15 @@ def ring_partial_kernel(
     acc, m_i, l_i, _ = attend_ring(
         seq, token, kv_head, head, h_ok, 0, q_pos + 1, m_i, l_i, q_ptr, rk_ptr, rv_ptr, ring_rows_ptr,
         ring_first_ptr, stride_qt, stride_qh, r_strides, qk_scale, 1.0, HEAD_DIM, HEAD_DIM, BLOCK_SIZE,
-        NUM_RING_BLOCKS, False, DOT_PRECISION)
+        NUM_RING_BLOCKS, False, DOT_PRECISION, RING_TILE_N, RING_STAGES)
     offs_d = tl.arange(0, HEAD_DIM)
     out = tl.trans(acc)                                                                 # [ROWS, HEAD_DIM]
     state = (token.to(tl.int64) * NUM_Q_HEADS + head) * num_slots + num_slots - 1
     tl.store(part_m_ptr + state, tl.max(m_i, axis=0), mask=h_ok)
     tl.store(part_l_ptr + state, tl.sum(l_i, axis=0), mask=h_ok)
     tl.store(part_out_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], out, mask=h_ok[:, None])
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, parts, scale: float, precision: str):
@@ -175,7 +192,8 @@ def ring_partials(query: torch.Tensor, view, meta: AttentionMetadata, window, pa
         query.stride(0), query.stride(1), stride3(rk), meta.block_table.shape[0], num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, NUM_RING_BLOCKS=plan.num_ring_blocks, DOT_PRECISION=precision,
-        RING_WARPS=RING_WARPS, num_warps=RING_WARPS)
+        RING_WARPS=RING_WARPS, RING_TILE_N=RING_TILE_N, RING_STAGES=RING_STAGES, num_warps=RING_WARPS,
+        **dependent_options(query.device))
 
 
 def reduce_with_window(out: torch.Tensor, parts, query: torch.Tensor, view, meta: AttentionMetadata, window,
@@ -190,6 +208,23 @@ def reduce_with_window(out: torch.Tensor, parts, query: torch.Tensor, view, meta
     reduce_splits(out, parts, view, plain_last=window is not None)
 
 
+# Programmatic dependent launch of the kernels that end a split decode (the window's, the reduce): each is staged
+# while the kernel before it runs, whose programs let it start as they begin (`decode_gluon.launch_dependents`).
+PDL = True
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether the kernels after a split decode's page kernel are launched as programmatic dependents: compiled for
+    a GPU of compute capability 9.0 or newer (`griddepcontrol`), and PDL."""
+    return (PDL and device.type == "cuda" and compiled()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def dependent_options(device: torch.device) -> dict:
+    """Launch options and the kernel's PDL switch for a kernel that ends a split decode (`dependent_launch`)."""
+    return {"PDL": True, "launch_pdl": True} if dependent_launch(device) else {}
+
+
 def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
     """Buffers for the splits' partial states of queries [num_tokens, num_q_heads, head_dim]: out
     [num_tokens, num_q_heads, num_splits, head_dim_pad], max and sum [num_tokens, num_q_heads, num_splits]
@@ -198,6 +233,16 @@ def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
     part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device)
     part_m = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
     return part_out, part_m, torch.empty_like(part_m)
+
+
+# Warps of `reduce_splits_kernel`, one program per (query token, query head): one while the partial states it
+# reads are at most REDUCE_ONE_WARP_ELEMENTS floats (16 slots of 128 channels), else four. Timed on an H200
+# (`bench/profile_decode.py`, Llama-3-8B heads, 2026-12-04), us per call with 4 / 2 / 1 warps: K q4_0 / V q4_0 at
+# (64, 8192) with a window of 128 (5 slots) 13.3 / 5.8 / 3.6, at (32, 4096) (9 slots) 8.2 / 4.3 / 3.2; q4 7.1 /
+# 3.5 / 2.7; `off` at (32, 4096) (4 slots) 4.2 / 2.5 / 1.9; but one sequence of 32,768 tokens (128 slots) 2.7 / 2.9
+# / 17.1 (`off`), where one warp holds 512 floats a lane
+REDUCE_WARPS = 4
+REDUCE_ONE_WARP_ELEMENTS = 16 * 128
 
 
 def reduce_splits(out: torch.Tensor, parts, view, *, plain_last: bool = False) -> None:
@@ -211,11 +256,14 @@ def reduce_splits(out: torch.Tensor, parts, view, *, plain_last: bool = False) -
     rotate = bool(view.rotate_out)
     assert not rotate or head_dim == head_dim_pad == 1 << (head_dim.bit_length() - 1), \
         f"the rotation back needs a power-of-two head_dim, got {head_dim}"
+    splits_pad = triton.next_power_of_2(num_splits)
     reduce_splits_kernel[(num_tokens, num_q_heads)](
         out, part_out, part_m, part_l, view.aux("value_signs") if rotate else part_m, out.stride(0), out.stride(1),
-        num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
+        num_splits, SPLITS_PAD=splits_pad, NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, ROTATE_OUT=rotate, PLAIN_LAST=plain_last and rotate,
-        LOG2_HEAD_DIM=head_dim.bit_length() - 1, SQRT_HEAD_DIM=math.sqrt(head_dim), num_warps=4,
+        LOG2_HEAD_DIM=head_dim.bit_length() - 1, SQRT_HEAD_DIM=math.sqrt(head_dim),
+        num_warps=1 if splits_pad * head_dim_pad <= REDUCE_ONE_WARP_ELEMENTS else REDUCE_WARPS,
+        **dependent_options(out.device),
     )
 
 
