@@ -234,6 +234,37 @@ def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
             "top_ops": dict(ops.most_common(8)), "barriers": ops.get("BAR"), "local_loads": ops.get("LDL", 0)}
 
 
+def dependent_launch_report() -> dict:
+    """The grid-dependency instructions of the kernels of a split decode launched as programmatic dependents
+    (`split_k.dependent_launch`, as on an sm_90 GPU), compiled for sm_90: kernel name -> its griddepcontrol lines,
+    whether it is launched as a dependent and whether they follow all of its global stores.
+    A K q4_0 / V q4_0 decode with a dense recent window (page kernel, window kernel, reduce) and a dense one."""
+    from pagedkv.ops.triton import decode_gluon, split_k
+
+    found = {}
+    saved = split_k.dependent_launch
+    split_k.dependent_launch = lambda device: True
+    try:
+        for spec, window in (("turboquant:k=q4_0,v=q4_0", True), ("off", False)):
+            fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
+            meta, rings = decode_batch(64, 8192, window, HEAD_DIM, torch.bfloat16)
+            q = torch.empty(64, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+            launch, _ = decode_gluon.launcher(fmt, q, BLOCK_SIZE, kernels=decode_gluon.KERNELS)
+            with _CompileOnly() as launches:
+                launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=4,
+                       **({"window": rings} if window else {}))
+            for kernel, options in zip(launches.compiled, launches.options):
+                ptx = kernel.asm["ptx"].splitlines()
+                at = [i for i, ln in enumerate(ptx) if "griddepcontrol" in ln]
+                stores = [i for i, ln in enumerate(ptx) if "st.global" in ln]
+                found[f"{spec}/{kernel.name}"] = {"lines": [ptx[i].split(";")[0].strip() for i in at],
+                                                  "launch_pdl": bool(options.get("launch_pdl")),
+                                                  "after_stores": bool(at and stores and at[0] > stores[-1])}
+    finally:
+        split_k.dependent_launch = saved
+    return found
+
+
 class _CompileOnly:
     """Within it, `kernel[grid](...)` compiles for the active target and launches nothing; `compiled` holds the
     compiled kernels in launch order, `options` each launch's keyword arguments (the constexprs among them)."""
@@ -348,11 +379,16 @@ def main() -> None:
                         help="print (JSON) the Gluon decode kernels' registers, spills and loop opcodes (q8 per head_dim, "
                              "dtype and split; TurboQuant q8_0/q3_0 and q4_0/q4_0, q4, q6 and off, per dtype; q8, "
                              "TurboQuant and q4 with a dense recent window)")
+    parser.add_argument("--dependent-launch", action="store_true",
+                        help="print (JSON) the griddepcontrol instructions of a split decode's kernels (PDL)")
     parser.add_argument("--gluon-prefill", action="store_true",
                         help="print (JSON) the Gluon prefill kernel's registers, spills, shared memory and opcodes "
                              "(head_dim 64 and 128, both 16-bit dtypes; blocks of 16 and 64)")
     args = parser.parse_args()
     driver.set_active(_Sm90Target())
+    if args.dependent_launch:
+        print(json.dumps(dependent_launch_report()), flush=True)
+        return
     if args.gluon_prefill:
         for head_dim in (64, 128):
             for dtype in (torch.bfloat16, torch.float16):

@@ -128,3 +128,20 @@ def test_the_gluon_prefill_kernel_compiles_to_wgmma_and_tma_without_spills():
         assert ops.get("HGMMA", 0) > 0 and "HMMA" not in ops, row
         assert ops.get("UTMALDG", 0) > 0 and "LDGSTS" not in ops, row
         assert "USETMAXREG" in ops, row
+
+
+def test_a_split_decode_launches_its_window_and_reduce_kernels_as_dependents():
+    """Programmatic dependent launch (`split_k.dependent_launch`, on sm_90+): the page kernel lets the next kernel
+    start, the window's and the reduce kernels are launched as dependents and wait for the kernel before them (the
+    window's kernel after its own stores: the reduce after it must see the pages' splits too)."""
+    r = kernel_report("--dependent-launch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    tq = "turboquant:k=q4_0,v=q4_0/"
+    for name in (tq + "decode_tq_kernel", "off/decode_dense_kernel"):
+        assert found[name]["lines"] == ["griddepcontrol.launch_dependents"] and not found[name]["launch_pdl"], found
+        assert not found[name]["after_stores"], found[name]   # at the start
+    assert found[tq + "ring_partial_kernel"] == {"lines": ["griddepcontrol.wait"], "launch_pdl": True,
+                                                 "after_stores": True}
+    for name in (tq + "reduce_splits_kernel", "off/reduce_splits_kernel"):
+        assert found[name] == {"lines": ["griddepcontrol.wait"], "launch_pdl": True, "after_stores": False}, found
