@@ -374,7 +374,8 @@ def main() -> None:
                         help="the warp-split decode kernel: each format's default, the original orientation, lower register caps; "
                              "both orientations reading a recent window")
     parser.add_argument("--count-variants", action="store_true",
-                        help="print (JSON) how many kernels a run over several batch shapes compiles; 1 each is right")
+                        help="print (JSON) how many kernels a run over several batch shapes compiles; 1 each is right, "
+                             "2 for the split reduce (small grids share channels)")
     parser.add_argument("--gluon", action="store_true",
                         help="print (JSON) the Gluon decode kernels' registers, spills and loop opcodes (q8 per head_dim, "
                              "dtype and split; TurboQuant q8_0/q3_0 and q4_0/q4_0, q4, q6 and off, per dtype; q8, "

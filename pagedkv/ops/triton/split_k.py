@@ -86,9 +86,10 @@ def reduce_splits_kernel(
     stride_ot, stride_oh, num_splits,
     SPLITS_PAD: tl.constexpr, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     ROTATE_OUT: tl.constexpr, PLAIN_LAST: tl.constexpr, LOG2_HEAD_DIM: tl.constexpr, SQRT_HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr = False,
+    CHANNELS: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """One program per (query token, query head): every split's partial state read at once. ROTATE_OUT: the
+    """One program per (query token, query head, CHANNELS channels): every split's partial state read at once (all
+    HEAD_DIM_PAD channels in one program, or a share of them where the grid is small). ROTATE_OUT: the
     merged row is rotated back by the values' Walsh-Hadamard rotation (`hadamard.unrotate`: the butterflies in
     registers, then the signs; no matrix read). PLAIN_LAST: the last slot is in the output's domain, so it is
     added after the rotation. PDL: launched as a programmatic dependent (`dependent_launch`), so it first waits for
@@ -98,7 +99,7 @@ def reduce_splits_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_d = tl.program_id(2) * CHANNELS + tl.arange(0, CHANNELS)
     state0 = (token * NUM_Q_HEADS + head) * num_splits
     s_ok = offs_s < num_splits
     m = tl.load(part_m_ptr + state0 + offs_s, mask=s_ok, other=float("-inf"))
@@ -115,7 +116,7 @@ def reduce_splits_kernel(
         share = tl.sum(part * tl.where(last, w, 0.0)[:, None], axis=0)         # [HEAD_DIM_PAD]
         w = tl.where(last, 0.0, w)
     out = tl.sum(part * w[:, None], axis=0)                                   # [HEAD_DIM_PAD]
-    if ROTATE_OUT:   # HEAD_DIM_PAD == HEAD_DIM (a power of two)
+    if ROTATE_OUT:   # HEAD_DIM_PAD == HEAD_DIM == CHANNELS (a power of two)
         out = tl.sum(fwht(out[None, :], HEAD_DIM, LOG2_HEAD_DIM), axis=0) * (tl.load(signs_ptr + offs_d) / SQRT_HEAD_DIM)
         if PLAIN_LAST:
             out += share
@@ -243,6 +244,14 @@ def partial_states(query: torch.Tensor, num_splits: int, head_dim_pad: int):
 # / 17.1 (`off`), where one warp holds 512 floats a lane
 REDUCE_WARPS = 4
 REDUCE_ONE_WARP_ELEMENTS = 16 * 128
+# Channels a reduce program merges where its (query token, query head) programs are fewer than REDUCE_SMALL_GRID
+# (one sequence: 32 programs), formats whose output is not rotated back: smaller shares spread the reads over more
+# multiprocessors. Timed on an H200 (2026-12-04, time / SDPA, two runs each, 128 / 64 / 32 / 16 channels): one
+# sequence of 32,768 tokens `off` 1.020-1.032 / 1.015-1.017 / 1.013-1.015 / 1.010-1.011, q8 0.699-0.707 / 0.693 /
+# 0.692 / 0.685, q4 0.534-0.539 / 0.527-0.530 / 0.523-0.528 / 0.515-0.524, q6 0.676-0.690 / 0.667-0.672 /
+# 0.661-0.665 / 0.660-0.661; two of 16,384 tokens within 1% either way
+REDUCE_CHANNELS = 16
+REDUCE_SMALL_GRID = 128
 
 
 def reduce_splits(out: torch.Tensor, parts, view, *, plain_last: bool = False) -> None:
@@ -257,12 +266,15 @@ def reduce_splits(out: torch.Tensor, parts, view, *, plain_last: bool = False) -
     assert not rotate or head_dim == head_dim_pad == 1 << (head_dim.bit_length() - 1), \
         f"the rotation back needs a power-of-two head_dim, got {head_dim}"
     splits_pad = triton.next_power_of_2(num_splits)
-    reduce_splits_kernel[(num_tokens, num_q_heads)](
+    channels = head_dim_pad
+    if not rotate and num_tokens * num_q_heads < REDUCE_SMALL_GRID:
+        channels = min(head_dim_pad, REDUCE_CHANNELS)
+    reduce_splits_kernel[(num_tokens, num_q_heads, head_dim_pad // channels)](
         out, part_out, part_m, part_l, view.aux("value_signs") if rotate else part_m, out.stride(0), out.stride(1),
         num_splits, SPLITS_PAD=splits_pad, NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, ROTATE_OUT=rotate, PLAIN_LAST=plain_last and rotate,
         LOG2_HEAD_DIM=head_dim.bit_length() - 1, SQRT_HEAD_DIM=math.sqrt(head_dim),
-        num_warps=1 if splits_pad * head_dim_pad <= REDUCE_ONE_WARP_ELEMENTS else REDUCE_WARPS,
+        CHANNELS=channels, num_warps=1 if splits_pad * channels <= REDUCE_ONE_WARP_ELEMENTS else REDUCE_WARPS,
         **dependent_options(out.device),
     )
 
