@@ -221,6 +221,26 @@ def window_for(table: torch.Tensor, seq_len: int, recent_tokens: int, meta: Atte
     return dataclasses.replace(meta, window=plan), rings
 
 
+def decode_copies(spec: str, keys, values, num_seqs: int, seq_len: int, gen):
+    """One format's pages of `keys` / `values` [num_seqs * seq_len, H, D], in as many copies as `copies_for` their
+    bytes asks (each on its own shuffled blocks), and each copy's decode metadata: (layers, metas)."""
+    layers = [paged_layer(spec, keys, values, num_seqs, seq_len, gen)]
+    page_bytes = num_seqs * seq_len * NUM_KV_HEADS * layers[0][0].bytes_per_token_per_head()
+    for _ in range(copies_for(page_bytes) - 1):
+        layers.append(paged_layer(spec, keys, values, num_seqs, seq_len, gen))
+    return layers, [decode_meta(t, seq_len) for _, _, t in layers]
+
+
+def decode_calls(layers, metas, queries, recent_tokens: int = 0, keys=None, values=None) -> list:
+    """One decode call per page copy of `decode_copies` (the queries in turn), for `time_per_call`; with
+    `recent_tokens`, each reads its last tokens from a dense recent window of them (`window_for`)."""
+    plans = [(m, None) for m in metas]
+    if recent_tokens:
+        plans = [window_for(t, m.seq_lens_cpu[0], recent_tokens, m, keys, values) for (_, _, t), m in zip(layers, metas)]
+    return [lambda q=queries[i % len(queries)], p=p, f=f, m=m, r=r: triton_ops.paged_attention(
+        q, p, f, m, scale=SCALE, window=r) for i, ((f, p, _), (m, r)) in enumerate(zip(layers, plans))]
+
+
 def bench_decode(formats, shapes, gen, tiles_for=None, warp_split=False, recent_tokens=0) -> list[dict]:
     rows = []
     for num_seqs, seq_len in shapes:
@@ -233,12 +253,9 @@ def bench_decode(formats, shapes, gen, tiles_for=None, warp_split=False, recent_
         sdpa_ms, sdpa_kind, sdpa_all, sdpa_out = sdpa_decode(keys, values, num_seqs, seq_len, queries, copies)
         print(f"decode B={num_seqs} S={seq_len}: sdpa {sdpa_ms * 1e3:.1f} us ({sdpa_kind}; {sdpa_all})", flush=True)
         for spec in formats:
-            layers = [paged_layer(spec, keys, values, num_seqs, seq_len, gen)]
+            layers, metas = decode_copies(spec, keys, values, num_seqs, seq_len, gen)
             fmt = layers[0][0]
             page_bytes = n * NUM_KV_HEADS * fmt.bytes_per_token_per_head()
-            for _ in range(copies_for(page_bytes) - 1):
-                layers.append(paged_layer(spec, keys, values, num_seqs, seq_len, gen))
-            metas = [decode_meta(t, seq_len) for _, _, t in layers]
             out = triton_ops.paged_attention(queries[0], layers[0][1], fmt, metas[0], scale=SCALE)
             if spec == "off":
                 err = rel_err(out, sdpa_out)
@@ -246,21 +263,16 @@ def bench_decode(formats, shapes, gen, tiles_for=None, warp_split=False, recent_
                 k = min(num_seqs, 2)
                 sub = decode_meta(layers[0][2][:k], seq_len)
                 err = rel_err(out[:k], reference.paged_attention(queries[0][:k], layers[0][1], fmt, sub, scale=SCALE))
-            ms = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m: triton_ops.paged_attention(q, p, f, m, scale=SCALE)
-                                for i, ((f, p, _), m) in enumerate(zip(layers, metas))])
+            ms = time_per_call(decode_calls(layers, metas, queries))
             row = {"format": spec, "batch": num_seqs, "context": seq_len, "ms": ms, "sdpa_ms": sdpa_ms,
                    "sdpa_kind": sdpa_kind, "sdpa_all_ms": sdpa_all, "speedup_vs_sdpa": sdpa_ms / ms,
                    "time_vs_sdpa": ms / sdpa_ms, "page_bytes": page_bytes, "gbps": page_bytes / ms / 1e6,
                    "bytes_per_token_per_head": fmt.bytes_per_token_per_head(), "rel_err": err}
             if recent_tokens and spec != "off":  # the same pages with the last tokens read exact from a ring
-                wmetas, wrings = zip(*[window_for(t, seq_len, recent_tokens, m, keys, values)
-                                       for (_, _, t), m in zip(layers, metas)])
-                wms = time_per_call([lambda q=queries[i % copies], p=p, f=f, m=m, r=r: triton_ops.paged_attention(
-                    q, p, f, m, scale=SCALE, window=r) for i, ((f, p, _), m, r) in enumerate(zip(layers, wmetas, wrings))])
+                wms = time_per_call(decode_calls(layers, metas, queries, recent_tokens, keys, values))
                 row.update(window_tokens=recent_tokens, window_ms=wms, window_time_vs_sdpa=wms / sdpa_ms)
                 print(f"  {'  + window ' + str(recent_tokens):28s} {wms * 1e3:8.1f} us  x{sdpa_ms / wms:.2f} vs sdpa",
                       flush=True)
-                del wmetas, wrings
             if tiles_for is not None and spec in SWEEP_FORMATS:
                 row["sweep"] = tiles_for(spec, layers, metas, queries, copies)
             if warp_split:

@@ -7,21 +7,17 @@ and over the contiguous [batch, KV heads, context, head_dim] cache SDPA reads; b
 The read kernel sums every key and value a (sequence, KV head, split) program would attend, in steps of one block
 (TILE rows of head_dim), with Triton's pipelined loads, and stores one float per program. If pages read in order
 or shuffled stream as fast as the contiguous cache, the decode kernel's gap to SDPA is the kernel's; if not, the
-layout's. Writes page_read_probe.json and a plot. `--tiny` runs a small case under the interpreter (checks the
-script on a CPU, measures nothing).
+layout's. Writes page_read_probe.json and a plot. `check_layouts` (tests/triton/test_page_read_probe.py, on
+the CPU under the interpreter) checks that every layout reads the same keys and values.
 """
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-if "--tiny" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -128,20 +124,11 @@ def plot(rows: list[dict], path: Path) -> None:
     plotting.save(fig, path)
 
 
-def tiny() -> None:
-    """Under the interpreter: each layout's sums match a direct sum of the same keys and values. (Its loop bounds
-    need the scalar conversion tests/triton/conftest.py gives Triton 3.6's interpreter under NumPy >= 2.4.)"""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
+def check_layouts(device) -> list[str]:
+    """Each layout's sums (2 sequences of 64 tokens, 2 heads of 16 channels, 2 splits) match a direct sum of the
+    same keys and values; returns the layouts checked."""
     gen = torch.Generator().manual_seed(0)
-    cases = layouts(2, 64, 2, 16, 16, "cpu", gen)
+    cases = layouts(2, 64, 2, 16, 16, device, gen)
     found = {name: read(layout, 2, 1, 1).view(2, 2, 2) for name, layout in cases.items()}
     k, v = cases["pages in order"][:2]
     for name, table in (("pages shuffled", cases["pages shuffled"][2]), ("pages in order", cases["pages in order"][2]),
@@ -149,7 +136,7 @@ def tiny() -> None:
         blocks = table.long().view(2, 2, -1)                                          # [seq, split, blocks]
         want = (k.float() + v.float())[blocks].sum(dim=(2, 4, 5)).permute(0, 2, 1)   # [seq, head, split]
         assert torch.allclose(found[name], want, rtol=1e-4, atol=1e-3), (name, found[name], want)
-        print(f"{name}: ok")
+    return list(found)
 
 
 def main() -> None:
@@ -161,11 +148,7 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--warps", type=int, default=1)
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--tiny", action="store_true", help="check the script under the interpreter, on a CPU")
     args = p.parse_args()
-    if args.tiny:
-        tiny()
-        return
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     splits = {int(b): n for b, n in json.loads(args.splits).items()}
     rows = probe(shapes, splits, args.tile, args.stages, args.warps, torch.Generator().manual_seed(0))

@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernel_bench as kb  # noqa: E402
 import plotting  # noqa: E402  (bench/plotting.py)
-from pagedkv.ops import triton as triton_ops  # noqa: E402
 from pagedkv.ops.triton import split_k  # noqa: E402
 
 DEFAULT_SETTINGS = '{"no PDL": {"PDL": false}, "PDL": {"PDL": true}}'
@@ -39,18 +38,9 @@ def probe(shapes, formats, settings: dict, recent_tokens: int, gen: torch.Genera
                    for _ in range(copies)]
         sdpa_ms = kb.sdpa_decode(keys, values, num_seqs, seq_len, queries, copies)[0]
         for spec in formats:
-            layers = [kb.paged_layer(spec, keys, values, num_seqs, seq_len, gen)]
-            fmt = layers[0][0]
-            for _ in range(kb.copies_for(n * kb.NUM_KV_HEADS * fmt.bytes_per_token_per_head()) - 1):
-                layers.append(kb.paged_layer(spec, keys, values, num_seqs, seq_len, gen))
-            metas = [kb.decode_meta(t, seq_len) for _, _, t in layers]
+            layers, metas = kb.decode_copies(spec, keys, values, num_seqs, seq_len, gen)
             for window in (0,) if spec == "off" or not recent_tokens else (0, recent_tokens):
-                if window:
-                    plans = [kb.window_for(t, seq_len, window, m, keys, values) for (_, _, t), m in zip(layers, metas)]
-                else:
-                    plans = [(m, None) for m in metas]
-                calls = [lambda q=queries[i % copies], p=p, f=f, m=m, r=r: triton_ops.paged_attention(
-                    q, p, f, m, scale=kb.SCALE, window=r) for i, ((f, p, _), (m, r)) in enumerate(zip(layers, plans))]
+                calls = kb.decode_calls(layers, metas, queries, window, keys, values)
                 times = {name: [] for name in settings}
                 for _ in range(2):
                     for name, values_set in settings.items():
@@ -65,7 +55,7 @@ def probe(shapes, formats, settings: dict, recent_tokens: int, gen: torch.Genera
                 print(f"({num_seqs}, {seq_len}) {spec:26s} window {window:4d}  " + "  ".join(
                     f"{name} {t[0]:.3f} / {t[1]:.3f}" for name, t in times.items()) + f"  (SDPA {sdpa_ms * 1e3:.1f} us)",
                     flush=True)
-                del plans, calls
+                del calls
             del layers, metas
             torch.cuda.empty_cache()
         del keys, values, queries

@@ -2,8 +2,9 @@
 PyTorch at the values where shortcuts go wrong: exactly on a midpoint (+-t * scale), one float step either side,
 +-0, tiny values whose quotient underflows, NaN and infinities; and the codebook symmetry they rely on.
 
-Under the interpreter only: compiled, the search divides and fuses as the GPU does (`codecs.divide`; the same
-errors as the kernel before its candidates were tiled, checked on an H200), which plain PyTorch does not.
+Under the interpreter only: compiled, the search divides and fuses as the GPU does (`codecs.divide`), which plain
+PyTorch does not; there the pages it writes are held to the format's guarantees by
+tests/triton/test_triton_write.py::test_write_matches_reference.
 """
 
 import numpy as np

@@ -114,10 +114,10 @@ def uses_warp_split(num_tokens: int, num_seqs: int, fmt) -> bool:
 def gluon_decode(query, fmt, meta, **options):
     """(launcher, programs per multiprocessor) of the Gluon kernel that runs this batch (`decode_gluon.launcher`:
     decode-like batches on a GPU over pages it reads and serves by default), else None."""
-    from .decode import fast_conversions
+    from .gluon_support import compiled
     from .tuning import is_decode_like
 
-    if not (query.is_cuda and fast_conversions() and is_decode_like(query.shape[0], meta.block_table.shape[0])):
+    if not (query.is_cuda and compiled() and is_decode_like(query.shape[0], meta.block_table.shape[0])):
         return None
     if not gluon_available():
         return None

@@ -33,8 +33,6 @@ PTX (`FAST_CVT`), or with plain conversions under the interpreter, which cannot 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +44,7 @@ from .codecs import KVQUANT, TURBOQUANT
 from .conversions import code_nibbles_to_f16, int8_pairs_to_f16, int8_to_f16
 from .decode_io import attend_ring, load_quads, load_rows, ring_accumulators, token_sequence
 from .decode_transposed import decode_kernel_transposed
+from .gluon_support import compiled
 from .page_view import page_view, ring_pages, stride3, value_codebook
 from .tiles import LOG2E, tanh
 from .tuning import DecodeTiles, warp_split_tiles
@@ -338,11 +337,6 @@ def check_scale_words(view) -> None:
                              f"got data_ptr % 8 = {t.data_ptr() % 8}, strides {tuple(t.stride())}")
 
 
-def fast_conversions() -> bool:
-    """Inline PTX conversions, except under the Triton interpreter (which cannot run PTX)."""
-    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
 def ring_args(query: torch.Tensor, view, meta: AttentionMetadata,
               window: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[tuple, dict]:
     """The decode kernels' arguments for a dense recent window (`decode_io.attend_ring`), in kernel order, and
@@ -385,7 +379,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     split = num_splits > 1
     parts = partial_states(query, num_splits, head_dim_pad) if split else (out, out, out)
     precision = dot_precision(query.dtype)
-    fast_cvt = fast_conversions()
+    fast_cvt = compiled()   # inline PTX conversions, except under the interpreter
     extra = {}
     if tiles.transposed:   # the group's heads on the N dimension: 8 columns at least
         kernel, rows = decode_kernel_transposed, max(8, triton.next_power_of_2(group))

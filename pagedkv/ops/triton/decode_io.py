@@ -64,14 +64,15 @@ def attend_ring(seq, token, kv_head, head, h_ok, first, kv_hi, m_i, l_i,
                 rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr, stride_rqt, stride_rqh, r_strides,
                 qk_scale, softcap, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 NUM_RING_BLOCKS: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                TILE_N: tl.constexpr = 16, STAGES: tl.constexpr = 1):
+                TILE_N: tl.constexpr = 16, STAGES: tl.constexpr = None):
     """The keys [first, kv_hi) of sequence `seq` that its dense recent window holds (`pagedkv.window`): from
     block ring_first_ptr[seq] on, logical block b in ring slot b % NUM_RING_BLOCKS of ring row ring_rows_ptr[seq].
     The rings rk_ptr / rv_ptr are read as pages [num_rows * NUM_RING_BLOCKS, BLOCK_SIZE, H, D] with (block,
     slot, head) strides r_strides. The queries (query heads `head` [ROWS] of packed token `token`) are the
     model's, rq_ptr (not rotated), and the products run in their dtype, as over dense pages. Continues the
     online softmax (m_i, l_i) [WARPS, ROWS], each warp on its own TILE_N keys per step (16: a dense tile of 128
-    channels is 32 registers a thread, beside the pages' state), the loads of STAGES - 1 steps ahead in flight.
+    channels is 32 registers a thread, beside the pages' state), the loads of STAGES - 1 steps ahead in flight
+    (None: as the kernel's num_stages pipelines its loops).
 
     Returns (acc, m_i, l_i, body_hi): the state merged over the warps, held by the first (the others start
     afresh): acc [HEAD_DIM_PAD, ROWS] float32 its unnormalised output^T in the model's domain (`on_first_warp`

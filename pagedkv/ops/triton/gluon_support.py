@@ -1,9 +1,19 @@
-"""Whether the Gluon kernels can run: the Triton they are written for, and which batches the prefill kernel takes.
-(A module of its own, so that `dense_prefill` and the package's dispatch both ask it without importing each other.)"""
+"""What the Triton runtime can do: whether kernels run compiled (not under the interpreter), whether the Gluon
+kernels can run (the Triton they are written for), and which batches the prefill kernel takes. (A module of its
+own, so that `dense_prefill`, the kernels' launchers and the package's dispatch all ask it without importing each
+other.)"""
 
 from __future__ import annotations
 
 import functools
+import os
+
+
+def compiled() -> bool:
+    """Whether kernels run compiled for the GPU, not under the Triton interpreter (TRITON_INTERPRET), which cannot
+    run PTX: inline PTX conversions, `griddepcontrol`, and the TurboQuant write's division as the GPU computes it
+    (`codecs.divide`) only where this holds."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def gluon_prefill(query, pages, fmt, meta, **options) -> bool:

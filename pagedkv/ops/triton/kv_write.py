@@ -7,7 +7,6 @@ slot (padding) is skipped on the device, so the launch is the same for every ste
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -16,6 +15,7 @@ import triton.language as tl
 from ...formats.base import PageFormat
 from ..metadata import AttentionMetadata
 from .codecs import KVQUANT, TURBOQUANT, encode_kvquant, encode_turboquant_keys, encode_turboquant_values, fwht
+from .gluon_support import compiled
 from .page_view import PageView, page_view, stride3
 
 # TurboQuant's value-scale search for codebooks of up to 4 bits (`codecs.search_scales`): candidate scales scored at a
@@ -26,13 +26,6 @@ from .page_view import PageView, page_view, stride3
 # Other formats, and 5- and 8-bit values (`codecs.search_scales_one_by_one`), write with one warp per program.
 TQ_CANDIDATES = 8
 TQ_WARPS = 1
-
-
-def compiled() -> bool:
-    """Whether the kernel runs compiled, not under the Triton interpreter (which cannot run PTX): TurboQuant's
-    value search then divides by a scale as `/` compiles for the GPU, a reciprocal and a product, and leaves its
-    sums' order to `tl.sum` (`codecs.divide`, `codecs.halving_sum`)."""
-    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 @triton.jit

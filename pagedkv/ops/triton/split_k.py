@@ -10,6 +10,7 @@ running max (log2 units) and sum [num_tokens, num_q_heads, num_splits].
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,8 +23,7 @@ from .attention import PER_STEP_ARGS, check_inputs, dot_precision, launch_args, 
 from .page_view import page_view, ring_pages, stride3
 from .decode_io import attend_ring, token_sequence
 from .codecs import fwht
-from .gluon_support import gluon_available
-from .kv_write import compiled
+from .gluon_support import compiled, gluon_available
 from .tiles import attend_range, load_queries
 from .tuning import TileConfig, choose_tiles, page_class
 
@@ -216,11 +216,16 @@ PDL = True
 
 
 def dependent_launch(device: torch.device) -> bool:
-    """Whether the kernels after a split decode's page kernel are launched as programmatic dependents: compiled for
-    a GPU of compute capability 9.0 or newer (`griddepcontrol`) by a Triton that launches so (3.6 or newer, as the
-    Gluon kernels need; `gluon_support.gluon_available`), and PDL."""
-    return (PDL and device.type == "cuda" and compiled() and gluon_available()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    """Whether the kernels after a split decode's page kernel are launched as programmatic dependents: PDL, and
+    compiled for a GPU of compute capability 9.0 or newer (`griddepcontrol`) by a Triton that launches so (3.6 or
+    newer, as the Gluon kernels need; `gluon_support.gluon_available`). Asked at every launch of those kernels."""
+    return (PDL and device.type == "cuda" and compiled()
+            and _pdl_device(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    return gluon_available() and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def dependent_options(device: torch.device) -> dict:
