@@ -30,9 +30,15 @@ def load_quads(ptr, row, offs_u, ok, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def token_sequence(token, query_start_loc_ptr, num_seqs):
-    """The sequence whose query rows hold packed query token `token`: the last i with qsl[i] <= token."""
+    """The sequence whose query rows hold packed query token `token`: the last i with qsl[i] <= token. A decode
+    batch's (token t is sequence t's one query) in one round of independent loads, others by halving (a load
+    each, in a row)."""
     lo = 0
     hi = num_seqs
+    guess = tl.minimum(token, num_seqs - 1)
+    if (tl.load(query_start_loc_ptr + guess) <= token) & (tl.load(query_start_loc_ptr + guess + 1) > token):
+        lo = guess + 1
+        hi = guess + 1
     while lo < hi:
         mid = (lo + hi) // 2
         if tl.load(query_start_loc_ptr + mid) <= token:
