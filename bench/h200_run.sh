@@ -14,6 +14,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
 #   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: as served, then all through Gluon
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
+#   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
+#                                                  # its pages (bench/page_read_probe.py), at (32, 4096)
 #   OUT=/some/dir bash bench/h200_run.sh ncu-source  # stall reasons and wasted shared / L2 traffic per SASS
 #                                                    # instruction (bench/ncu_summary.py), NCU_FORMATS="q4 q6 ..."
 #
@@ -94,6 +96,17 @@ ncu)   # hardware counters of one decode call per format at batch 64 and 8,192 t
             --log-file "$OUT/ncu_${fmt//[:=,]/_}.txt"
     done
     ;;
+ncu-off)   # the dense decode kernel beside a kernel that only reads the same pages (page_read_probe.py), at (32, 4096):
+           # what the dense kernel does that keeps it 2-3% above the read bound (stalls, DRAM throughput, occupancy)
+    sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+              --section SchedulerStats --section MemoryWorkloadAnalysis)
+    run 200 ncu --clock-control none --kernel-name regex:"decode_dense_kernel" --launch-skip 2 --launch-count 1 \
+        "${sections[@]}" --log-file "$OUT/ncu_off_decode_32x4096.txt" \
+        python bench/profile_decode.py --formats off --shapes 32x4096 --plain
+    run 200 ncu --clock-control none --kernel-name regex:"read_kernel" --launch-skip 2 --launch-count 1 \
+        "${sections[@]}" --log-file "$OUT/ncu_off_read_32x4096.txt" \
+        python bench/page_read_probe.py --shapes 32x4096 --stages 2 --out /tmp
+    ;;
 ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sampled); NCU_FORMATS picks the formats
     for fmt in ${NCU_FORMATS:-turboquant turboquant:k=q4_0,v=q4_0}; do
         name="ncu_src_${fmt//[:=,]/_}"
@@ -105,7 +118,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|prefill|gluon-tests|gluon|gluon-window|ncu|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|prefill|gluon-tests|gluon|gluon-window|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac
