@@ -526,7 +526,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench/results/kernels")
+    parser.add_argument("--out", default="bench/results/kernels",
+                        help="path without suffix of the .json, .md and .png written; an existing folder: kernels.* in it")
     parser.add_argument("--formats", default=";".join(FORMATS), help="';'-separated format strings")
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no prefill context 8192")
@@ -572,6 +573,8 @@ def main() -> None:
           f"memcpy {result['copy']['memcpy_gbps']:.0f})", flush=True)
     shapes = DECODE_SHAPES[:2] if args.quick else DECODE_SHAPES
     out = Path(args.out)
+    if out.is_dir():   # a folder: kernels.{json,md,png} in it
+        out = out / "kernels"
     out.parent.mkdir(parents=True, exist_ok=True)
     parts = [("decode", lambda: bench_decode(formats, shapes, gen, decode_sweep if args.sweep else None, args.warp_split,
                                                           args.recent_tokens)),
