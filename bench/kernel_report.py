@@ -196,7 +196,8 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
     info, sass = assemble(kernel)
     ops = loop_ops(sass_loops(sass)[0])
     return {"format": spec, "head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits, "window": window,
-            "keys_per_step": 32 if launches.options[0].get("PAIRS", False) else 16, **ptxas_usage(info),
+            "keys_per_step": 32 if launches.options[0].get("PAIRS", False) else 16,
+            "kv_heads_per_program": launches.options[0].get("HEADS", 1), **ptxas_usage(info),
             "shared_bytes": kernel.metadata.shared, "loop_ops": dict(ops)}
 
 
@@ -404,6 +405,8 @@ def main() -> None:
         for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0", "q4", "q6", "off"):
             for dtype in (torch.bfloat16, torch.float16):
                 print(json.dumps(gluon_report(128, dtype, 4, spec)), flush=True)
+        for dtype in (torch.bfloat16, torch.float16):   # `off` one KV head a program (the default: four)
+            print(json.dumps(gluon_report(128, dtype, 4, "off", heads=1)), flush=True)
         for spec in ("q8", "turboquant", "q4"):   # the pages' splits of a decode with a dense recent window
             print(json.dumps(gluon_report(128, torch.bfloat16, 4, spec, window=True)), flush=True)
         return

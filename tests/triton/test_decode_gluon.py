@@ -75,6 +75,39 @@ def test_gluon_in_steps_of_16_and_32_keys_matches_reference(spec, shape, num_spl
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
+def test_dense_decode_with_kv_heads_together_matches_reference(shape, heads, num_splits, dtype):
+    """Dense pages with `heads` KV heads in one program, a warp each (`decode_dense_heads_kernel`; 1: the one-warp
+    kernel): every shape's heads in groups of up to `heads`."""
+    from pagedkv.ops.triton import decode_gluon
+
+    hq, hkv, d, bs = shape
+    heads = min(heads, hkv)
+    case = build_case(hash(("off", shape)) % 1000, "off", num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                      block_size=bs, ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
+    scale = d ** -0.5
+    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
+    out = decode_gluon.paged_attention_dense(case.query, case.pages, case.fmt, case.meta, scale=scale,
+                                             num_splits=num_splits, heads=heads)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_dense_decode_reads_four_kv_heads_a_program_where_they_divide():
+    """`decode_gluon.dense_heads` (CPU): four KV heads a program where four divide them and the batch needs few
+    splits; one head otherwise (SmolLM2's three KV heads, one long sequence in 128 splits)."""
+    from pagedkv.ops.triton import decode_gluon
+
+    assert decode_gluon.dense_heads(8, 4) == decode_gluon.dense_heads(4, 1) == 4
+    assert decode_gluon.dense_heads(3, 1) == decode_gluon.dense_heads(2, 1) == 1
+    assert decode_gluon.dense_heads(8, 128) == 1
+
+
 def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read():
     """`decode_gluon.launcher` (CPU: shapes and options only): q8, q6, q4, TurboQuant and `off` decode by default
     (DEFAULT_KERNELS, each timed faster), each with its split target; nothing with rotated KV-Quant keys, a window,

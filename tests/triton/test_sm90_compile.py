@@ -84,7 +84,9 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
     tq44 = "turboquant:k=q4_0,v=q4_0"
     assert [row["format"] for row in rows] == (["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2 + ["q6"] * 2
-                                               + ["off"] * 2 + ["q8", "turboquant", "q4"]), r.stdout
+                                               + ["off"] * 4 + ["q8", "turboquant", "q4"]), r.stdout
+    # `off` reads four KV heads a program by default (decode_gluon.DENSE_HEADS, a warp each), one in the last two
+    assert [row["kv_heads_per_program"] for row in rows if row["format"] == "off"] == [4, 4, 1, 1], r.stdout
     # with a dense recent window the pages' splits only end earlier: the same loop, but for a few instructions of
     # index arithmetic the compiler places differently (within 1% of the loop)
     loop = {(row["format"], row["head_dim"], row["dtype"], row["window"]): row["loop_ops"] for row in rows}
@@ -140,7 +142,7 @@ def test_a_split_decode_launches_its_window_and_reduce_kernels_as_dependents():
     assert r.returncode == 0, r.stdout + r.stderr
     found = json.loads(r.stdout.strip().splitlines()[-1])
     tq = "turboquant:k=q4_0,v=q4_0/"
-    for name in (tq + "decode_tq_kernel", "off/decode_dense_kernel"):
+    for name in (tq + "decode_tq_kernel", "off/decode_dense_heads_kernel"):
         assert found[name]["lines"] == ["griddepcontrol.launch_dependents"] and not found[name]["launch_pdl"], found
         assert not found[name]["after_stores"], found[name]   # at the start
     assert found[tq + "ring_partial_kernel"] == {"lines": ["griddepcontrol.wait"], "launch_pdl": True,

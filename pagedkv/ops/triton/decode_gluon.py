@@ -78,6 +78,13 @@ TQ_PAIRS = (("q4_0", "q4_0"),)
 # at (32, 4096), 1.09x at (64, 8192), 1.11x at (128, 2048), 0.81x at one sequence.
 WINDOW_KERNELS = ("q4", "q6", "turboquant")
 WINDOW_MIN_TOKENS = 32
+# KV heads a program of the dense (`off`) decode reads where they divide the heads and a batch needs at most
+# DENSE_HEADS_MAX_SPLITS splits (`dense_heads`), a warp each. Timed on an H200 (`bench/gluon_probe.py`, 2026-12-04,
+# BENCHMARKS.md session 26) against one head a program: 4 heads 1.01-1.015x faster at (32, 4096), (64, 8192),
+# (128, 2048) and (32, 16384); 8 heads within 0.5% of 4 (and 128 KB of shared memory a program); 2 no faster; one
+# sequence of 32,768 tokens (128 splits) slower with 8 heads (38 against 36.6 us)
+DENSE_HEADS = 4
+DENSE_HEADS_MAX_SPLITS = 8
 # split counts at most: a batch of one 32,768-token sequence split 256 ways took 1.0-1.1x the time of 128 ways
 # for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
 MAX_SPLITS = 128
@@ -1138,6 +1145,132 @@ def decode_dense_kernel(
         gl.store(o_at, (acc * inv[None, :]).to(out_ptr.dtype.element_ty), mask=h_ok[None, :])
 
 
+def dense_head_layouts(heads: int) -> dict:
+    """The rank-3 layouts of `decode_dense_heads_kernel` with `heads` warps, the warp on the leading dimension: the
+    matrix-unit accumulator (a [16, 8] tile a warp), the copies' [heads, 16 keys, head_dim] and the query's [heads,
+    head_dim, 8]."""
+    return dict(MMA_W=gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[heads, 1, 1], instr_shape=[1, 16, 8]),
+                COPY_W=gl.BlockedLayout([1, 1, 8], [1, 4, 8], [heads, 1, 1], [2, 1, 0]),
+                PLAIN_W=gl.BlockedLayout([1, 1, 1], [1, 4, 8], [heads, 1, 1], [2, 1, 0]))
+
+
+@gluon.jit
+def transpose_p_heads(p, B_W: gl.constexpr):
+    """`transpose_p` for each warp's [16, 8] tile of p [HEADS, 16, 8]."""
+    t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p],
+                                  dtype=p.dtype, is_pure=True, pack=2)
+    W: gl.constexpr = p.shape[0]
+    t = gl.reshape(gl.permute(gl.reshape(t, [W, 2, 8, 8]), (0, 1, 3, 2)), [W, 16, 8])
+    return gl.convert_layout(t, B_W, assert_trivial=True)
+
+
+# Dense pages with HEADS KV heads of a (query token, split) in one program, warp h reading head h: the program asks
+# for those heads' rows of a block at once (one run of memory: pages are head-major) after one block-table load.
+# The 1-warp kernel's programs each read a 4 KB run of a block (Llama-3-8B heads) at a random place (shuffled
+# blocks), 1.5-2.5% below the bandwidth of reading the blocks in order (`bench/page_read_probe.py`); four heads
+# together read 16 KB runs.
+@gluon.jit
+def copy_dense_heads(k_ptr, v_ptr, bt_row, start, kv_hi, k_strides, v_strides, k_sm, v_sm, HEAD_DIM: gl.constexpr,
+                     BLOCK_SIZE: gl.constexpr, HEADS: gl.constexpr, COPY_W: gl.constexpr):
+    """`copy_dense_step` for every KV head: warp h asks for head h's rows of the 16 keys from `start`."""
+    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
+    slot = start % BLOCK_SIZE
+    h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_W)))
+    r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_W)))
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_W)))
+    ok = (start + r < kv_hi)[None, :, None]
+    k_rows = h[:, None] * k_strides[2] + (slot + r[None, :]) * k_strides[1]
+    v_rows = h[:, None] * v_strides[2] + (slot + r[None, :]) * v_strides[1]
+    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + k_rows[:, :, None] + c[None, None, :],
+                                           ok)
+    async_copy.async_copy_global_to_shared(v_sm, v_ptr + block * v_strides[0] + v_rows[:, :, None] + c[None, None, :],
+                                           ok)
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+def decode_dense_heads_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides,
+    num_seqs, num_splits, qk_scale,
+    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    SPLIT: gl.constexpr, HEADS: gl.constexpr, MMA_W: gl.constexpr, COPY_W: gl.constexpr, PLAIN_W: gl.constexpr,
+    STAGES: gl.constexpr = 2, PDL: gl.constexpr = False,
+):
+    launch_dependents(PDL)
+    token = gl.program_id(0)
+    head0 = gl.program_id(1) * HEADS
+    split = gl.program_id(2)
+    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
+    DT: gl.constexpr = k_ptr.dtype.element_ty
+    A_W: gl.constexpr = gl.DotOperandLayout(0, MMA_W, 2)
+    B_W: gl.constexpr = gl.DotOperandLayout(1, MMA_W, 2)
+
+    kv_lo, kv_hi = split_range(q_pos + 1, split, num_splits)
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+    k_ptr += head0.to(gl.int64) * k_strides[2]
+    v_ptr += head0.to(gl.int64) * v_strides[2]
+
+    RING: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
+    k_ring = gl.allocate_shared_memory(DT, [STAGES, HEADS, 16, HEAD_DIM], RING)
+    v_ring = gl.allocate_shared_memory(DT, [STAGES, HEADS, 16, HEAD_DIM], RING)
+    for st in gl.static_range(STAGES - 1):
+        copy_dense_heads(k_ptr, v_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, v_strides, k_ring.index(st),
+                         v_ring.index(st), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
+
+    qw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, PLAIN_W)))
+    qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, PLAIN_W)))
+    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, PLAIN_W)))
+    q_at = (q_ptr + token.to(gl.int64) * stride_qt + ((head0 + qw[:, None, None]) * GROUP + qh[None, None, :]) * stride_qh
+            + qc[None, :, None])
+    qt = gl.load(q_at, mask=(qh < GROUP)[None, None, :], other=0.0)
+    qt = gl.convert_layout(qt.to(DT), B_W)
+
+    acc = gl.full([HEADS, HEAD_DIM, 8], 0.0, gl.float32, MMA_W)
+    m_i = gl.full([HEADS, 8], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_W))
+    l_i = gl.full([HEADS, 8], 0.0, gl.float32, gl.SliceLayout(1, MMA_W))
+    scale = qk_scale * LOG2E
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA_W)))
+    stage = 0
+    for start in range(kv_lo, kv_hi, 16):
+        ahead = (stage + STAGES - 1) % STAGES
+        copy_dense_heads(k_ptr, v_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
+                         k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
+        async_copy.wait_group(STAGES - 1)
+        s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([HEADS, 16, 8], 0.0, gl.float32, MMA_W))
+        s = gl.where((start + sr < kv_hi)[None, :, None], s * scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[:, None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        pt = transpose_p_heads(p.to(DT), B_W)
+        acc = mma_v2(v_ring.index(stage).permute((0, 2, 1)).load(A_W), pt, acc * alpha[:, None, :])
+        stage = (stage + 1) % STAGES
+    async_copy.wait_group(0)
+
+    # warp h's [head_dim, 8] output columns: query heads h * GROUP + 0 .. GROUP - 1
+    ow = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA_W)))
+    oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA_W)))
+    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA_W)))
+    head = (head0 + ow[:, None, None]) * GROUP + oh[None, None, :]
+    h_ok = (oh < GROUP)[None, None, :]
+    if SPLIT:
+        mw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(1, MMA_W)))
+        mh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA_W)))
+        m_state = (token.to(gl.int64) * NUM_Q_HEADS + (head0 + mw[:, None]) * GROUP + mh[None, :]) * num_splits + split
+        gl.store(part_m_ptr + m_state, m_i, mask=(mh < GROUP)[None, :])
+        gl.store(part_l_ptr + m_state, l_i, mask=(mh < GROUP)[None, :])
+        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        gl.store(part_out_ptr + state * HEAD_DIM + oc[None, :, None], acc, mask=h_ok)
+    else:
+        inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
+        o_at = out_ptr + token.to(gl.int64) * stride_ot + head * stride_oh + oc[None, :, None]
+        gl.store(o_at, (acc * inv[:, None, :]).to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
 def supports_dense(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None,
                    window=None) -> bool:
     """Whether `paged_attention_dense` reads this decode: dense pages of the query's 16-bit dtype, head_dim 64 or
@@ -1147,10 +1280,17 @@ def supports_dense(fmt, query: torch.Tensor, block_size: int, *, softcap=None, s
             and not sliding_window and window is None)
 
 
+def dense_heads(num_kv_heads: int, num_splits: int) -> int:
+    """KV heads a program of the dense decode reads: DENSE_HEADS where they divide the heads and the batch needs at
+    most DENSE_HEADS_MAX_SPLITS splits, else one."""
+    return DENSE_HEADS if num_kv_heads % DENSE_HEADS == 0 and num_splits <= DENSE_HEADS_MAX_SPLITS else 1
+
+
 def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
-                          num_splits: int = 1, stages: int = STAGES) -> torch.Tensor:
+                          num_splits: int = 1, stages: int = STAGES, heads: int | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
-    dtype)."""
+    dtype). `heads`: KV heads a program reads (a warp each, `decode_dense_heads_kernel`; 1: `decode_dense_kernel`),
+    by default `dense_heads`."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, partial_states, reduce_splits
@@ -1160,22 +1300,30 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
     if view.k.dtype != query.dtype:
         raise ValueError(f"the Gluon dense decode reads pages of the query's dtype: pages {view.k.dtype}, "
                          f"query {query.dtype}")
+    heads = dense_heads(view.num_kv_heads, num_splits) if heads is None else heads
+    if view.num_kv_heads % heads:
+        raise ValueError(f"heads={heads} must divide the pages' {view.num_kv_heads} KV heads")
     num_tokens, num_q_heads, head_dim = query.shape
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
     split = num_splits > 1
     parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
-    decode_dense_kernel[(num_tokens, view.num_kv_heads, num_splits)](
-        out, *parts, query, view.k, view.v, meta.block_table, meta.seq_lens, meta.query_start_loc,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-        stride3(view.k), stride3(view.v), meta.block_table.shape[0], num_splits, float(scale),
-        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, SPLIT=split, STAGES=stages, PDL=split and dependent_launch(query.device),
-        num_warps=1)
+    args = (out, *parts, query, view.k, view.v, meta.block_table, meta.seq_lens, meta.query_start_loc,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+            stride3(view.k), stride3(view.v), meta.block_table.shape[0], num_splits, float(scale))
+    options = dict(NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
+                   BLOCK_SIZE=meta.block_size, SPLIT=split, STAGES=stages,
+                   PDL=split and dependent_launch(query.device))
+    if heads > 1:
+        decode_dense_heads_kernel[(num_tokens, view.num_kv_heads // heads, num_splits)](
+            *args, HEADS=heads, **dense_head_layouts(heads), **options, num_warps=heads)
+    else:
+        decode_dense_kernel[(num_tokens, view.num_kv_heads, num_splits)](*args, **options, num_warps=1)
     if split:
         reduce_splits(out, parts, view)
     return out
+
 
 # Each format's Gluon kernel: (whether it reads a decode, its launcher)
 KERNELS = {"q8": (supports, paged_attention), "q4": (supports_q4, paged_attention_q4),
