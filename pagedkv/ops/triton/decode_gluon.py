@@ -21,8 +21,9 @@ fragment holds P^T with keys on the lane's row bits, while O^T = V^T P^T needs t
 `movmatrix.trans` per 8 x 8 block transposes it across the warp in registers (two per step). The copies of
 step i + 1 are in flight while step i computes (`STAGES`), holding no register.
 
-One warp per program, programs over (query token, KV head, split) like the other decode kernels; partial
-states in `split_k.partial_states`' layout. Four kernels: q8 (head_dim 64 and 128), q4 and q6 (one kernel, head_dim
+One warp per program, programs over (query token, KV head, split) like the other decode kernels (dense pages: four
+KV heads a program by default, a warp each, `decode_dense_heads_kernel`); partial states in
+`split_k.partial_states`' layout. Four kernels: q8 (head_dim 64 and 128), q4 and q6 (one kernel, head_dim
 128), TurboQuant (q8_0 or q4_0 keys, q3_0 or q4_0 values; head_dim 128), dense pages (`off`, 64 and 128: `ldmatrix`
 from the ring, nothing to convert), none with soft-capping or a sliding window. With a dense recent window (q8, q4,
 q6, TurboQuant) the page splits stop where each sequence's window begins and the window is one more split
