@@ -82,8 +82,8 @@ def test_gluon_in_steps_of_16_and_32_keys_matches_reference(spec, shape, num_spl
 @pytest.mark.parametrize("heads", [1, 2, 4, 8])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
 def test_dense_decode_with_kv_heads_together_matches_reference(shape, heads, num_splits, dtype):
-    """Dense pages with `heads` KV heads in one program, a warp each (`decode_dense_heads_kernel`; 1: the one-warp
-    kernel): every shape's heads in groups of up to `heads`."""
+    """Dense pages with `heads` KV heads in one program, a warp each (`decode_dense_kernel`): every shape's heads in
+    groups of up to `heads`."""
     from pagedkv.ops.triton import decode_gluon
 
     hq, hkv, d, bs = shape
@@ -99,13 +99,12 @@ def test_dense_decode_with_kv_heads_together_matches_reference(shape, heads, num
 
 
 def test_dense_decode_reads_four_kv_heads_a_program_where_they_divide():
-    """`decode_gluon.dense_heads` (CPU): four KV heads a program where four divide them and the batch needs few
-    splits; one head otherwise (SmolLM2's three KV heads, one long sequence in 128 splits)."""
+    """`decode_gluon.dense_heads` (CPU): four KV heads a program where four divide them, else one (SmolLM2's three
+    KV heads, two)."""
     from pagedkv.ops.triton import decode_gluon
 
-    assert decode_gluon.dense_heads(8, 4) == decode_gluon.dense_heads(4, 1) == 4
-    assert decode_gluon.dense_heads(3, 1) == decode_gluon.dense_heads(2, 1) == 1
-    assert decode_gluon.dense_heads(8, 128) == 1
+    assert decode_gluon.dense_heads(8) == decode_gluon.dense_heads(4) == 4
+    assert decode_gluon.dense_heads(3) == decode_gluon.dense_heads(2) == 1
 
 
 def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read():

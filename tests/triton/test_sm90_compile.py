@@ -142,7 +142,7 @@ def test_a_split_decode_launches_its_window_and_reduce_kernels_as_dependents():
     assert r.returncode == 0, r.stdout + r.stderr
     found = json.loads(r.stdout.strip().splitlines()[-1])
     tq = "turboquant:k=q4_0,v=q4_0/"
-    for name in (tq + "decode_tq_kernel", "off/decode_dense_heads_kernel"):
+    for name in (tq + "decode_tq_kernel", "off/decode_dense_kernel"):
         assert found[name]["lines"] == ["griddepcontrol.launch_dependents"] and not found[name]["launch_pdl"], found
         assert not found[name]["after_stores"], found[name]   # at the start
     assert found[tq + "ring_partial_kernel"] == {"lines": ["griddepcontrol.wait"], "launch_pdl": True,

@@ -22,7 +22,7 @@ fragment holds P^T with keys on the lane's row bits, while O^T = V^T P^T needs t
 step i + 1 are in flight while step i computes (`STAGES`), holding no register.
 
 One warp per program, programs over (query token, KV head, split) like the other decode kernels (dense pages: four
-KV heads a program by default, a warp each, `decode_dense_heads_kernel`); partial states in
+KV heads a program by default, a warp each, `decode_dense_kernel`); partial states in
 `split_k.partial_states`' layout. Four kernels: q8 (head_dim 64 and 128), q4 and q6 (one kernel, head_dim
 128), TurboQuant (q8_0 or q4_0 keys, q3_0 or q4_0 values; head_dim 128), dense pages (`off`, 64 and 128: `ldmatrix`
 from the ring, nothing to convert), none with soft-capping or a sliding window. With a dense recent window (q8, q4,
@@ -79,13 +79,12 @@ TQ_PAIRS = (("q4_0", "q4_0"),)
 # at (32, 4096), 1.09x at (64, 8192), 1.11x at (128, 2048), 0.81x at one sequence.
 WINDOW_KERNELS = ("q4", "q6", "turboquant")
 WINDOW_MIN_TOKENS = 32
-# KV heads a program of the dense (`off`) decode reads where they divide the heads and a batch needs at most
-# DENSE_HEADS_MAX_SPLITS splits (`dense_heads`), a warp each. Timed on an H200 (`bench/gluon_probe.py`, 2026-12-04,
-# BENCHMARKS.md session 26) against one head a program: 4 heads 1.01-1.015x faster at (32, 4096), (64, 8192),
-# (128, 2048) and (32, 16384); 8 heads within 0.5% of 4 (and 128 KB of shared memory a program); 2 no faster; one
-# sequence of 32,768 tokens (128 splits) slower with 8 heads (38 against 36.6 us)
+# KV heads a program of the dense (`off`) decode reads where they divide the heads (`dense_heads`), a warp each.
+# Timed on an H200 (`bench/gluon_probe.py`, 2026-12-04, BENCHMARKS.md session 26) against one head a program: 4
+# heads 1.01-1.015x faster at (32, 4096), (64, 8192), (128, 2048) and (32, 16384), the same at (8, 16384) and one
+# sequence of 32,768 tokens (128 splits: 36.9 against 36.8 us); 8 heads within 0.5% of 4 but slower at one sequence
+# (38.0 against 36.6 us; 128 KB of shared memory a program); 2 no faster
 DENSE_HEADS = 4
-DENSE_HEADS_MAX_SPLITS = 8
 # split counts at most: a batch of one 32,768-token sequence split 256 ways took 1.0-1.1x the time of 128 ways
 # for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
 MAX_SPLITS = 128
@@ -1053,101 +1052,16 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
 
 
 # Dense (bf16 / fp16) pages: no codes to name, so the ring is copied in plain 16-byte runs and read back with
-# `ldmatrix` straight into the operand fragments (K as stored, V^T through a transposed view of the ring).
-DENSE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))
-
-
-@gluon.jit
-def copy_dense_step(k_ptr, v_ptr, bt_row, start, kv_hi, k_strides, v_strides, k_sm, v_sm, HEAD_DIM: gl.constexpr,
-                    BLOCK_SIZE: gl.constexpr):
-    """Ask for the 16 keys' dense rows from `start` into one stage of the ring (cp.async, 16-byte runs; rows past
-    the sequence's end are finite or masked zero: a slot never written may hold NaN, so they are masked)."""
-    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
-    slot = start % BLOCK_SIZE
-    r = gl.arange(0, 16, layout=gl.SliceLayout(1, DENSE_COPY))
-    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, DENSE_COPY))
-    ok = (start + r < kv_hi)[:, None]
-    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + r[:, None]) * k_strides[1]
-                                           + c[None, :], ok)
-    async_copy.async_copy_global_to_shared(v_sm, v_ptr + block * v_strides[0] + (slot + r[:, None]) * v_strides[1]
-                                           + c[None, :], ok)
-    async_copy.commit_group()
-
-
-@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
-def decode_dense_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides,
-    num_seqs, num_splits, qk_scale,
-    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    SPLIT: gl.constexpr, STAGES: gl.constexpr = 2,
-    PDL: gl.constexpr = False,
-):
-    launch_dependents(PDL)
-    token = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    split = gl.program_id(2)
-    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
-    DT: gl.constexpr = k_ptr.dtype.element_ty
-
-    kv_lo, kv_hi = split_range(q_pos + 1, split, num_splits)
-    head_off = kv_head.to(gl.int64)
-    k_ptr += head_off * k_strides[2]
-    v_ptr += head_off * v_strides[2]
-    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-
-    RING: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
-    k_ring = gl.allocate_shared_memory(DT, [STAGES, 16, HEAD_DIM], RING)
-    v_ring = gl.allocate_shared_memory(DT, [STAGES, 16, HEAD_DIM], RING)
-    for st in gl.static_range(STAGES - 1):
-        copy_dense_step(k_ptr, v_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, v_strides, k_ring.index(st),
-                        v_ring.index(st), HEAD_DIM, BLOCK_SIZE)
-
-    # the query once the first pages are asked for: its load's latency hides under theirs
-    qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, PLAIN))
-    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
-    q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
-    qt = gl.load(q_at + qc[:, None], mask=(qh < GROUP)[None, :], other=0.0)
-    qt = gl.convert_layout(qt.to(DT), B_OP)
-
-    acc = gl.full([HEAD_DIM, 8], 0.0, gl.float32, MMA)
-    m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
-    l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
-    scale = qk_scale * LOG2E
-    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    A_DT: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
-    stage = 0
-    for start in range(kv_lo, kv_hi, 16):
-        ahead = (stage + STAGES - 1) % STAGES
-        copy_dense_step(k_ptr, v_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
-                        k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE)
-        async_copy.wait_group(STAGES - 1)
-        s = mma_v2(k_ring.index(stage).load(A_DT), qt, gl.full([16, 8], 0.0, gl.float32, MMA))
-        s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        pt = transpose_p(p.to(DT))
-        acc = mma_v2(v_ring.index(stage).permute((1, 0)).load(A_DT), pt, acc * alpha[None, :])
-        stage = (stage + 1) % STAGES
-    async_copy.wait_group(0)
-
-    oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, MMA))
-    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    h_ok = oh < GROUP
-    head = kv_head * GROUP + oh
-    if SPLIT:
-        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
-        gl.store(part_m_ptr + state, m_i, mask=h_ok)
-        gl.store(part_l_ptr + state, l_i, mask=h_ok)
-        gl.store(part_out_ptr + state[None, :] * HEAD_DIM + oc[:, None], acc, mask=h_ok[None, :])
-    else:
-        inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
-        o_at = out_ptr + token.to(gl.int64) * stride_ot + head[None, :] * stride_oh + oc[:, None]
-        gl.store(o_at, (acc * inv[None, :]).to(out_ptr.dtype.element_ty), mask=h_ok[None, :])
+# `ldmatrix` straight into the operand fragments (K as stored, V^T through a transposed view of the ring). A program
+# reads HEADS KV heads of a (query token, split), warp h head h (rank-3 operands, the warp on the leading dimension;
+# each warp's loop the one-head loop, instruction for instruction): it asks for those heads' rows of a block at once,
+# one run of memory (pages are head-major), after one block-table load. One head's rows of a block are a 4 KB run
+# (Llama-3-8B heads) at a random place over shuffled blocks, which reads 1.0-1.6% slower than blocks in order
+# (`bench/page_read_probe.py`); four heads read 16 KB runs (DENSE_HEADS).
 
 
 def dense_head_layouts(heads: int) -> dict:
-    """The rank-3 layouts of `decode_dense_heads_kernel` with `heads` warps, the warp on the leading dimension: the
+    """The rank-3 layouts of `decode_dense_kernel` with `heads` warps, the warp on the leading dimension: the
     matrix-unit accumulator (a [16, 8] tile a warp), the copies' [heads, 16 keys, head_dim] and the query's [heads,
     head_dim, 8]."""
     return dict(MMA_W=gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[heads, 1, 1], instr_shape=[1, 16, 8]),
@@ -1165,15 +1079,11 @@ def transpose_p_heads(p, B_W: gl.constexpr):
     return gl.convert_layout(t, B_W, assert_trivial=True)
 
 
-# Dense pages with HEADS KV heads of a (query token, split) in one program, warp h reading head h: the program asks
-# for those heads' rows of a block at once (one run of memory: pages are head-major) after one block-table load.
-# The 1-warp kernel's programs each read a 4 KB run of a block (Llama-3-8B heads) at a random place (shuffled
-# blocks), 1.5-2.5% below the bandwidth of reading the blocks in order (`bench/page_read_probe.py`); four heads
-# together read 16 KB runs.
 @gluon.jit
-def copy_dense_heads(k_ptr, v_ptr, bt_row, start, kv_hi, k_strides, v_strides, k_sm, v_sm, HEAD_DIM: gl.constexpr,
-                     BLOCK_SIZE: gl.constexpr, HEADS: gl.constexpr, COPY_W: gl.constexpr):
-    """`copy_dense_step` for every KV head: warp h asks for head h's rows of the 16 keys from `start`."""
+def copy_dense_step(k_ptr, v_ptr, bt_row, start, kv_hi, k_strides, v_strides, k_sm, v_sm, HEAD_DIM: gl.constexpr,
+                    BLOCK_SIZE: gl.constexpr, HEADS: gl.constexpr, COPY_W: gl.constexpr):
+    """Ask for HEADS heads' rows of the 16 keys from `start` into one stage of the ring, warp h head h's (cp.async,
+    16-byte runs; rows past the sequence's end are masked zero: a slot never written may hold NaN)."""
     block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
     slot = start % BLOCK_SIZE
     h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_W)))
@@ -1190,7 +1100,7 @@ def copy_dense_heads(k_ptr, v_ptr, bt_row, start, kv_hi, k_strides, v_strides, k
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
-def decode_dense_heads_kernel(
+def decode_dense_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides,
@@ -1217,7 +1127,7 @@ def decode_dense_heads_kernel(
     k_ring = gl.allocate_shared_memory(DT, [STAGES, HEADS, 16, HEAD_DIM], RING)
     v_ring = gl.allocate_shared_memory(DT, [STAGES, HEADS, 16, HEAD_DIM], RING)
     for st in gl.static_range(STAGES - 1):
-        copy_dense_heads(k_ptr, v_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, v_strides, k_ring.index(st),
+        copy_dense_step(k_ptr, v_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, v_strides, k_ring.index(st),
                          v_ring.index(st), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
 
     qw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, PLAIN_W)))
@@ -1236,7 +1146,7 @@ def decode_dense_heads_kernel(
     stage = 0
     for start in range(kv_lo, kv_hi, 16):
         ahead = (stage + STAGES - 1) % STAGES
-        copy_dense_heads(k_ptr, v_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
+        copy_dense_step(k_ptr, v_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
                          k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
         async_copy.wait_group(STAGES - 1)
         s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([HEADS, 16, 8], 0.0, gl.float32, MMA_W))
@@ -1281,17 +1191,15 @@ def supports_dense(fmt, query: torch.Tensor, block_size: int, *, softcap=None, s
             and not sliding_window and window is None)
 
 
-def dense_heads(num_kv_heads: int, num_splits: int) -> int:
-    """KV heads a program of the dense decode reads: DENSE_HEADS where they divide the heads and the batch needs at
-    most DENSE_HEADS_MAX_SPLITS splits, else one."""
-    return DENSE_HEADS if num_kv_heads % DENSE_HEADS == 0 and num_splits <= DENSE_HEADS_MAX_SPLITS else 1
+def dense_heads(num_kv_heads: int) -> int:
+    """KV heads a program of the dense decode reads: DENSE_HEADS where they divide the heads, else one."""
+    return DENSE_HEADS if num_kv_heads % DENSE_HEADS == 0 else 1
 
 
 def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                           num_splits: int = 1, stages: int = STAGES, heads: int | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
-    dtype). `heads`: KV heads a program reads (a warp each, `decode_dense_heads_kernel`; 1: `decode_dense_kernel`),
-    by default `dense_heads`."""
+    dtype). `heads`: KV heads a program reads, a warp each (by default `dense_heads`)."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, partial_states, reduce_splits
@@ -1301,7 +1209,7 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
     if view.k.dtype != query.dtype:
         raise ValueError(f"the Gluon dense decode reads pages of the query's dtype: pages {view.k.dtype}, "
                          f"query {query.dtype}")
-    heads = dense_heads(view.num_kv_heads, num_splits) if heads is None else heads
+    heads = dense_heads(view.num_kv_heads) if heads is None else heads
     if view.num_kv_heads % heads:
         raise ValueError(f"heads={heads} must divide the pages' {view.num_kv_heads} KV heads")
     num_tokens, num_q_heads, head_dim = query.shape
@@ -1316,11 +1224,8 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
     options = dict(NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
                    BLOCK_SIZE=meta.block_size, SPLIT=split, STAGES=stages,
                    PDL=split and dependent_launch(query.device))
-    if heads > 1:
-        decode_dense_heads_kernel[(num_tokens, view.num_kv_heads // heads, num_splits)](
-            *args, HEADS=heads, **dense_head_layouts(heads), **options, num_warps=heads)
-    else:
-        decode_dense_kernel[(num_tokens, view.num_kv_heads, num_splits)](*args, **options, num_warps=1)
+    decode_dense_kernel[(num_tokens, view.num_kv_heads // heads, num_splits)](
+        *args, HEADS=heads, **dense_head_layouts(heads), **options, num_warps=heads)
     if split:
         reduce_splits(out, parts, view)
     return out
