@@ -3,6 +3,7 @@ kernel can reach, over pages (blocks of 16 slots, shuffled or in order, as `benc
 and over the contiguous [batch, KV heads, context, head_dim] cache SDPA reads; beside SDPA's own decode time.
 
     python bench/page_read_probe.py --out bench/results/h200
+    python bench/page_read_probe.py --heads 4 --warps 4 --stages 2   # four KV heads a program, as the dense decode
 
 The read kernel sums every key and value a (sequence, KV head, split) program would attend, in steps of one block
 (TILE rows of head_dim), with Triton's pipelined loads, and stores one float per program. If pages read in order
@@ -28,14 +29,17 @@ SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 
 @triton.jit
 def read_kernel(out_ptr, k_ptr, v_ptr, table_ptr, stride_t, stride_block, stride_head, stride_row,
-                BLOCKS: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, STAGES: tl.constexpr):
-    """Program (sequence, KV head, split): the sum of its BLOCKS blocks' keys and values. Block b of the sequence
-    starts at table[seq, b] * stride_block + head * stride_head elements, its TILE rows stride_row apart."""
+                BLOCKS: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, STAGES: tl.constexpr,
+                HEADS: tl.constexpr = 1):
+    """Program (sequence, group of HEADS KV heads, split): the sum of its BLOCKS blocks' keys and values. Block b of
+    the sequence starts at table[seq, b] * stride_block + head * stride_head elements, its TILE rows stride_row
+    apart; a step reads the group's heads of one block together (as the dense decode's four heads a program)."""
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(1) * HEADS
     split = tl.program_id(2)
-    rows = tl.arange(0, TILE)[:, None] * stride_row + tl.arange(0, HEAD_DIM)[None, :]
-    acc = tl.zeros([TILE, HEAD_DIM], dtype=tl.float32)
+    i = tl.arange(0, HEADS * TILE)
+    rows = ((i // TILE) * stride_head + (i % TILE) * stride_row)[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    acc = tl.zeros([HEADS * TILE, HEAD_DIM], dtype=tl.float32)
     first = split * BLOCKS
     for i in tl.range(first, first + BLOCKS, num_stages=STAGES):
         block = tl.load(table_ptr + seq.to(tl.int64) * stride_t + i).to(tl.int64)
@@ -44,16 +48,17 @@ def read_kernel(out_ptr, k_ptr, v_ptr, table_ptr, stride_t, stride_block, stride
     tl.store(out_ptr + (seq * tl.num_programs(1) + head) * tl.num_programs(2) + split, tl.sum(tl.sum(acc, 1), 0))
 
 
-def read(layout, splits: int, stages: int, warps: int) -> torch.Tensor:
+def read(layout, splits: int, stages: int, warps: int, group: int = 1) -> torch.Tensor:
     """The sums of one `layouts` entry (k, v, table, (stride_block, stride_head, stride_row), heads, tile,
-    head_dim) over `splits` splits per (sequence, head): [seqs * heads * splits]."""
+    head_dim) over `splits` splits per (sequence, group of `group` heads): [seqs * heads / group * splits]."""
     k, v, table, strides, heads, tile, head_dim = layout
     seqs, per_seq = table.shape
     assert per_seq % splits == 0, "blocks per sequence must divide into the splits"
-    out = torch.empty(seqs * heads * splits, dtype=torch.float32, device=k.device)
-    read_kernel[(seqs, heads, splits)](
+    assert heads % group == 0, "the head groups must divide the heads"
+    out = torch.empty(seqs * heads // group * splits, dtype=torch.float32, device=k.device)
+    read_kernel[(seqs, heads // group, splits)](
         out, k, v, table, table.stride(0), *strides, BLOCKS=per_seq // splits, TILE=tile, HEAD_DIM=head_dim,
-        STAGES=stages, num_warps=warps)
+        STAGES=stages, HEADS=group, num_warps=warps)
     return out
 
 
@@ -80,7 +85,7 @@ def layouts(num_seqs: int, seq_len: int, heads: int, head_dim: int, tile: int, d
             "contiguous": (kc, vc, starts, contiguous_strides, *shape)}
 
 
-def probe(shapes, splits_by_batch: dict, tile: int, stages: int, warps: int, gen) -> list[dict]:
+def probe(shapes, splits_by_batch: dict, tile: int, stages: int, warps: int, gen, group: int = 1) -> list[dict]:
     import kernel_bench as kb
 
     rows = []
@@ -92,9 +97,9 @@ def probe(shapes, splits_by_batch: dict, tile: int, stages: int, warps: int, gen
         copies = kb.copies_for(num_seqs * seq_len * kb.NUM_KV_HEADS * kb.HEAD_DIM * 4)
         sets = [layouts(num_seqs, seq_len, kb.NUM_KV_HEADS, kb.HEAD_DIM, tile, kb.DEV, gen) for _ in range(copies)]
         nbytes = 2 * num_seqs * seq_len * kb.NUM_KV_HEADS * kb.HEAD_DIM * 2
-        row = {"batch": num_seqs, "context": seq_len, "splits": splits, "bytes": nbytes}
+        row = {"batch": num_seqs, "context": seq_len, "splits": splits, "heads_a_program": group, "bytes": nbytes}
         for name in sets[0]:
-            ms = kb.time_per_call([lambda s=s: read(s[name], splits, stages, warps) for s in sets])
+            ms = kb.time_per_call([lambda s=s: read(s[name], splits, stages, warps, group) for s in sets])
             row[name] = {"us": ms * 1e3, "gbps": nbytes / ms / 1e6}
         keys = torch.randn(num_seqs * seq_len, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
         queries = [torch.randn(num_seqs, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
@@ -130,6 +135,8 @@ def check_layouts(device) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     cases = layouts(2, 64, 2, 16, 16, device, gen)
     found = {name: read(layout, 2, 1, 1).view(2, 2, 2) for name, layout in cases.items()}
+    together = read(cases["pages shuffled"], 2, 1, 1, group=2).view(2, 2)   # both heads a program: their sum
+    assert torch.allclose(together, found["pages shuffled"].sum(1), rtol=1e-4, atol=1e-3), together
     k, v = cases["pages in order"][:2]
     for name, table in (("pages shuffled", cases["pages shuffled"][2]), ("pages in order", cases["pages in order"][2]),
                         ("contiguous", cases["pages in order"][2])):    # the contiguous cache holds the in-order pages
@@ -147,11 +154,12 @@ def main() -> None:
     p.add_argument("--tile", type=int, default=16, help="rows a step: the block size")
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--warps", type=int, default=1)
+    p.add_argument("--heads", type=int, default=1, help="KV heads a program reads together (the dense decode: 4)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     splits = {int(b): n for b, n in json.loads(args.splits).items()}
-    rows = probe(shapes, splits, args.tile, args.stages, args.warps, torch.Generator().manual_seed(0))
+    rows = probe(shapes, splits, args.tile, args.stages, args.warps, torch.Generator().manual_seed(0), args.heads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "page_read_probe.json").write_text(json.dumps(rows, indent=1))
