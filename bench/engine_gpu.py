@@ -279,7 +279,8 @@ def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int, tim
 
 
 def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int,
-                    max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024, swap: bool = False) -> dict:
+                    max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024, swap: bool = False,
+                    compile_layers: bool = False) -> dict:
     """`LLM.generate` over pages of `fmt` holding at most `budget_bytes` (all layers), every request admitted
     as the pages allow: output tokens/s, preemptions, how many blocks the budget bought, and the run's timeline
     (one row per engine step, see `engine_generate_run`). swap: a preempted request's blocks go to a host tier
@@ -292,7 +293,7 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     tiers = dict(cpu_cache_gb=budget_bytes / 2**30, swap_on_preemption=True) if swap else {}
     llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=len(prompts),
               max_num_batched_tokens=max_num_batched_tokens, admission_lookahead_tokens=admission_lookahead_tokens,
-              **tiers)
+              compile_layers=compile_layers, **tiers)
     # as many other requests of the same length for a few tokens first, so that the kernels' first-use compilation
     # is not timed (a cold Triton cache cut the measured tokens/s by 1.2-1.6x): full prefill steps, mixed steps and
     # decode batches of every size compile here (four short requests left some to the timed run: TurboQuant 13,740
@@ -441,6 +442,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--skip-generate-batch", action="store_true")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="every engine's decoder layers compiled with torch.compile (EngineConfig.compile_layers)")
     p.add_argument("--out", default=None, help="folder for engine_gpu.json and engine_gpu.png")
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw engine_gpu.png next to this JSON")
@@ -501,7 +504,7 @@ def main(argv=None) -> int:
     num_blocks = max(max_batch, args.requests) * blocks_per_seq + 64
     for fmt in args.formats:
         llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=max(max_batch, args.requests),
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens, compile_layers=args.compile_layers)
         per = results.setdefault("pagedkv", {}).setdefault(fmt, {"decode": {}})
         for b in args.batches:
             eager = args.eager_steps if b == max_batch else 0
@@ -566,7 +569,7 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
         for lookahead in lookaheads:  # several: side by side, each run named "format, lookahead N[, swap]"
             for mode in modes:
                 r = same_memory_run(model, fmt, budget, prompts, args.new_tokens, args.max_num_batched_tokens, lookahead,
-                                    swap=mode == "swap")
+                                    swap=mode == "swap", compile_layers=args.compile_layers)
                 name = fmt + (f", lookahead {lookahead}" if len(lookaheads) > 1 else "") + (f", {mode}" if len(modes) > 1 else "")
                 results["same_memory"][name] = r
                 print(f"pagedkv {name}, {args.same_memory} GiB of pages, admission lookahead {lookahead}, preemption by "

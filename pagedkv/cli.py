@@ -98,6 +98,8 @@ def register_serve(subparsers) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context window)")
     g.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
+    g.add_argument("--compile-layers", action="store_true",
+                   help="compile each decoder layer with torch.compile (the cache's kernels stay as they are)")
     g.add_argument("--cpu-cache-gb", type=float, default=0.0, metavar="GB",
                    help="host memory for prefix-cache blocks evicted from the device pool (default 0: off)")
     g.add_argument("--kv-cache-dir", default=None, metavar="DIR",
@@ -128,7 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
                        max_model_len=args.max_model_len, cpu_cache_gb=args.cpu_cache_gb,
                        kv_cache_dir=args.kv_cache_dir, disk_cache_gb=args.disk_cache_gb,
-                       swap_on_preemption=args.swap_on_preemption)
+                       swap_on_preemption=args.swap_on_preemption, compile_layers=args.compile_layers)
     EngineConfig(**engine_opts)  # validate before loading a model
     speculative = speculative_options(args)
     if args.tensor_parallel != 1 and speculative is not None:

@@ -20,6 +20,8 @@ from .errors import ConfigError
 
 ATTN_IMPLEMENTATION = "pagedkv"
 _CACHE_KWARG = "pagedkv_cache"
+# set by `compile_layers`: the cache's writes and attention are opaque to torch.compile
+_opaque_to_compiler = False
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -48,7 +50,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 def register() -> None:
     """Register the "pagedkv" attention implementation with transformers (idempotent)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    attention = torch.compiler.disable(paged_attention_forward) if _opaque_to_compiler else paged_attention_forward
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
     # masks are built as for SDPA: the paged path ignores them (the plan knows the layout), while a switched
     # model that is handed another cache attends densely and needs them
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
@@ -109,6 +112,27 @@ def switch_model(model: torch.nn.Module) -> None:
     decoder.register_forward_pre_hook(_pre_forward, with_kwargs=True, prepend=True)
     decoder.register_forward_hook(_post_forward, with_kwargs=True, always_call=True)
     model._pagedkv_switched = True
+
+
+def compile_layers(model: torch.nn.Module, **options) -> int:
+    """Compile each decoder layer of `model` in place with torch.compile (`nn.Module.compile`; dynamic shapes unless
+    `options` say otherwise) and return how many. The paged cache's writes (`PagedKVCache.update`) and attention
+    stay outside the compiled graphs, called from them as opaque functions (marked once per process), so what lies
+    between them fuses (norms, rotary embeddings, activations, residual adds) while the cache's kernels run as
+    before. A layer's index is not specialized on (`allow_unspec_int_on_nn_module`), so the layers share their
+    compiled graphs. The first steps of each new shape compile (seconds per graph)."""
+    global _opaque_to_compiler
+    layers = getattr(_decoder(model), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ConfigError(f"{type(model).__name__} has no decoder layers to compile (expected model.model.layers)")
+    if not _opaque_to_compiler:
+        _opaque_to_compiler = True
+        PagedKVCache.update = torch.compiler.disable(PagedKVCache.update)
+        register()
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    for layer in layers:
+        layer.compile(**{"dynamic": True, **options})
+    return len(layers)
 
 
 def text_config(config):

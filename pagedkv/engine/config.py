@@ -29,6 +29,8 @@ class EngineConfig:
     Prefix-cache tiers (`pagedkv.tiers`): cpu_cache_gb: host memory for blocks evicted from the device pool
     (0: off); kv_cache_dir: a directory keeping them on disk across restarts, up to disk_cache_gb;
     swap_on_preemption: a preempted request's blocks go to the host tier and are loaded back, not recomputed.
+    compile_layers: compile each decoder layer with torch.compile (`pagedkv.hf.compile_layers`: the paged cache's
+    writes and attention stay outside the graphs; the first steps of each shape compile).
     """
 
     max_num_seqs: int = 256
@@ -42,6 +44,7 @@ class EngineConfig:
     kv_cache_dir: str | None = None
     disk_cache_gb: float = 16.0
     swap_on_preemption: bool = False
+    compile_layers: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):

@@ -27,6 +27,10 @@ class ModelRunner:
         self.cache_kwarg = cache_kwarg(model)
         self.device = next(model.parameters()).device
         self.graphs = self.verify_graphs = None
+        if config.compile_layers:
+            from ..hf import compile_layers
+
+            compile_layers(model)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))

@@ -1,0 +1,64 @@
+"""`compile_layers` (`pagedkv.hf.compile_layers`, `EngineConfig.compile_layers`): each decoder layer compiled with
+torch.compile, the paged cache's writes and attention called from the graphs as opaque functions. On the CPU with
+inductor (a C++ compiler): the engine generates the tokens it generates eagerly, the layers share their graphs, and
+new prompt lengths and batch sizes compile nothing new."""
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagedkv import LLM
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.errors import ConfigError
+
+
+def tiny_llama(layers: int = 3):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def requests(seed: int, lengths):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]
+    return prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("kv_format", ["off", "q4"])
+def test_compiled_layers_generate_the_eager_tokens_and_share_their_graphs(kv_format):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()   # the compiled code of the test before (the same layer classes) and its counts
+    counters.clear()
+    options = dict(kv_format=kv_format, block_size=16, max_num_batched_tokens=64)
+    eager = LLM(tiny_llama(), **options)
+    compiled = LLM(tiny_llama(), compile_layers=True, **options)
+    prompts, params = requests(0, (5, 17, 3, 33))
+    assert tokens(compiled.generate(prompts, params)) == tokens(eager.generate(prompts, params))
+    # three layers, one set of graphs: a layer's index is not specialized on (a graph for each of the layer's
+    # pieces between the cache's calls, not three of each)
+    assert 0 < counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
+    # steps of one token (one sequence decoding alone) get their own graphs once: torch.compile specializes a
+    # dimension of size 1
+    prompts, params = requests(2, (9,))
+    assert tokens(compiled.generate(prompts, params)) == tokens(eager.generate(prompts, params))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs <= 16, dict(counters["stats"])
+    # other prompt lengths, chunk sizes and batch sizes: the dynamic graphs serve them
+    prompts, params = requests(1, (7, 40, 11, 2, 25))
+    assert tokens(compiled.generate(prompts, params)) == tokens(eager.generate(prompts, params))
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    from pagedkv.hf import compile_layers
+
+    with pytest.raises(ConfigError, match="no decoder layers"):
+        compile_layers(torch.nn.Linear(4, 4))
