@@ -9,6 +9,7 @@ kernels' total, per format.
 
     python bench/engine_profile.py --formats off turboquant
     python bench/engine_profile.py --formats off q4 turboquant --requests 128 --prompt-tokens 1536 --kernels
+    python bench/engine_profile.py --formats q4 --kernels --compile-layers   # decoder layers under torch.compile
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
     p.add_argument("--kernels", action="store_true", help="device time by kernel of the steps (torch.profiler)")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="the decoder layers compiled with torch.compile (EngineConfig.compile_layers)")
     args = p.parse_args(argv)
     if args.tiny:
         engine_gpu.DEVICE = "cpu"
@@ -89,7 +92,8 @@ def main(argv=None) -> int:
     prompts = random_prompts(args.requests, args.prompt_tokens, model.config.vocab_size, seed=1234)
     for fmt in args.formats:
         llm = LLM(model, kv_format=fmt, num_blocks=args.requests * (args.prompt_tokens // 16 + 8) + 64,
-                  max_num_seqs=args.requests, max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_seqs=args.requests, max_num_batched_tokens=args.max_num_batched_tokens,
+                  compile_layers=args.compile_layers)
         engine = llm.engine
         engine.runner.graphs = None
         params = SamplingParams(max_tokens=64, ignore_eos=True)
