@@ -1128,13 +1128,14 @@ def decode_dense_kernel(
     v_ring = gl.allocate_shared_memory(DT, [STAGES, HEADS, 16, HEAD_DIM], RING)
     for st in gl.static_range(STAGES - 1):
         copy_dense_step(k_ptr, v_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, v_strides, k_ring.index(st),
-                         v_ring.index(st), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
+                        v_ring.index(st), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
 
     qw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, PLAIN_W)))
     qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, PLAIN_W)))
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, PLAIN_W)))
-    q_at = (q_ptr + token.to(gl.int64) * stride_qt + ((head0 + qw[:, None, None]) * GROUP + qh[None, None, :]) * stride_qh
-            + qc[None, :, None])
+    # the query once the first pages are asked for: its load's latency hides under theirs
+    q_head = (head0 + qw[:, None, None]) * GROUP + qh[None, None, :]
+    q_at = q_ptr + token.to(gl.int64) * stride_qt + q_head * stride_qh + qc[None, :, None]
     qt = gl.load(q_at, mask=(qh < GROUP)[None, None, :], other=0.0)
     qt = gl.convert_layout(qt.to(DT), B_W)
 
@@ -1147,7 +1148,7 @@ def decode_dense_kernel(
     for start in range(kv_lo, kv_hi, 16):
         ahead = (stage + STAGES - 1) % STAGES
         copy_dense_step(k_ptr, v_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
-                         k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
+                        k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
         async_copy.wait_group(STAGES - 1)
         s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([HEADS, 16, 8], 0.0, gl.float32, MMA_W))
         s = gl.where((start + sr < kv_hi)[None, :, None], s * scale, float("-inf"))
