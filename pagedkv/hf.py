@@ -125,11 +125,11 @@ def compile_layers(model: torch.nn.Module, **options) -> int:
     layers = getattr(_decoder(model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
         raise ConfigError(f"{type(model).__name__} has no decoder layers to compile (expected model.model.layers)")
-    if not _opaque_to_compiler:
+    if not _opaque_to_compiler:   # once per process
         _opaque_to_compiler = True
         PagedKVCache.update = torch.compiler.disable(PagedKVCache.update)
         register()
-    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+        torch._dynamo.config.allow_unspec_int_on_nn_module = True
     for layer in layers:
         layer.compile(**{"dynamic": True, **options})
     return len(layers)

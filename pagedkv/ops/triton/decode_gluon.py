@@ -154,13 +154,18 @@ def int8_to_f16(c):
 
 
 @gluon.jit
+def movmatrix_trans(p):
+    """`movmatrix.trans` on every 8 x 8 block of a 16-bit accumulator fragment (registers unnamed yet)."""
+    return gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p],
+                                     dtype=p.dtype, is_pure=True, pack=2)
+
+
+@gluon.jit
 def transpose_p(p):
     """P^T [16 keys, 8 heads] in the accumulator fragment (keys on the lane's row bits) -> the same matrix as
     the B operand of O^T = V^T P^T (keys on its column bits): `movmatrix.trans` per 8 x 8 block, then the
     registers renamed."""
-    t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p],
-                                  dtype=p.dtype, is_pure=True, pack=2)
-    t = gl.reshape(gl.permute(gl.reshape(t, [2, 8, 8]), (0, 2, 1)), [16, 8])
+    t = gl.reshape(gl.permute(gl.reshape(movmatrix_trans(p), [2, 8, 8]), (0, 2, 1)), [16, 8])
     return gl.convert_layout(t, B_OP, assert_trivial=True)
 
 
@@ -216,13 +221,14 @@ def pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE: gl.constexpr, WINDOW: gl
 
 
 @gluon.jit
-def softmax_step(s, m_i, l_i):
-    """One online-softmax step over masked scores^T s [16, 8] in log2 units: (p, alpha [8], m_i, l_i)."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+def softmax_step(s, m_i, l_i, KEYS: gl.constexpr = 0):
+    """One online-softmax step over masked scores^T s [16, 8] in log2 units, keys on axis KEYS (1 for the dense
+    kernel's [heads, 16, 8]): (p, alpha [8], m_i, l_i)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=KEYS))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - m_safe[None, :])
+    p = gl.exp2(s - gl.expand_dims(m_safe, KEYS))
     alpha = gl.exp2(m_i - m_safe)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=0)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=KEYS)
 
 
 @gluon.jit
@@ -1072,10 +1078,8 @@ def dense_head_layouts(heads: int) -> dict:
 @gluon.jit
 def transpose_p_heads(p, B_W: gl.constexpr):
     """`transpose_p` for each warp's [16, 8] tile of p [HEADS, 16, 8]."""
-    t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p],
-                                  dtype=p.dtype, is_pure=True, pack=2)
     W: gl.constexpr = p.shape[0]
-    t = gl.reshape(gl.permute(gl.reshape(t, [W, 2, 8, 8]), (0, 1, 3, 2)), [W, 16, 8])
+    t = gl.reshape(gl.permute(gl.reshape(movmatrix_trans(p), [W, 2, 8, 8]), (0, 1, 3, 2)), [W, 16, 8])
     return gl.convert_layout(t, B_W, assert_trivial=True)
 
 
@@ -1152,12 +1156,7 @@ def decode_dense_kernel(
         async_copy.wait_group(STAGES - 1)
         s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([HEADS, 16, 8], 0.0, gl.float32, MMA_W))
         s = gl.where((start + sr < kv_hi)[None, :, None], s * scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[:, None, :])
-        alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
         pt = transpose_p_heads(p.to(DT), B_W)
         acc = mma_v2(v_ring.index(stage).permute((0, 2, 1)).load(A_W), pt, acc * alpha[:, None, :])
         stage = (stage + 1) % STAGES
@@ -1219,14 +1218,13 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
         return out
     split = num_splits > 1
     parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
-    args = (out, *parts, query, view.k, view.v, meta.block_table, meta.seq_lens, meta.query_start_loc,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-            stride3(view.k), stride3(view.v), meta.block_table.shape[0], num_splits, float(scale))
-    options = dict(NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
-                   BLOCK_SIZE=meta.block_size, SPLIT=split, STAGES=stages,
-                   PDL=split and dependent_launch(query.device))
     decode_dense_kernel[(num_tokens, view.num_kv_heads // heads, num_splits)](
-        *args, HEADS=heads, **dense_head_layouts(heads), **options, num_warps=heads)
+        out, *parts, query, view.k, view.v, meta.block_table, meta.seq_lens, meta.query_start_loc,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+        stride3(view.k), stride3(view.v), meta.block_table.shape[0], num_splits, float(scale),
+        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=meta.block_size, SPLIT=split, HEADS=heads, **dense_head_layouts(heads), STAGES=stages,
+        PDL=split and dependent_launch(query.device), num_warps=heads)
     if split:
         reduce_splits(out, parts, view)
     return out
