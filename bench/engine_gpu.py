@@ -280,7 +280,7 @@ def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int, tim
 
 def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int,
                     max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024, swap: bool = False,
-                    compile_layers: bool = False) -> dict:
+                    compile_layers: bool | None = None) -> dict:
     """`LLM.generate` over pages of `fmt` holding at most `budget_bytes` (all layers), every request admitted
     as the pages allow: output tokens/s, preemptions, how many blocks the budget bought, and the run's timeline
     (one row per engine step, see `engine_generate_run`). swap: a preempted request's blocks go to a host tier
@@ -442,8 +442,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--skip-generate-batch", action="store_true")
-    p.add_argument("--compile-layers", action="store_true",
-                   help="every engine's decoder layers compiled with torch.compile (EngineConfig.compile_layers)")
+    p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="every engine's decoder layers compiled with torch.compile (default: the engine's, on with "
+                        "CUDA graphs)")
     p.add_argument("--out", default=None, help="folder for engine_gpu.json and engine_gpu.png")
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw engine_gpu.png next to this JSON")

@@ -9,7 +9,7 @@ kernels' total, per format.
 
     python bench/engine_profile.py --formats off turboquant
     python bench/engine_profile.py --formats off q4 turboquant --requests 128 --prompt-tokens 1536 --kernels
-    python bench/engine_profile.py --formats q4 --kernels --compile-layers   # decoder layers under torch.compile
+    python bench/engine_profile.py --formats q4 --kernels --no-compile-layers   # decoder layers eager
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
     p.add_argument("--kernels", action="store_true", help="device time by kernel of the steps (torch.profiler)")
-    p.add_argument("--compile-layers", action="store_true",
-                   help="the decoder layers compiled with torch.compile (EngineConfig.compile_layers)")
+    p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="the decoder layers compiled with torch.compile (default: EngineConfig's, on with CUDA graphs)")
     args = p.parse_args(argv)
     if args.tiny:
         engine_gpu.DEVICE = "cpu"

@@ -98,8 +98,9 @@ def register_serve(subparsers) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context window)")
     g.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
-    g.add_argument("--compile-layers", action="store_true",
-                   help="compile each decoder layer with torch.compile (the cache's kernels stay as they are)")
+    g.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile each decoder layer with torch.compile, the cache's kernels as they are "
+                        "(default: on with CUDA graphs, i.e. on CUDA without --enforce-eager)")
     g.add_argument("--cpu-cache-gb", type=float, default=0.0, metavar="GB",
                    help="host memory for prefix-cache blocks evicted from the device pool (default 0: off)")
     g.add_argument("--kv-cache-dir", default=None, metavar="DIR",

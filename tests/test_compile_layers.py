@@ -62,3 +62,36 @@ def test_a_model_without_decoder_layers_is_refused():
 
     with pytest.raises(ConfigError, match="no decoder layers"):
         compile_layers(torch.nn.Linear(4, 4))
+
+
+def test_compiled_by_default_only_where_cuda_graphs_replay():
+    from pagedkv.engine.config import EngineConfig
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert not EngineConfig().compiles_layers(cpu)
+    assert EngineConfig().compiles_layers(cuda)
+    assert not EngineConfig(enforce_eager=True).compiles_layers(cuda)   # host-bound steps: guards would cost
+    assert EngineConfig(compile_layers=True).compiles_layers(cpu)
+    assert EngineConfig(compile_layers=True, enforce_eager=True).compiles_layers(cuda)
+    assert not EngineConfig(compile_layers=False).compiles_layers(cuda)
+    with pytest.raises(ConfigError, match="compile_layers='yes'"):
+        EngineConfig(compile_layers="yes")
+
+
+def test_an_eager_engine_on_the_cpu_compiles_nothing():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    llm = LLM(tiny_llama(layers=1), kv_format="off", block_size=16)
+    llm.generate(*requests(3, (5,)))
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+
+
+def test_serve_takes_compile_layers_on_off_or_default():
+    from pagedkv.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).compile_layers is None
+    assert parse(["serve", "--compile-layers"]).compile_layers is True
+    assert parse(["serve", "--no-compile-layers"]).compile_layers is False

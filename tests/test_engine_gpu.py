@@ -28,18 +28,25 @@ def workload():
     return prompts, params
 
 
-@pytest.mark.parametrize("kv_format", ["off", "q8", "turboquant"])
-def test_cuda_graph_decode_matches_eager_decode(kv_format):
+@pytest.mark.parametrize("kv_format,compile_layers", [("off", None), ("q8", None), ("turboquant", None),
+                                                     ("off", False), ("q4", False)])
+def test_cuda_graph_decode_matches_eager_decode(kv_format, compile_layers):
+    """Graphs of compiled layers (the default on CUDA) and of eager layers, against eager steps of eager layers."""
+    from torch._dynamo.utils import counters
+
     model = small_llama()
     prompts, params = workload()
     options = dict(kv_format=kv_format, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128)
     eager = LLM(model, enforce_eager=True, **options)
     expected = [o.token_ids for o in eager.generate(prompts, params)]
     del eager
-    llm = LLM(model, cuda_graph_batch_sizes=(1, 2, 4, 8), **options)
+    torch._dynamo.reset()
+    counters.clear()
+    llm = LLM(model, cuda_graph_batch_sizes=(1, 2, 4, 8), compile_layers=compile_layers, **options)
     outputs = llm.generate(prompts, params)
     stats = llm.stats()
     assert stats["cuda_graph_replays"] > 20, stats
+    assert (counters["stats"]["unique_graphs"] > 0) == (compile_layers is None), dict(counters["stats"])
     assert llm.engine.cache.paged_stats()["reference_attention_calls"] == 0  # Triton all the way
     same = sum(a == b for o, e in zip(outputs, expected) for a, b in zip(o.token_ids, e))
     total = sum(len(e) for e in expected)

@@ -8,6 +8,7 @@ pure decode batches replay a captured CUDA graph instead of running the model in
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -20,6 +21,19 @@ from .cuda_graph import CUDAGraphRunner
 from .scheduler import ScheduledBatch
 
 
+_compile_announced = False
+
+
+def announce_compile(num_layers: int) -> None:
+    """Say on stderr, once per process, that the decoder layers compile on their first steps."""
+    global _compile_announced
+    if not _compile_announced:
+        _compile_announced = True
+        print(f"pagedkv: the {num_layers} decoder layers run under torch.compile: the first steps of each new shape "
+              "compile (seconds; kept in torch's cache for the next process). compile_layers=False or "
+              "--no-compile-layers turns it off", file=sys.stderr, flush=True)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, config: EngineConfig, max_model_len: int):
         self.model = model
@@ -27,10 +41,11 @@ class ModelRunner:
         self.cache_kwarg = cache_kwarg(model)
         self.device = next(model.parameters()).device
         self.graphs = self.verify_graphs = None
-        if config.compile_layers:
+        if config.compiles_layers(self.device):
             from ..hf import compile_layers
 
-            compile_layers(model)
+            n = compile_layers(model)
+            announce_compile(n)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))
