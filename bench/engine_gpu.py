@@ -22,6 +22,7 @@ does the same work. Prints a table and writes JSON to `--out`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import plotting  # noqa: E402  (bench/plotting.py, beside this script)
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
+from pagedkv.cache import PagedKVCache  # noqa: E402
 from pagedkv.engine.config import EngineConfig  # noqa: E402
 from pagedkv.hf import cache_kwarg  # noqa: E402
 from scheduler_sim import page_bytes_per_token  # noqa: E402  (bench/scheduler_sim.py)
@@ -278,6 +280,23 @@ def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int, tim
     return out
 
 
+@contextlib.contextmanager
+def attention_free():
+    """Every paged cache's attention returns zeros while inside (its writes run as before): a same-memory run under
+    it keeps the schedule of the real one (EOS is ignored, so the tokens do not matter) and times everything but
+    attention, the bound on what any attention kernel could give that run."""
+    real = PagedKVCache.attention
+
+    def zeros(self, layer_idx, query, **kwargs):
+        return torch.zeros_like(query)
+
+    PagedKVCache.attention = zeros
+    try:
+        yield
+    finally:
+        PagedKVCache.attention = real
+
+
 def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int,
                     max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024, swap: bool = False,
                     compile_layers: bool | None = None) -> dict:
@@ -456,6 +475,9 @@ def main(argv=None) -> int:
     p.add_argument("--preemption", nargs="+", choices=("recompute", "swap"), default=["recompute"],
                    help="how the same-memory run's preempted requests come back: recomputed, or swapped to a host tier "
                         "as large as the pages (swap_on_preemption); both: side by side")
+    p.add_argument("--free-attention", nargs="+", default=[], metavar="FORMAT",
+                   help="same-memory run: these formats also run with attention returning zeros (cache writes kept, the "
+                        "same schedule), the bound on what faster attention kernels could give them")
     p.add_argument("--fused-prefill", action="store_true",
                    help="prefill chunks over quantized pages through the fused kernels (`tuning.DENSE_PREFILL = False`) "
                         "instead of dense scratch pages")
@@ -569,12 +591,15 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
     for fmt in args.formats:
         for lookahead in lookaheads:  # several: side by side, each run named "format, lookahead N[, swap]"
             for mode in modes:
-                r = same_memory_run(model, fmt, budget, prompts, args.new_tokens, args.max_num_batched_tokens, lookahead,
-                                    swap=mode == "swap", compile_layers=args.compile_layers)
-                name = fmt + (f", lookahead {lookahead}" if len(lookaheads) > 1 else "") + (f", {mode}" if len(modes) > 1 else "")
-                results["same_memory"][name] = r
-                print(f"pagedkv {name}, {args.same_memory} GiB of pages, admission lookahead {lookahead}, preemption by "
-                      f"{mode}: {({k: v for k, v in r.items() if k != 'timeline'})}", flush=True)
+                for free in (False, True) if fmt in args.free_attention else (False,):
+                    with attention_free() if free else contextlib.nullcontext():
+                        r = same_memory_run(model, fmt, budget, prompts, args.new_tokens, args.max_num_batched_tokens,
+                                            lookahead, swap=mode == "swap", compile_layers=args.compile_layers)
+                    name = (fmt + (f", lookahead {lookahead}" if len(lookaheads) > 1 else "")
+                            + (f", {mode}" if len(modes) > 1 else "") + (", attention free" if free else ""))
+                    results["same_memory"][name] = r
+                    print(f"pagedkv {name}, {args.same_memory} GiB of pages, admission lookahead {lookahead}, preemption "
+                          f"by {mode}: {({k: v for k, v in r.items() if k != 'timeline'})}", flush=True)
     results["seconds"] = time.perf_counter() - t_start
     print(f"\n{results['gpu']}: the same {args.same_memory} GiB of pages, {args.requests} requests x "
           f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens (EOS ignored), {args.layers} layers")
