@@ -6,6 +6,12 @@ same pages, at each of a few split counts and VARIANTS (JSON: name -> keyword ar
     FORMAT=turboquant VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
     FORMAT=off SPLITS='{"32": [2, 4], "64": [1, 2]}' python bench/gluon_probe.py   # these split counts there
 
+SPREAD=f (0 < f < 1) gives the sequences of a shape different lengths, as an engine's batch has them: spread evenly
+from (1 - f) x context to context, in shuffled order (SPREAD=0.5 at context 2,048: 1,024-2,048 tokens); the time
+of each kernel is then also given as the rate it reads the pages at (SDPA's time stays that of the full length).
+
+    FORMAT=q4 SHAPES='[[128, 2048]]' SPREAD=0.5 SPLITS='{"128": [1, 2, 4]}' python bench/gluon_probe.py
+
 SHAPES (JSON list of [batch, context]) replaces the four target shapes; a batch without its own split counts gets
 half, one and two times the split count that fills PROGRAMS_PER_SM programs per multiprocessor; SPLITS (JSON: batch ->
 split counts) replaces the split counts timed. ORDERED=1 lays each sequence's blocks out in order instead of
@@ -34,6 +40,18 @@ SPLITS = {1: [64, 128, 256], 32: [4, 8, 16], 64: [2, 4, 8], 128: [1, 2, 4]}
 if "SPLITS" in os.environ:
     SPLITS = {int(b): counts for b, counts in json.loads(os.environ["SPLITS"]).items()}
 ORDERED = os.environ.get("ORDERED", "0") == "1"
+SPREAD = float(os.environ.get("SPREAD", "0"))
+
+
+def lengths(num_seqs: int, seq_len: int) -> list[int]:
+    """The sequences' lengths: all `seq_len`, or with SPREAD evenly from (1 - SPREAD) * seq_len to seq_len, shuffled
+    (a fixed order, the same for every variant)."""
+    if SPREAD <= 0:
+        return [seq_len] * num_seqs
+    low = max(1, round(seq_len * (1 - SPREAD)))
+    lens = [low + round((seq_len - low) * i / max(num_seqs - 1, 1)) for i in range(num_seqs)]
+    order = torch.randperm(num_seqs, generator=torch.Generator().manual_seed(num_seqs)).tolist()
+    return [lens[i] for i in order]
 
 
 def splits_for(num_seqs: int) -> list[int]:
@@ -54,7 +72,8 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
     sdpa_ms, _, _, _ = kb.sdpa_decode(keys, values, num_seqs, seq_len, queries, copies)
     layers = [kb.paged_layer(FORMAT, keys, values, num_seqs, seq_len, None if ORDERED else gen)
               for _ in range(kb.copies_for(n * kb.NUM_KV_HEADS * 264))]
-    metas = [kb.decode_meta(t, seq_len) for _, _, t in layers]
+    lens = lengths(num_seqs, seq_len)
+    metas = [kb.decode_meta(t, lens) for _, _, t in layers]
 
     def calls(fn):
         return [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)
@@ -62,9 +81,10 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
 
     launch, _ = decode_gluon.launcher(layers[0][0], queries[0], kb.BLOCK_SIZE, kernels=decode_gluon.KERNELS)
     k = min(num_seqs, 2)
-    sub = kb.decode_meta(layers[0][2][:k], seq_len)
+    sub = kb.decode_meta(layers[0][2][:k], lens[:k])
     ref = reference.paged_attention(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE)
-    row = {"batch": num_seqs, "context": seq_len, "sdpa_us": sdpa_ms * 1e3}
+    row = {"batch": num_seqs, "context": seq_len, "sdpa_us": sdpa_ms * 1e3, "spread": SPREAD,
+           "mean_length": sum(lens) / num_seqs, "page_bytes": sum(lens) * layers[0][0].bytes_per_token()}
     row["default_us"] = kb.time_per_call(calls(lambda q, p, f, m: triton_ops.paged_attention(q, p, f, m, scale=kb.SCALE))) * 1e3
     for name, opts in VARIANTS.items():
         for sp in splits_for(num_seqs):
@@ -77,6 +97,11 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
           f"({row['default_us'] / row['sdpa_us']:.3f}), gluon best {best[1]} {best[0]:.1f} us ({best[0] / row['sdpa_us']:.3f}); "
           + ", ".join(f"{kk} {v:.3g}" for kk, v in row.items() if kk.startswith("gluon") and kk.endswith("us")), flush=True)
     print("  errors " + ", ".join(f"{v:.2g}" for kk, v in row.items() if kk.endswith("err")), flush=True)
+    if SPREAD > 0:
+        print(f"  lengths {min(lens)}-{max(lens)} (mean {row['mean_length']:.0f}); pages read at, TB/s: default "
+              f"{row['page_bytes'] / row['default_us'] / 1e6:.2f}, " + ", ".join(
+                  f"{kk.removesuffix('_us')} {row['page_bytes'] / v / 1e6:.2f}" for kk, v in row.items()
+                  if kk.startswith("gluon") and kk.endswith("_us")), flush=True)
     return row
 
 

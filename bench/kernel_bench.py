@@ -150,9 +150,11 @@ def paged_layer(fmt_spec: str, keys: torch.Tensor, values: torch.Tensor, num_seq
     return fmt, pages, table
 
 
-def decode_meta(table: torch.Tensor, seq_len: int, num_new: int = 1) -> AttentionMetadata:
+def decode_meta(table: torch.Tensor, seq_len: int | list[int], num_new: int = 1) -> AttentionMetadata:
+    """Metadata of a step of `num_new` tokens per sequence over `table`; `seq_len`: every sequence's length, or a
+    list of one length per sequence (each within the table's reach)."""
     n = table.shape[0]
-    lens = [seq_len] * n
+    lens = list(seq_len) if isinstance(seq_len, (list, tuple)) else [seq_len] * n
     qsl = list(range(0, n * num_new + 1, num_new))
     return AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32, device=DEV),
                              torch.tensor(qsl, dtype=torch.int32, device=DEV),
