@@ -381,6 +381,8 @@ def main() -> None:
                         help="print (JSON) the Gluon decode kernels' registers, spills and loop opcodes (q8 per head_dim, "
                              "dtype and split; TurboQuant q8_0/q3_0 and q4_0/q4_0, q4, q6 and off, per dtype; q8, "
                              "TurboQuant and q4 with a dense recent window)")
+    parser.add_argument("--ordered", action="store_true",
+                        help="with --gluon: the kernels launched longest sequence first (`ordered=True`, `launch_grid`)")
     parser.add_argument("--dependent-launch", action="store_true",
                         help="print (JSON) the griddepcontrol instructions of a split decode's kernels (PDL)")
     parser.add_argument("--gluon-prefill", action="store_true",
@@ -398,17 +400,18 @@ def main() -> None:
         print(json.dumps(gluon_prefill_report(128, torch.bfloat16, block_size=64)), flush=True)
         return
     if args.gluon:
+        order = {"ordered": True} if args.ordered else {}
         for head_dim in (64, 128):
             for dtype in (torch.bfloat16, torch.float16):
                 for num_splits in (1, 4):
-                    print(json.dumps(gluon_report(head_dim, dtype, num_splits)), flush=True)
+                    print(json.dumps(gluon_report(head_dim, dtype, num_splits, **order)), flush=True)
         for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0", "q4", "q6", "off"):
             for dtype in (torch.bfloat16, torch.float16):
-                print(json.dumps(gluon_report(128, dtype, 4, spec)), flush=True)
+                print(json.dumps(gluon_report(128, dtype, 4, spec, **order)), flush=True)
         for dtype in (torch.bfloat16, torch.float16):   # `off` one KV head a program (the default: four)
-            print(json.dumps(gluon_report(128, dtype, 4, "off", heads=1)), flush=True)
+            print(json.dumps(gluon_report(128, dtype, 4, "off", heads=1, **order)), flush=True)
         for spec in ("q8", "turboquant", "q4"):   # the pages' splits of a decode with a dense recent window
-            print(json.dumps(gluon_report(128, torch.bfloat16, 4, spec, window=True)), flush=True)
+            print(json.dumps(gluon_report(128, torch.bfloat16, 4, spec, window=True, **order)), flush=True)
         return
     formats = args.formats.split(";") if ";" in args.formats else args.formats.split(",")
     if args.count_variants:

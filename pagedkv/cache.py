@@ -344,10 +344,23 @@ class PagedKVCache(Cache):
             block_size=self.block_size,
             seq_ids=list(seq_ids),
             window=None if self.window is None else self.window.plan(seq_ids, starts, num_new_tokens, device),
+            token_order=self._token_order(seq_lens, num_new_tokens, token_mask, device),
         )
         self._plan_is_implicit = False
         self._last_layer_written = -1
         return self.plan
+
+    @staticmethod
+    def _token_order(seq_lens: list[int], num_new_tokens: list[int], token_mask, device) -> torch.Tensor | None:
+        """The step's query tokens longest attention span first, for the GPU decode kernels' launch order
+        (`metadata.LONGEST_FIRST`; steps of equally many packed new tokens per sequence on CUDA), else None."""
+        from .ops import metadata
+
+        if not (metadata.LONGEST_FIRST and torch.device(device).type == "cuda" and token_mask is None
+                and num_new_tokens and len(set(num_new_tokens)) == 1):
+            return None
+        order = metadata.longest_first(seq_lens, num_new_tokens[0])
+        return torch.from_numpy(order).to(device, non_blocking=True)
 
     def begin_forward(self, batch_size: int, num_columns: int, attention_mask: torch.Tensor | None,
                       device: torch.device) -> AttentionMetadata:

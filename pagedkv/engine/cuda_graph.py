@@ -48,6 +48,7 @@ import torch
 from .. import ops
 from ..cache import PagedKVCache
 from ..cache import Sequence as CacheSequence
+from ..ops import metadata
 from ..ops.metadata import AttentionMetadata, WindowPlan
 from .sequence import Sequence
 
@@ -63,7 +64,9 @@ class CUDAGraphRunner:
         max_bs, self.max_blocks = self.batch_sizes[-1], max_blocks_per_seq
         self.query_len = q = query_len
         self.window = window = cache.window  # the dense recent window (`recent_tokens`), or None
-        self.static = _StepInputs(max_bs, max_blocks_per_seq, self.device, query_len=q, window=window is not None)
+        self.ordered = metadata.LONGEST_FIRST  # the kernels launch the longest sequences first (a token order row)
+        self.static = _StepInputs(max_bs, max_blocks_per_seq, self.device, query_len=q, window=window is not None,
+                                  order=self.ordered)
         self.input_ids = self.static.ints[0:1]  # [1, max_bs * query_len]
         self.position_ids = self.static.ints[1:2]  # [1, max_bs * query_len]
         self.slot_mapping = self.static.ints[2]
@@ -73,7 +76,7 @@ class CUDAGraphRunner:
         # pinned host twins, filled in numpy and copied up without waiting; two, used in turn, so a step can
         # be prepared while the copy of the step before it is still queued
         self.host = [_StepInputs(max_bs, max_blocks_per_seq, pin=self.device.type == "cuda", query_len=q,
-                                 window=window is not None) for _ in range(2)]
+                                 window=window is not None, order=self.ordered) for _ in range(2)]
         self._turn = 0
         # per bucket: the prefix of the flat buffer its graph reads, on the device and in each host twin
         self._copies = {bs: (self.static.prefix(bs), [host.prefix(bs) for host in self.host]) for bs in self.batch_sizes}
@@ -127,7 +130,8 @@ class CUDAGraphRunner:
             block_table=self.block_table[:bs], seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
             slot_mapping=self.slot_mapping[:bs * q], token_index=None, seq_lens_cpu=[worst] * bs,
             query_start_loc_cpu=[i * q for i in range(bs + 1)], block_size=self.cache.block_size,
-            phase_hint="verify" if q > 1 else None, window=window)
+            phase_hint="verify" if q > 1 else None, window=window,
+            token_order=static.order[:bs * q] if self.ordered else None)
 
     def _forward(self, bs: int) -> torch.Tensor:
         num_tokens = bs * self.query_len
@@ -203,6 +207,8 @@ class CUDAGraphRunner:
         ints[2, :n * q] = [s for per in slots for s in per]
         ints[2, n * q:bs * q] = -1
         lens[n:bs] = q
+        if host.order is not None:
+            ints[-1, :bs * q] = metadata.longest_first(lens[:bs], q)
         num_blocks = (lens[:n] + block_size - 1) // block_size
         self._update_block_table(host, held, num_blocks)
         # the new tokens' blocks (the partial last one maybe copied on write)
@@ -301,15 +307,17 @@ class _StepInputs:
     block_table: [max_bs, max_blocks] int32. With a dense recent window, ints has two more rows (the ring
     slots of the kept new tokens, `WindowPlan.slot_mapping`, and their index among the step's tokens,
     `token_index`) and per_seq two more (ring rows, first blocks read from the ring). The block table comes
-    last, so the inputs of a bucket of bs rows are the buffer's first `prefix(bs)` bytes. On the host,
+    last, so the inputs of a bucket of bs rows are the buffer's first `prefix(bs)` bytes. With `order`, ints has a
+    last row: the step's tokens longest attention span first (`AttentionMetadata.token_order`). On the host,
     `rows[i]` is the cache sequence whose blocks table row i holds and `num_written[i]` how many of them.
     """
 
     def __init__(self, max_bs: int, max_blocks: int, device: torch.device | None = None, pin: bool = False,
-                 query_len: int = 1, window: bool = False):
+                 query_len: int = 1, window: bool = False, order: bool = False):
         max_tokens = max_bs * query_len
         self.query_len = query_len
         num_ints, num_per_seq = (5, 3) if window else (3, 1)
+        num_ints += order
         ints_end = num_ints * max_tokens * 8
         self.table_start = ints_end + -(-num_per_seq * max_bs * 4 // 8) * 8
         self.row_bytes = max_blocks * 4
@@ -319,6 +327,7 @@ class _StepInputs:
         per_seq_end = ints_end + num_per_seq * max_bs * 4
         self.per_seq = self.flat[ints_end:per_seq_end].view(torch.int32).view(num_per_seq, max_bs)
         self.seq_lens = self.per_seq[0]
+        self.order = self.ints[-1] if order else None
         self.block_table = self.flat[self.table_start:].view(torch.int32).view(max_bs, max_blocks)
         if self.flat.device.type == "cpu":
             self.np_ints, self.np_per_seq, self.np_block_table = (
@@ -338,7 +347,9 @@ class _StepInputs:
         self.ints.zero_()
         self.ints[2].fill_(-1)
         self.per_seq[0].fill_(self.query_len)
-        if self.ints.shape[0] > 3:
+        if self.order is not None:  # every token once, in grid order
+            self.order.copy_(torch.arange(self.order.numel()))
+        if self.per_seq.shape[0] > 1:
             self.ints[3].fill_(ring_padding[0])
             self.per_seq[1].fill_(ring_padding[1])
             self.per_seq[2].fill_(ring_padding[2])

@@ -4,7 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+# Whether planners (`PagedKVCache.begin_step`, the CUDA graph runner) give steps of equally many new tokens per
+# sequence a `token_order`, longest attention span first, in which the GPU decode kernels then launch their programs
+# (`decode_gluon.launch_grid`): an engine's batch holds sequences of different lengths, and programs launched in
+# grid order end with the longest ones still running on a GPU otherwise idle. Off until timed on a GPU.
+LONGEST_FIRST = False
+
+
+def longest_first(seq_lens, tokens_per_seq: int) -> np.ndarray | None:
+    """The packed query tokens of a step with `tokens_per_seq` new tokens for every sequence, ordered from the
+    longest attention span to the shortest (a sequence's later tokens first), as int32; None for other steps."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    if tokens_per_seq < 1 or lens.size == 0:
+        return None
+    seqs = np.argsort(-lens, kind="stable")
+    return (seqs[:, None] * tokens_per_seq + np.arange(tokens_per_seq - 1, -1, -1)).reshape(-1).astype(np.int32)
 
 
 @dataclass
@@ -44,6 +61,7 @@ class AttentionMetadata:
     seq_ids:         the cache's sequence id of each row, or None (metadata built outside the cache)
     phase_hint:      the phase its planner knows the step to be (an engine's "verify" step), else None
     window:          the dense recent window's plan, or None (no window)
+    token_order:     [num_tokens] int32, the query tokens longest attention span first (`LONGEST_FIRST`), or None
     The `*_cpu` lists are host copies, so no kernel launch needs a device sync to size itself.
     """
 
@@ -58,6 +76,7 @@ class AttentionMetadata:
     seq_ids: list[int] | None = None
     phase_hint: str | None = None
     window: WindowPlan | None = None
+    token_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -51,6 +51,46 @@ def test_gluon_decode_matches_reference(spec, kernel, shape, num_splits, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+ORDER_CASES = [case for case in CASES if case[2] in ((2, 2, 64, 16), (8, 2, 128, 16)) and case[0] in (
+    "q8", "off", "q4", "q6", "turboquant", "turboquant:k=q4_0,v=q4_0")]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("window", [False, True], ids=["pages", "window"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("spec,kernel,shape", ORDER_CASES,
+                         ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
+def test_gluon_decode_launched_in_any_token_order_matches_reference(spec, kernel, shape, num_splits, window):
+    """A token order in the metadata (`metadata.LONGEST_FIRST`'s, here a random one) only changes which programs
+    start first (`decode_gluon.launch_grid`): the outputs are the reference's, with a dense recent window too."""
+    import dataclasses
+
+    from pagedkv.ops.triton import decode_gluon
+    from test_triton_decode_window import window_case, window_reference
+
+    launch = decode_gluon.KERNELS[kernel][1]
+    hq, hkv, d, bs = shape
+    if window:
+        if kernel == "off":
+            pytest.skip("dense pages have no recent window")
+        case, rings = window_case(spec, hq, hkv, d, dtype=torch.float16, seed=len(spec) + d)
+        ref = window_reference(dataclasses.replace(case, query=case.query.float()), rings, scale=0.2)
+        options, scale = {"window": rings}, 0.2
+    else:
+        case = build_case(hash((spec, shape)) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                          block_size=bs, ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=torch.float16)
+        scale = d ** -0.5
+        ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
+        options = {}
+    num_tokens = case.query.shape[0]
+    order = torch.randperm(num_tokens, generator=torch.Generator().manual_seed(num_tokens)).to(torch.int32).cuda()
+    meta = dataclasses.replace(case.meta, token_order=order)
+    assert decode_gluon.launch_grid(case.query, meta, 1, num_splits, None)[2]
+    out = launch(case.query, case.pages, case.fmt, meta, scale=scale, num_splits=num_splits, **options)
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("pairs", [False, True], ids=["steps_of_16", "steps_of_32"])

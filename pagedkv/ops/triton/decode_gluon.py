@@ -185,6 +185,22 @@ def sequence_of(token, query_start_loc_ptr, num_seqs):
 
 
 @gluon.jit
+def program_coords(token_order_ptr, ORDERED: gl.constexpr):
+    """(query token, KV head or head group, split) of this program. The grid is (tokens, heads, splits); with
+    ORDERED it is (splits, heads, tokens) over the tokens in `token_order_ptr`'s order (`launch_grid`), so the
+    programs of one token are launched together and the longest tokens first."""
+    if ORDERED:
+        token = gl.load(token_order_ptr + gl.program_id(2)).to(gl.int32)
+        head = gl.program_id(1)
+        split = gl.program_id(0)
+    else:
+        token = gl.program_id(0)
+        head = gl.program_id(1)
+        split = gl.program_id(2)
+    return token, head, split
+
+
+@gluon.jit
 def query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs):
     """(sequence, position) of packed query token `token`. Decode batches (one query token a sequence) find it
     in one round of independent loads, token t being sequence t's; other batches then search (`sequence_of`,
@@ -264,18 +280,16 @@ def copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr,
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_q8_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, window_first_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, window_first_ptr, token_order_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides, ks_strides, vs_strides,
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr = 2,
     PDL: gl.constexpr = False,
-    WINDOW: gl.constexpr = False,
+    WINDOW: gl.constexpr = False, ORDERED: gl.constexpr = False,
 ):
     launch_dependents(PDL)
-    token = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    split = gl.program_id(2)
+    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
 
     kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
@@ -565,19 +579,17 @@ def tq_attend_values(p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, a
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_tq_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, window_first_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, window_first_ptr, token_order_ptr,
     stride_qt, stride_qh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
-    PDL: gl.constexpr = False,
+    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s."""
     launch_dependents(PDL)
-    token = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    split = gl.program_id(2)
+    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
 
     kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
@@ -704,12 +716,39 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
     return parts, num_slots, window_first
 
 
+def launch_grid(query: torch.Tensor, meta, heads: int, num_splits: int, ordered: bool | None):
+    """(grid, token order, ORDERED) of a decode kernel's launch over `heads` KV heads (or head groups) a token.
+    ordered None: in `meta.token_order`'s order when the planner gave one (`metadata.LONGEST_FIRST`), True: in that
+    order or, without one, the longest first as computed here (on the device; benchmarks), False: grid order."""
+    num_tokens = query.shape[0]
+    order = meta.token_order if ordered is not False else None
+    if order is None and ordered:
+        order = longest_first_on_device(meta, num_tokens)
+    if order is None:
+        return (num_tokens, heads, num_splits), meta.seq_lens, False
+    return (num_splits, heads, num_tokens), order, True
+
+
+def longest_first_on_device(meta, num_tokens: int) -> torch.Tensor:
+    """The query tokens of a batch of equally many per sequence, longest attention span first (int32)."""
+    num_seqs = meta.seq_lens.shape[0]
+    if num_tokens % max(num_seqs, 1) or meta.query_start_loc_cpu != [i * (num_tokens // num_seqs)
+                                                                     for i in range(num_seqs + 1)]:
+        raise ValueError("a longest-first launch order is computed here only for batches of equally many query "
+                         "tokens per sequence; give the metadata a token_order")
+    per = num_tokens // num_seqs
+    seqs = torch.argsort(meta.seq_lens, descending=True, stable=True)
+    later_first = torch.arange(per - 1, -1, -1, device=seqs.device)
+    return (seqs[:, None] * per + later_first).reshape(-1).to(torch.int32)
+
+
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None, pairs: bool | None = None) -> torch.Tensor:
+                       window=None, pairs: bool | None = None, ordered: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
-    window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`)."""
+    window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
+    `ordered`: the launch order (`launch_grid`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -731,15 +770,16 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         max_registers = tq_tuning(fmt.spec)[0]
     if pairs is None:
         pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
-    decode_tq_kernel[(num_tokens, view.num_kv_heads, num_splits)](
+    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    decode_tq_kernel[grid](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
-        meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
+        meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
         q.stride(0), q.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
-        PDL=dependent_launch(query.device), num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        PDL=dependent_launch(query.device), ORDERED=ordered, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
@@ -830,19 +870,17 @@ def q4_attend_values(p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3,
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_q4_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, window_first_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, window_first_ptr, token_order_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
-    PDL: gl.constexpr = False,
+    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
 ):
     """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
     then has 4 stages), else 16 keys a step with STAGES - 1 ahead."""
     launch_dependents(PDL)
-    token = gl.program_id(0)
-    kv_head = gl.program_id(1)
-    split = gl.program_id(2)
+    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
 
     kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
@@ -976,10 +1014,10 @@ def _reads_q46(fmt, query, block_size, softcap, sliding_window) -> bool:
 
 def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None, pairs: bool | None = None) -> torch.Tensor:
+                       window=None, pairs: bool | None = None, ordered: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
     dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed,
-    `Q4_PAIRS_BITS`)."""
+    `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -993,15 +1031,17 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
     if pairs is None:
         pairs = view.k_bits in Q4_PAIRS_BITS
-    decode_q4_kernel[(num_tokens, view.num_kv_heads, num_splits)](
+    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    decode_q4_kernel[grid](
         out, *(parts or (out, out, out)), query, view.k, view.k_scale, view.v, view.v_scale,
-        meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
+        meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, PAIRS=pairs,
-        PDL=parts is not None and dependent_launch(query.device), num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, num_warps=1,
+        **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
@@ -1028,9 +1068,9 @@ def supports_tq(fmt, query: torch.Tensor, block_size: int, *, softcap=None, slid
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
-                    num_splits: int = 1, stages: int = STAGES, window=None) -> torch.Tensor:
+                    num_splits: int = 1, stages: int = STAGES, window=None, ordered: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports` accepts; `window`: a dense recent window
-    (`window_splits`)."""
+    (`window_splits`); `ordered`: the launch order (`launch_grid`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -1042,16 +1082,17 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     if num_tokens == 0:
         return out
     parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
-    decode_q8_kernel[(num_tokens, view.num_kv_heads, num_splits)](
+    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    decode_q8_kernel[grid](
         out, *(parts or (out, out, out)), query, view.k, view.v, view.k_scale, view.v_scale,
-        meta.block_table, meta.seq_lens, meta.query_start_loc, window_first,
+        meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale),
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=parts is not None, K_LOAD=key_load_layout(head_dim),
         V_LOAD=value_load_layout(head_dim), STAGES=stages, WINDOW=window is not None,
-        PDL=parts is not None and dependent_launch(query.device), num_warps=1)
+        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, num_warps=1)
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
@@ -1106,17 +1147,16 @@ def copy_dense_step(k_ptr, v_ptr, bt_row, start, kv_hi, k_strides, v_strides, k_
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
 def decode_dense_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, token_order_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides,
     num_seqs, num_splits, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     SPLIT: gl.constexpr, HEADS: gl.constexpr, MMA_W: gl.constexpr, COPY_W: gl.constexpr, PLAIN_W: gl.constexpr,
-    STAGES: gl.constexpr = 2, PDL: gl.constexpr = False,
+    STAGES: gl.constexpr = 2, PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
 ):
     launch_dependents(PDL)
-    token = gl.program_id(0)
-    head0 = gl.program_id(1) * HEADS
-    split = gl.program_id(2)
+    token, head_group, split = program_coords(token_order_ptr, ORDERED)
+    head0 = head_group * HEADS
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
     DT: gl.constexpr = k_ptr.dtype.element_ty
     A_W: gl.constexpr = gl.DotOperandLayout(0, MMA_W, 2)
@@ -1197,9 +1237,11 @@ def dense_heads(num_kv_heads: int) -> int:
 
 
 def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
-                          num_splits: int = 1, stages: int = STAGES, heads: int | None = None) -> torch.Tensor:
+                          num_splits: int = 1, stages: int = STAGES, heads: int | None = None,
+                          ordered: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
-    dtype). `heads`: KV heads a program reads, a warp each (by default `dense_heads`)."""
+    dtype). `heads`: KV heads a program reads, a warp each (by default `dense_heads`); `ordered`: the launch order
+    (`launch_grid`)."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, partial_states, reduce_splits
@@ -1218,13 +1260,14 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
         return out
     split = num_splits > 1
     parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
-    decode_dense_kernel[(num_tokens, view.num_kv_heads // heads, num_splits)](
-        out, *parts, query, view.k, view.v, meta.block_table, meta.seq_lens, meta.query_start_loc,
+    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads // heads, num_splits, ordered)
+    decode_dense_kernel[grid](
+        out, *parts, query, view.k, view.v, meta.block_table, meta.seq_lens, meta.query_start_loc, order,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), meta.block_table.shape[0], num_splits, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=split, HEADS=heads, **dense_head_layouts(heads), STAGES=stages,
-        PDL=split and dependent_launch(query.device), num_warps=heads)
+        PDL=split and dependent_launch(query.device), ORDERED=ordered, num_warps=heads)
     if split:
         reduce_splits(out, parts, view)
     return out

@@ -1,0 +1,88 @@
+"""A decode step's launch order, longest sequence first (`metadata.LONGEST_FIRST`, off by default): the planners'
+token order, the Gluon kernels' grid over it (`decode_gluon.launch_grid`), the split count it asks for, and the
+CUDA graph runner's static order row, refilled each step (on the CPU; the kernels' outputs under it are checked on
+the GPU in tests/triton/test_decode_gluon.py)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import pagedkv.ops
+import pagedkv.ops.triton
+from pagedkv.ops import metadata
+from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.triton import decode_gluon, tuning
+from test_engine_cuda_graph import _tensor_driven_attention, graph_llm, requests, tiny_llama
+from test_engine_cuda_graph import tensor_driven_kernels  # noqa: F401  (a fixture)
+
+
+def test_tokens_are_ordered_longest_span_first():
+    assert metadata.longest_first([5, 9, 9, 2], 1).tolist() == [1, 2, 0, 3]   # ties keep their order
+    # three new tokens a sequence: the sequence's later tokens attend over more
+    assert metadata.longest_first([4, 7], 3).tolist() == [5, 4, 3, 2, 1, 0]
+    assert metadata.longest_first([], 1) is None
+    assert metadata.longest_first([3], 1).dtype == np.int32
+
+
+def meta_of(lens, per=1):
+    n = len(lens)
+    qsl = [i * per for i in range(n + 1)]
+    return AttentionMetadata(torch.zeros(n, 4, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                             torch.tensor(qsl, dtype=torch.int32), torch.zeros(n * per, dtype=torch.int64), None,
+                             list(lens), qsl, 16)
+
+
+def test_the_grid_runs_over_the_order_when_there_is_one():
+    lens = [30, 50, 10, 50]
+    q = torch.empty(4, 8, 128)
+    meta = meta_of(lens)
+    grid, pointer, ordered = decode_gluon.launch_grid(q, meta, 2, 3, None)
+    assert (grid, ordered) == ((4, 2, 3), False) and pointer is meta.seq_lens
+    grid, order, ordered = decode_gluon.launch_grid(q, meta, 2, 3, True)   # computed on the device
+    assert (grid, ordered) == ((3, 2, 4), True) and order.tolist() == [1, 3, 0, 2]
+    given = dataclasses.replace(meta, token_order=torch.tensor([3, 1, 0, 2], dtype=torch.int32))
+    grid, order, ordered = decode_gluon.launch_grid(q, given, 2, 3, None)
+    assert ordered and order is given.token_order
+    assert decode_gluon.launch_grid(q, given, 2, 3, False)[2] is False
+    two = meta_of([9, 12], per=2)   # verify steps: a sequence's tokens together, its last first
+    assert decode_gluon.launch_grid(torch.empty(4, 8, 128), two, 1, 1, True)[1].tolist() == [3, 2, 1, 0]
+    ragged = AttentionMetadata(meta.block_table[:2], meta.seq_lens[:2], torch.tensor([0, 1, 3], dtype=torch.int32),
+                               torch.zeros(3, dtype=torch.int64), None, lens[:2], [0, 1, 3], 16)
+    with pytest.raises(ValueError, match="equally many query tokens"):
+        decode_gluon.launch_grid(torch.empty(3, 8, 128), ragged, 1, 1, True)
+
+
+def test_longest_first_asks_for_more_programs_than_slots(monkeypatch):
+    monkeypatch.setattr(tuning, "multiprocessor_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    # 1,024 programs on 8 x 132 slots: one split in grid order; longest first, enough for 1.5 waves
+    assert tuning.warp_split_splits(1024, 8192, cuda, 8) == 1
+    assert tuning.warp_split_splits(1024, 8192, cuda, 8, ordered=True) == 2
+    assert tuning.warp_split_splits(1024, 128, cuda, 8, ordered=True) == 1   # no more than the keys allow
+    # programs that leave slots free split as before
+    assert tuning.warp_split_splits(256, 8192, cuda, 8, ordered=True) == tuning.warp_split_splits(256, 8192, cuda, 8) == 4
+
+
+def test_the_graph_runner_refills_the_order_each_step(tensor_driven_kernels, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(metadata, "LONGEST_FIRST", True)
+    seen = []
+
+    def attention(query, pages, fmt, meta, **kwargs):
+        if meta.token_order is not None:
+            lens = meta.seq_lens.tolist()
+            seen.append(meta.token_order.tolist() == metadata.longest_first(lens, 1).tolist())
+        return _tensor_driven_attention(query, pages, fmt, meta, **kwargs)
+
+    monkeypatch.setattr(pagedkv.ops.triton, "paged_attention", attention)
+    model = tiny_llama()
+    prompts, params = requests()
+    options = dict(num_blocks=64, block_size=4)
+    eager = pagedkv.LLM(model, enforce_eager=True, max_num_seqs=4, **options).generate(prompts, params)
+    llm = graph_llm(model, **options)
+    assert llm.engine.runner.graphs.ordered
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
+    assert len(seen) > 20 and all(seen)
+
