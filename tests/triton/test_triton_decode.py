@@ -138,3 +138,25 @@ def test_turboquant_scale_pages_must_be_aligned():
         decode.paged_attention(case.query, pages, case.fmt, case.meta, scale=0.1, tiles=warp_split_tiles(case.fmt))
     out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.1, tiles=warp_split_tiles(case.fmt))
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["heads_m", "keys_m"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "turboquant"])
+def test_decode_kernel_launched_in_any_token_order_matches_reference(fmt, num_splits, transposed):
+    """A token order in the metadata (`metadata.LONGEST_FIRST`'s; here a random one) only changes which programs
+    start first (`decode_io.launch_grid`: grid (splits, heads, tokens) over it): the reference's outputs."""
+    hq, hkv, d, bs = SHAPES[1]
+    case = build_case(7, fmt, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=CTX_LENS, new_lens=NEW_LENS)
+    ref = reference.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
+    n = case.query.shape[0]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(n)).to(torch.int32).to(DEVICE)
+    meta = dataclasses.replace(case.meta, token_order=order)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, meta, scale=0.125, num_splits=num_splits,
+                                 tiles=tiles_of(case.fmt, transposed))
+    assert rel_err(out, ref) < TOL[case.query.dtype]
+    # and each token's row is its own: the same order reversed gives the same rows
+    back = decode.paged_attention(case.query, case.pages, case.fmt, dataclasses.replace(meta, token_order=order.flip(0)),
+                                  scale=0.125, num_splits=num_splits, tiles=tiles_of(case.fmt, transposed))
+    assert torch.equal(out, back)

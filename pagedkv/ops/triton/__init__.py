@@ -163,7 +163,7 @@ def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap
         from . import decode
 
         num_splits = warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device,
-                                       warp_split_tiles(fmt).programs_per_sm)
+                                       warp_split_tiles(fmt).programs_per_sm, ordered=meta.token_order is not None)
         return decode.paged_attention(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window,
                                       softcap=softcap, num_splits=num_splits, window=window)
     if window is None and gluon_prefill(query, pages, fmt, meta, sliding_window=sliding_window, softcap=softcap):

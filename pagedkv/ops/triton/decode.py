@@ -42,7 +42,8 @@ from ..metadata import AttentionMetadata
 from .attention import check_inputs, dot_precision
 from .codecs import KVQUANT, TURBOQUANT
 from .conversions import code_nibbles_to_f16, int8_pairs_to_f16, int8_to_f16
-from .decode_io import attend_ring, load_quads, load_rows, ring_accumulators, token_sequence
+from .decode_io import (attend_ring, launch_grid, load_quads, load_rows, program_coords, ring_accumulators,
+                        token_sequence)
 from .decode_transposed import decode_kernel_transposed
 from .gluon_support import compiled
 from .page_view import page_view, ring_pages, stride3, value_codebook
@@ -118,7 +119,7 @@ def store_channels(o_row, cols, acc, f, inv, mask):
 def decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
     k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, rotation_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, token_order_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,   # (block, slot, head) of each page tensor
     rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr, stride_rqt, stride_rqh, r_strides,   # RING: `attend_ring`
@@ -128,10 +129,9 @@ def decode_kernel(
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
     FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
+    ORDERED: tl.constexpr = False,
 ):
-    token = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq = token_sequence(token, query_start_loc_ptr, num_seqs)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -353,7 +353,7 @@ def ring_args(query: torch.Tensor, view, meta: AttentionMetadata,
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
                     num_splits: int = 1, tiles: DecodeTiles | None = None,
-                    window: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    window: tuple[torch.Tensor, torch.Tensor] | None = None, ordered: bool | None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`, for formats `is_supported` accepts: one program per
     (query token, KV head, split), `tiles.num_warps` warps of `tiles.tile_n` keys each per step, in either
     orientation (default: the format's measured `tuning.warp_split_tiles`).
@@ -361,7 +361,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     `window`: a layer's dense recent window (`pagedkv.window`), its rings of keys and values [num_rows,
     num_ring_blocks, block_size, num_kv_heads, head_dim] (any float dtype), planned in `meta.window`: each
     sequence's blocks from `meta.window.first_block` on are read from its ring row `meta.window.rows`, exact,
-    the ones before from the pages, in the same pass (a split may cover both)."""
+    the ones before from the pages, in the same pass (a split may cover both). `ordered`: the launch order
+    (`decode_io.launch_grid`: by default `meta.token_order`'s when it has one)."""
     from .split_k import partial_states, reduce_splits
 
     tiles = tiles or warp_split_tiles(fmt)
@@ -393,10 +394,11 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     q = query
     if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R), R orthogonal
         q = (query.float() @ view.q_rotation).to(torch.float32 if query.dtype == torch.float32 else torch.float16)
-    kernel[(num_tokens, view.num_kv_heads, num_splits)](
+    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    kernel[grid](
         out, *parts, q, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
         value_codebook(view, query.dtype), view.aux("out_rotation"),
-        meta.block_table, meta.seq_lens, meta.query_start_loc,
+        meta.block_table, meta.seq_lens, meta.query_start_loc, order,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.v), stride3(view.k_scale), stride3(view.v_scale), *ring,
         num_seqs, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
@@ -404,7 +406,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=meta.block_size,
         WARPS=tiles.num_warps, TILE_N=tiles.tile_n, SPLIT=split,
         USE_SOFTCAP=bool(softcap), USE_WINDOW=bool(sliding_window), KIND=view.kind, K_BITS=view.k_bits,
-        FAST_CVT=fast_cvt, DOT_PRECISION=precision,
+        FAST_CVT=fast_cvt, DOT_PRECISION=precision, ORDERED=ordered,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **registers, **ring_constants, **extra,
     )
     if split:

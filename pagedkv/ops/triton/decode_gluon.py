@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_OFFSET_ASM, NIBBLE_KEY_PAIRS_ASM, NIBBLE_OFFSET_ASM,
                           SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
                           SIX_BIT_SPREAD_ASM)
+from .decode_io import launch_grid
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -714,32 +715,6 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
     parts = partial_states(query, num_slots, query.shape[-1]) if split or window is not None else None
     window_first = meta.window.first_block if window is not None else meta.seq_lens
     return parts, num_slots, window_first
-
-
-def launch_grid(query: torch.Tensor, meta, heads: int, num_splits: int, ordered: bool | None):
-    """(grid, token order, ORDERED) of a decode kernel's launch over `heads` KV heads (or head groups) a token.
-    ordered None: in `meta.token_order`'s order when the planner gave one (`metadata.LONGEST_FIRST`), True: in that
-    order or, without one, the longest first as computed here (on the device; benchmarks), False: grid order."""
-    num_tokens = query.shape[0]
-    order = meta.token_order if ordered is not False else None
-    if order is None and ordered:
-        order = longest_first_on_device(meta, num_tokens)
-    if order is None:
-        return (num_tokens, heads, num_splits), meta.seq_lens, False
-    return (num_splits, heads, num_tokens), order, True
-
-
-def longest_first_on_device(meta, num_tokens: int) -> torch.Tensor:
-    """The query tokens of a batch of equally many per sequence, longest attention span first (int32)."""
-    num_seqs = meta.seq_lens.shape[0]
-    if num_tokens % max(num_seqs, 1) or meta.query_start_loc_cpu != [i * (num_tokens // num_seqs)
-                                                                     for i in range(num_seqs + 1)]:
-        raise ValueError("a longest-first launch order is computed here only for batches of equally many query "
-                         "tokens per sequence; give the metadata a token_order")
-    per = num_tokens // num_seqs
-    seqs = torch.argsort(meta.seq_lens, descending=True, stable=True)
-    later_first = torch.arange(per - 1, -1, -1, device=seqs.device)
-    return (seqs[:, None] * per + later_first).reshape(-1).to(torch.int32)
 
 
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,

@@ -1,14 +1,57 @@
 """Loads shared by the two decode kernels (`decode.py`, `decode_transposed.py`): page rows, q4/q6 codes in
 units of four channels, the sequence a packed query token belongs to, and the keys of a sequence's dense
-recent window (its ring: `attend_ring`)."""
+recent window (its ring: `attend_ring`); and the launch order every decode kernel shares, the Gluon ones too
+(`launch_grid`, `program_coords`)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from .conversions import nibble_quads_to_f16, six_bit_quads_to_f16
 from .tiles import LOG2E, tanh
+
+
+def launch_grid(query: torch.Tensor, meta, heads: int, num_splits: int, ordered: bool | None):
+    """(grid, token order, ORDERED) of a decode kernel's launch over `heads` KV heads (or head groups) a token.
+    ordered None: in `meta.token_order`'s order when the planner gave one (`metadata.LONGEST_FIRST`), True: in that
+    order or, without one, the longest first as computed here (on the device; benchmarks), False: grid order."""
+    num_tokens = query.shape[0]
+    order = meta.token_order if ordered is not False else None
+    if order is None and ordered:
+        order = longest_first_on_device(meta, num_tokens)
+    if order is None:
+        return (num_tokens, heads, num_splits), meta.seq_lens, False
+    return (num_splits, heads, num_tokens), order, True
+
+
+def longest_first_on_device(meta, num_tokens: int) -> torch.Tensor:
+    """The query tokens of a batch of equally many per sequence, longest attention span first (int32)."""
+    num_seqs = meta.seq_lens.shape[0]
+    if num_tokens % max(num_seqs, 1) or meta.query_start_loc_cpu != [i * (num_tokens // num_seqs)
+                                                                     for i in range(num_seqs + 1)]:
+        raise ValueError("a longest-first launch order is computed here only for batches of equally many query "
+                         "tokens per sequence; give the metadata a token_order")
+    per = num_tokens // num_seqs
+    seqs = torch.argsort(meta.seq_lens, descending=True, stable=True)
+    later_first = torch.arange(per - 1, -1, -1, device=seqs.device)
+    return (seqs[:, None] * per + later_first).reshape(-1).to(torch.int32)
+
+
+@triton.jit
+def program_coords(token_order_ptr, ORDERED: tl.constexpr):
+    """(query token, KV head, split) of this program: grid (tokens, heads, splits), or with ORDERED (splits, heads,
+    tokens) over the tokens in `token_order_ptr`'s order (`launch_grid`)."""
+    if ORDERED:
+        token = tl.load(token_order_ptr + tl.program_id(2)).to(tl.int32)
+        head = tl.program_id(1)
+        split = tl.program_id(0)
+    else:
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        split = tl.program_id(2)
+    return token, head, split
 
 
 @triton.jit

@@ -23,8 +23,8 @@ import triton.language as tl
 from .codecs import KVQUANT, TURBOQUANT
 from .conversions import (code_nibbles_to_f16, int8_pairs_to_f16, int8_to_f16, nibble_pairs_to_f16,
                           nibble_quads_to_f16, sign_nibble_pairs_to_f16, six_bit_quads_to_f16)
-from .decode_io import (attend_ring, load_rows, ring_accumulators, softmax_step_t, token_sequence,
-                        value_channels)
+from .decode_io import (attend_ring, load_rows, program_coords, ring_accumulators, softmax_step_t,
+                        token_sequence, value_channels)
 
 
 @triton.jit
@@ -202,7 +202,7 @@ def rotate_t(out_t, rotation_ptr, chans, HEAD_DIM: tl.constexpr, DOT_PRECISION: 
 def decode_kernel_transposed(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr,
     k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, rotation_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, token_order_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     k_strides, v_strides, ks_strides, vs_strides,
     rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr, stride_rqt, stride_rqh, r_strides,   # RING: `attend_ring`
@@ -212,11 +212,9 @@ def decode_kernel_transposed(
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
     FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
-    V_BITS: tl.constexpr = 3,
+    V_BITS: tl.constexpr = 3, ORDERED: tl.constexpr = False,
 ):
-    token = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq = token_sequence(token, query_start_loc_ptr, num_seqs)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
