@@ -478,10 +478,16 @@ def main(argv=None) -> int:
     p.add_argument("--free-attention", nargs="+", default=[], metavar="FORMAT",
                    help="same-memory run: these formats also run with attention returning zeros (cache writes kept, the "
                         "same schedule), the bound on what faster attention kernels could give them")
+    p.add_argument("--longest-first", action="store_true",
+                   help="decode kernels launch their programs longest sequence first (`metadata.LONGEST_FIRST`)")
     p.add_argument("--fused-prefill", action="store_true",
                    help="prefill chunks over quantized pages through the fused kernels (`tuning.DENSE_PREFILL = False`) "
                         "instead of dense scratch pages")
     args = p.parse_args(argv)
+    if args.longest_first:
+        from pagedkv.ops import metadata
+
+        metadata.LONGEST_FIRST = True
     if args.fused_prefill:
         from pagedkv.ops.triton import tuning
 
