@@ -14,7 +14,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh gluon     # each Gluon decode kernel timed beside the default decode
 #   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: as served, then all through Gluon
 #   OUT=/some/dir bash bench/h200_run.sh longest-first  # decode programs launched longest sequence first: the GPU
-#                                                  # tests, ragged batches by split count, the same-memory run
+#                                                  # tests, ragged batches by split count (q4, TurboQuant)
+#   OUT=/some/dir bash bench/h200_run.sh longest-first-engine  # the same for off, equal lengths, the same-memory run
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
 #                                                  # its pages (bench/page_read_probe.py), at (32, 4096)
@@ -92,15 +93,20 @@ gluon)   # each Gluon decode kernel beside the default decode, 16 and 32 keys a 
     run 100 env FORMAT=off VARIANTS='{"ring2": {}}' python bench/gluon_probe.py
     ;;
 longest-first)   # `metadata.LONGEST_FIRST`: the kernels in any token order, then ragged batches (lengths over the top
-                 # half of the context) in grid order and longest first at 1-4 splits, equal lengths beside them, then
-                 # the same-memory run with it (and attention free, the bound)
+                 # half of the context) in grid order and longest first at 1-4 splits, q4 and TurboQuant
     run 240 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py tests/triton/test_triton_decode.py \
         -k "any_token_order"
-    for fmt in q4 turboquant off; do
+    for fmt in q4 turboquant; do
         run 150 env FORMAT=$fmt SHAPES='[[128, 2048], [96, 2048], [64, 8192]]' SPREAD=0.5 \
             SPLITS='{"128": [1, 2, 3, 4], "96": [1, 2, 3, 4], "64": [2, 3, 4]}' \
             VARIANTS='{"grid": {}, "longest_first": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     done
+    ;;
+longest-first-engine)   # the same for off, q4 at equal lengths (what a second split costs there), then the
+                        # same-memory run with it
+    run 150 env FORMAT=off SHAPES='[[128, 2048], [96, 2048], [64, 8192]]' SPREAD=0.5 \
+        SPLITS='{"128": [1, 2, 3, 4], "96": [1, 2, 3, 4], "64": [2, 3, 4]}' \
+        VARIANTS='{"grid": {}, "longest_first": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     run 100 env FORMAT=q4 SHAPES='[[128, 1536]]' SPLITS='{"128": [1, 2, 3]}' \
         VARIANTS='{"grid": {}, "longest_first": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
@@ -135,7 +141,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|prefill|gluon-tests|gluon|gluon-window|longest-first|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|prefill|gluon-tests|gluon|gluon-window|longest-first|longest-first-engine|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac
