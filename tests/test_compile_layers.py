@@ -71,6 +71,8 @@ def test_compiled_by_default_only_where_cuda_graphs_replay():
     assert not EngineConfig().compiles_layers(cpu)
     assert EngineConfig().compiles_layers(cuda)
     assert not EngineConfig(enforce_eager=True).compiles_layers(cuda)   # host-bound steps: guards would cost
+    assert not EngineConfig().compiles_layers(cuda, tensor_parallel=True)   # not tried with sharded layers
+    assert EngineConfig(compile_layers=True).compiles_layers(cuda, tensor_parallel=True)
     assert EngineConfig(compile_layers=True).compiles_layers(cpu)
     assert EngineConfig(compile_layers=True, enforce_eager=True).compiles_layers(cuda)
     assert not EngineConfig(compile_layers=False).compiles_layers(cuda)

@@ -33,11 +33,11 @@ class EngineConfig:
     swap_on_preemption: a preempted request's blocks go to the host tier and are loaded back, not recomputed.
     compile_layers: compile each decoder layer with torch.compile (`pagedkv.hf.compile_layers`: the paged cache's
     writes and attention stay outside the graphs; the first steps of each shape compile). None (default): on for a
-    model on CUDA that replays CUDA graphs (not enforce_eager), off otherwise. Measured on an H200 (8-layer
-    Llama-3-8B shape, `bench/results/h200/engine_*_compiled.json` beside `*_eager_layers.json`): decode at batch 64
-    and 8,192 tokens 1.09-1.20x the output tokens/s, a 2,048-token prefill step 15% faster, the same-memory run
-    1.14-1.24x; the first steps of a process compile (default model: ~17-26 s once). Without CUDA graphs a decode
-    step is host-bound and the compiled layers' guards make it slower, hence off with enforce_eager.
+    model on CUDA that replays CUDA graphs (not enforce_eager) without tensor parallelism, off otherwise. Measured
+    on an H200 (8-layer Llama-3-8B shape, `bench/results/h200/engine_*_compiled.json` beside `*_eager_layers.json`):
+    decode at batch 64 and 8,192 tokens 1.09-1.20x the output tokens/s, a 2,048-token prefill step 15% faster, the
+    same-memory run 1.14-1.24x; the first steps of a process compile (default model: ~17-26 s once). Without CUDA
+    graphs a decode step is host-bound and the compiled layers' guards make it slower, hence off with enforce_eager.
     """
 
     max_num_seqs: int = 256
@@ -77,11 +77,12 @@ class EngineConfig:
         if self.compile_layers not in (None, True, False):
             raise ConfigError(f"compile_layers={self.compile_layers!r} must be True, False or None (on for CUDA graphs)")
 
-    def compiles_layers(self, device: torch.device) -> bool:
-        """Whether a model on `device` gets its decoder layers compiled (compile_layers, None resolved)."""
+    def compiles_layers(self, device: torch.device, tensor_parallel: bool = False) -> bool:
+        """Whether a model on `device` gets its decoder layers compiled (compile_layers, None resolved: not with
+        tensor parallelism, whose sharded layers' collectives it was not timed or tested with)."""
         if self.compile_layers is not None:
             return self.compile_layers
-        return torch.device(device).type == "cuda" and not self.enforce_eager
+        return torch.device(device).type == "cuda" and not self.enforce_eager and not tensor_parallel
 
     @property
     def has_tiers(self) -> bool:

@@ -41,7 +41,7 @@ class ModelRunner:
         self.cache_kwarg = cache_kwarg(model)
         self.device = next(model.parameters()).device
         self.graphs = self.verify_graphs = None
-        if config.compiles_layers(self.device):
+        if config.compiles_layers(self.device, tensor_parallel=hasattr(cache, "peers")):  # a sharded cache
             from ..hf import compile_layers
 
             n = compile_layers(model)
