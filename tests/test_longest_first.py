@@ -46,6 +46,8 @@ def test_the_grid_runs_over_the_order_when_there_is_one():
     grid, order, ordered = decode_gluon.launch_grid(q, given, 2, 3, None)
     assert ordered and order is given.token_order
     assert decode_gluon.launch_grid(q, given, 2, 3, False)[2] is False
+    many = dataclasses.replace(meta_of([5] * 4), token_order=torch.arange(4, dtype=torch.int32))
+    assert decode_gluon.launch_grid(torch.empty(70000, 8, 128), many, 1, 1, True)[2] is False   # past CUDA's grid z
     two = meta_of([9, 12], per=2)   # verify steps: a sequence's tokens together, its last first
     assert decode_gluon.launch_grid(torch.empty(4, 8, 128), two, 1, 1, True)[1].tolist() == [3, 2, 1, 0]
     ragged = AttentionMetadata(meta.block_table[:2], meta.seq_lens[:2], torch.tensor([0, 1, 3], dtype=torch.int32),

@@ -13,12 +13,17 @@ from .conversions import nibble_quads_to_f16, six_bit_quads_to_f16
 from .tiles import LOG2E, tanh
 
 
+MAX_GRID_Z = 65535   # CUDA's limit on a grid's third dimension: more tokens launch in grid order
+
+
 def launch_grid(query: torch.Tensor, meta, heads: int, num_splits: int, ordered: bool | None):
     """(grid, token order, ORDERED) of a decode kernel's launch over `heads` KV heads (or head groups) a token.
     ordered None: in `meta.token_order`'s order when the planner gave one (`metadata.LONGEST_FIRST`), True: in that
     order or, without one, the longest first as computed here (on the device; benchmarks), False: grid order."""
     num_tokens = query.shape[0]
-    order = meta.token_order if ordered is not False else None
+    if ordered is False or num_tokens > MAX_GRID_Z:
+        return (num_tokens, heads, num_splits), meta.seq_lens, False
+    order = meta.token_order
     if order is None and ordered:
         order = longest_first_on_device(meta, num_tokens)
     if order is None:
