@@ -189,7 +189,8 @@ def sequence_of(token, query_start_loc_ptr, num_seqs):
 def program_coords(token_order_ptr, ORDERED: gl.constexpr):
     """(query token, KV head or head group, split) of this program. The grid is (tokens, heads, splits); with
     ORDERED it is (splits, heads, tokens) over the tokens in `token_order_ptr`'s order (`launch_grid`), so the
-    programs of one token are launched together and the longest tokens first."""
+    programs of one token are launched together and the longest tokens first. (`decode_io.program_coords` in the
+    tile language: a Gluon kernel calls Gluon functions only.)"""
     if ORDERED:
         token = gl.load(token_order_ptr + gl.program_id(2)).to(gl.int32)
         head = gl.program_id(1)
