@@ -9,7 +9,7 @@ import torch
 
 # Whether planners (`PagedKVCache.begin_step`, the CUDA graph runner) give steps of equally many new tokens per
 # sequence a `token_order`, longest attention span first, in which the GPU decode kernels then launch their programs
-# (`decode_gluon.launch_grid`): an engine's batch holds sequences of different lengths, and programs launched in
+# (`decode_io.launch_grid`): an engine's batch holds sequences of different lengths, and programs launched in
 # grid order end with the longest ones still running on a GPU otherwise idle. Off until timed on a GPU.
 LONGEST_FIRST = False
 
