@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_OFFSET_ASM, NIBBLE_KEY_PAIRS_ASM, NIBBLE_OFFSET_ASM,
                           SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
                           SIX_BIT_SPREAD_ASM)
-from .decode_io import launch_grid
+from .decode_io import launch_grid, program_coords
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -183,23 +183,6 @@ def sequence_of(token, query_start_loc_ptr, num_seqs):
         else:
             hi = mid
     return lo - 1
-
-
-@gluon.jit
-def program_coords(token_order_ptr, ORDERED: gl.constexpr):
-    """(query token, KV head or head group, split) of this program. The grid is (tokens, heads, splits); with
-    ORDERED it is (splits, heads, tokens) over the tokens in `token_order_ptr`'s order (`launch_grid`), so the
-    programs of one token are launched together and the longest tokens first. (`decode_io.program_coords` in the
-    tile language: a Gluon kernel calls Gluon functions only.)"""
-    if ORDERED:
-        token = gl.load(token_order_ptr + gl.program_id(2)).to(gl.int32)
-        head = gl.program_id(1)
-        split = gl.program_id(0)
-    else:
-        token = gl.program_id(0)
-        head = gl.program_id(1)
-        split = gl.program_id(2)
-    return token, head, split
 
 
 @gluon.jit

@@ -46,8 +46,9 @@ def longest_first_on_device(meta, num_tokens: int) -> torch.Tensor:
 
 @triton.jit
 def program_coords(token_order_ptr, ORDERED: tl.constexpr):
-    """(query token, KV head, split) of this program: grid (tokens, heads, splits), or with ORDERED (splits, heads,
-    tokens) over the tokens in `token_order_ptr`'s order (`launch_grid`)."""
+    """(query token, KV head or head group, split) of this program: grid (tokens, heads, splits), or with ORDERED
+    (splits, heads, tokens) over the tokens in `token_order_ptr`'s order (`launch_grid`), so the programs of one
+    token are launched together and the longest tokens first. The Gluon kernels call it too (scalar work only)."""
     if ORDERED:
         token = tl.load(token_order_ptr + tl.program_id(2)).to(tl.int32)
         head = tl.program_id(1)
