@@ -32,16 +32,16 @@ def launch_grid(query: torch.Tensor, meta, heads: int, num_splits: int, ordered:
 
 
 def longest_first_on_device(meta, num_tokens: int) -> torch.Tensor:
-    """The query tokens of a batch of equally many per sequence, longest attention span first (int32)."""
-    num_seqs = meta.seq_lens.shape[0]
-    if num_tokens % max(num_seqs, 1) or meta.query_start_loc_cpu != [i * (num_tokens // num_seqs)
-                                                                     for i in range(num_seqs + 1)]:
+    """`metadata.longest_first` of a batch of equally many query tokens per sequence, from its host lengths, on the
+    metadata's device (benchmarks: planners give `meta.token_order` themselves)."""
+    from ..metadata import longest_first
+
+    num_seqs = meta.num_seqs
+    per = num_tokens // max(num_seqs, 1)
+    if meta.query_start_loc_cpu != [i * per for i in range(num_seqs + 1)] or per * num_seqs != num_tokens:
         raise ValueError("a longest-first launch order is computed here only for batches of equally many query "
                          "tokens per sequence; give the metadata a token_order")
-    per = num_tokens // num_seqs
-    seqs = torch.argsort(meta.seq_lens, descending=True, stable=True)
-    later_first = torch.arange(per - 1, -1, -1, device=seqs.device)
-    return (seqs[:, None] * per + later_first).reshape(-1).to(torch.int32)
+    return torch.from_numpy(longest_first(meta.seq_lens_cpu, per)).to(meta.seq_lens.device)
 
 
 @triton.jit
