@@ -88,3 +88,14 @@ def test_the_graph_runner_refills_the_order_each_step(tensor_driven_kernels, mon
     assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
     assert len(seen) > 20 and all(seen)
 
+
+
+def test_the_cache_orders_decode_and_verify_steps_only(monkeypatch):
+    from pagedkv.cache import PagedKVCache
+
+    order = PagedKVCache._token_order
+    assert order([30, 50], [1, 1], None, "cuda") is None   # off by default
+    monkeypatch.setattr(metadata, "LONGEST_FIRST", True)
+    assert order([30, 50], [1, 1], None, "cpu") is None   # the CPU's reference path has no launch order
+    assert order([1024, 1024], [1024, 1024], None, "cuda") is None   # prefill chunks: no decode kernel reads it
+    assert order([30, 50], [1, 2], None, "cuda") is None   # unequal new tokens
