@@ -100,7 +100,7 @@ def register_serve(subparsers) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="never replay CUDA graphs")
     g.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="compile each decoder layer with torch.compile, the cache's kernels as they are "
-                        "(default: on with CUDA graphs, i.e. on CUDA without --enforce-eager)")
+                        "(default: on with CUDA graphs, i.e. on CUDA without --enforce-eager or --tensor-parallel)")
     g.add_argument("--cpu-cache-gb", type=float, default=0.0, metavar="GB",
                    help="host memory for prefix-cache blocks evicted from the device pool (default 0: off)")
     g.add_argument("--kv-cache-dir", default=None, metavar="DIR",

@@ -89,7 +89,6 @@ def test_the_graph_runner_refills_the_order_each_step(tensor_driven_kernels, mon
     assert len(seen) > 20 and all(seen)
 
 
-
 def test_the_cache_orders_decode_and_verify_steps_only(monkeypatch):
     from pagedkv.cache import PagedKVCache
 

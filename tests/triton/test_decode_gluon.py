@@ -66,7 +66,7 @@ ORDER_CASES = [(*case, window) for case in CASES if case[2] in ((2, 2, 64, 16), 
                          else {True: "window", False: "pages"}.get(c, c))
 def test_gluon_decode_launched_in_any_token_order_matches_reference(spec, kernel, shape, window, num_splits):
     """A token order in the metadata (`metadata.LONGEST_FIRST`'s, here a random one) only changes which programs
-    start first (`decode_gluon.launch_grid`): the outputs are the reference's, with a dense recent window too."""
+    start first (`decode_io.launch_grid`): the outputs are the reference's, with a dense recent window too."""
     import dataclasses
 
     from pagedkv.ops.triton import decode_gluon

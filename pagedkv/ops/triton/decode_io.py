@@ -19,16 +19,15 @@ MAX_GRID_Z = 65535   # CUDA's limit on a grid's third dimension: more tokens lau
 def launch_grid(query: torch.Tensor, meta, heads: int, num_splits: int, ordered: bool | None):
     """(grid, token order, ORDERED) of a decode kernel's launch over `heads` KV heads (or head groups) a token.
     ordered None: in `meta.token_order`'s order when the planner gave one (`metadata.LONGEST_FIRST`), True: in that
-    order or, without one, the longest first as computed here (on the device; benchmarks), False: grid order."""
+    order or, without one, longest first from the batch's host lengths (benchmarks), False: grid order."""
     num_tokens = query.shape[0]
-    if ordered is False or num_tokens > MAX_GRID_Z:
-        return (num_tokens, heads, num_splits), meta.seq_lens, False
-    order = meta.token_order
-    if order is None and ordered:
-        order = longest_first_on_device(meta, num_tokens)
-    if order is None:
-        return (num_tokens, heads, num_splits), meta.seq_lens, False
-    return (num_splits, heads, num_tokens), order, True
+    if ordered is not False and num_tokens <= MAX_GRID_Z:
+        order = meta.token_order
+        if order is None and ordered:
+            order = longest_first_on_device(meta, num_tokens)
+        if order is not None:
+            return (num_splits, heads, num_tokens), order, True
+    return (num_tokens, heads, num_splits), meta.seq_lens, False
 
 
 def longest_first_on_device(meta, num_tokens: int) -> torch.Tensor:
