@@ -97,10 +97,14 @@ class RecentWindow:
     def plan(self, seq_ids: list[int], starts: list[int], counts: list[int], device) -> WindowPlan:
         """`place`, as a `WindowPlan` on `device`."""
         token_index, slots, rows, first_blocks = self.place(seq_ids, starts, counts)
-        per_seq = torch.tensor([rows, first_blocks], dtype=torch.int32, device=device)  # [2, num_seqs]: one copy
+        # [2, width]: one copy. Rows of a multiple of 4 int32s, so that first_block starts on 16 bytes as rows does:
+        # Triton compiles a kernel again for each alignment of its pointers, which the batch size would otherwise set
+        n = len(rows)
+        pad = [0] * (-n % 4)
+        per_seq = torch.tensor([rows + pad, first_blocks + pad], dtype=torch.int32, device=device)
         return WindowPlan(token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
                           slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-                          rows=per_seq[0], first_block=per_seq[1],
+                          rows=per_seq[0, :n], first_block=per_seq[1, :n],
                           rows_cpu=rows, first_block_cpu=first_blocks, num_ring_blocks=self.num_ring_blocks)
 
     def _take_row(self) -> int:

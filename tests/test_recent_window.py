@@ -322,6 +322,18 @@ def test_stats_count_the_window_bytes():
     assert cache.paged_stats()["window_bytes_in_use"] == 2 * ring
 
 
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 4, 5])
+def test_a_steps_window_plan_starts_each_tensor_on_16_bytes(num_seqs):
+    """Triton compiles a kernel once per 16-byte alignment of its pointer arguments: the plan's per-sequence
+    tensors (one upload) start aligned whatever the batch size, so eager steps do not compile again mid-stream."""
+    cache = window_cache(recent=16)
+    seqs = [cache.add_sequence() for _ in range(num_seqs)]
+    meta = cache.begin_step(seqs, [20 + i for i in range(num_seqs)])
+    plan = meta.window
+    for t, host in [(plan.rows, plan.rows_cpu), (plan.first_block, plan.first_block_cpu)]:
+        assert t.data_ptr() % 16 == 0 and t.tolist() == host and len(host) == num_seqs
+
+
 def test_rings_keep_a_scratch_row_that_no_sequence_holds():
     """The rings' last row is scratch (CUDA-graph padding writes there); `reserve` grows every layer's rings to
     a capacity, keeping what they hold."""

@@ -1,6 +1,8 @@
 """Prefill over quantized pages through dense scratch pages (`ops/triton/dense_prefill.py`) against the reference
 path: the context dequantized once per block and KV head, then the dense varlen kernel."""
 
+import os
+
 import pytest
 import torch
 
@@ -105,6 +107,33 @@ def test_a_mixed_batch_splits_into_its_decodes_and_its_chunks(monkeypatch):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("num_decodes", [1, 2, 3, 4, 5])
+def test_a_mixed_batchs_parts_start_on_16_bytes(num_decodes):
+    """Triton compiles a kernel again for each 16-byte alignment of its pointer arguments: the chunks' part of a
+    mixed step must not be a slice from row `num_decodes` (a new compile, 0.3-0.6 s on an H200, at the first step
+    whose decodes are not a multiple of four), so its device tensors are copies where a slice would be misaligned;
+    same values, each specialized as a 16-byte-aligned pointer."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from test_triton_decode_window import window_case
+
+    def specialization(t):
+        return native_specialize_impl(BaseBackend, t, False, True, True)
+
+    n = num_decodes + 2
+    case, _ = window_case("q4", 4, 2, 64, ctx_lens=[40] * n, new_lens=[1] * num_decodes + [70, 64],
+                          first_blocks=[1] * n, num_ring_blocks=6)
+    meta = case.meta
+    for lo, hi in [(0, num_decodes), (num_decodes, n)]:
+        sub = dense_prefill.part(meta, lo, hi)
+        for whole, piece in [(meta.block_table, sub.block_table), (meta.seq_lens, sub.seq_lens),
+                             (meta.window.rows, sub.window.rows), (meta.window.first_block, sub.window.first_block)]:
+            assert torch.equal(piece, whole[lo:hi])
+            assert specialization(piece) == ("*i32", "D")   # a pointer known to be 16-byte aligned
+        assert sub.seq_lens_cpu == meta.seq_lens_cpu[lo:hi]
+    assert specialization(meta.seq_lens[1:]) == ("*i32", "")   # what a plain slice would compile
+
+
 def test_a_steps_layers_share_its_split_and_plan(monkeypatch):
     """The first layer of a mixed step splits it and plans the scratch; the other layers reuse both (the decodes'
     part must not replace the step's record)."""
@@ -175,3 +204,52 @@ def test_a_window_splits_a_step_only_where_the_decode_kernel_reads_it():
     assert start("q4", new_lens=[4, 4], first_blocks=[1, 0]) is None   # a verify step: the decode kernel reads it
     assert start("q4", new_lens=[1, 1], first_blocks=[1, 0]) is None   # decodes
     assert start("q4", new_lens=[70, 1], first_blocks=[1, 0]) == (0, True)   # a decode after a chunk: whole
+
+
+def launch_keys(monkeypatch) -> dict[str, list[tuple]]:
+    """Every interpreted kernel launch from now on, by kernel name: what Triton's compile cache would key it on
+    (constexpr values; each other argument's type and specialization: ints == 1 / multiples of 16 unless
+    `do_not_specialize`, pointers' 16-byte alignment)."""
+    import inspect
+
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime import interpreter
+
+    keys: dict[str, list[tuple]] = {}
+    real = interpreter.InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        bound = dict(zip(self.arg_names, args), **kwargs)
+        plain = set(self.kwargs.get("do_not_specialize") or ())
+        key = []
+        for name, param in inspect.signature(self.fn).parameters.items():
+            value = bound.get(name)
+            if "constexpr" in str(param.annotation):
+                key.append((name, str(value)))
+            elif isinstance(value, (torch.Tensor, int, float)):
+                key.append((name, native_specialize_impl(BaseBackend, value, False, name not in plain, True)))
+        keys.setdefault(self.fn.__name__, []).append(tuple(key))
+        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+    return keys
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="reads the interpreter's launches")
+@pytest.mark.parametrize("spec", ["q4", "turboquant"])
+def test_mixed_steps_compile_no_kernel_again_whatever_their_decodes(monkeypatch, spec):
+    """Steps of continuous batching that differ only in how many decodes come before the same chunks (1 to 5) launch
+    every kernel with a compile key the first step used: no kernel compiles again mid-stream. (The chunks' part
+    used to be a slice from row `decodes`: misaligned but for multiples of four, a compile of each chunk kernel,
+    0.3-0.6 s on an H200, at the first such step.)"""
+    keys = launch_keys(monkeypatch)
+    monkeypatch.setattr(tuning, "DENSE_PREFILL", True)
+    seen = []
+    for k in range(1, 6):
+        case = build_case(k, spec, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                          ctx_lens=[40] * k + [37, 0], new_lens=[1] * k + [70, 64])
+        triton_ops.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
+        seen.append({name: set(launches) for name, launches in keys.items()})
+    assert "dequantize_kernel" in seen[0] and len(seen[0]) >= 2
+    assert seen[-1] == seen[0]

@@ -83,14 +83,25 @@ def windowed_start(fmt: PageFormat, meta: AttentionMetadata) -> int | None:
     return 0 if start is None and fits(meta, 0) else start
 
 
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it where its data does not start on 16 bytes. Triton compiles a kernel once per
+    combination of its pointer arguments' 16-byte alignment, so a slice from row lo (lo not a multiple of 4
+    for int32 rows) would compile every kernel it reaches again, for 0.3-0.6 s on an H200, mid-stream: the first
+    mixed step whose decodes are not a multiple of four (`part`)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def part(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadata:
-    """The metadata of sequences lo..hi-1 of a batch (their queries: query_start_loc_cpu[lo]..[hi])."""
+    """The metadata of sequences lo..hi-1 of a batch (their queries: query_start_loc_cpu[lo]..[hi]); its device
+    tensors start on 16 bytes, as the whole batch's do (`aligned`)."""
     qsl = meta.query_start_loc_cpu
     window = meta.window
     if window is not None:
-        window = WindowPlan(window.token_index, window.slot_mapping, window.rows[lo:hi], window.first_block[lo:hi],
-                            window.rows_cpu[lo:hi], window.first_block_cpu[lo:hi], window.num_ring_blocks)
-    return AttentionMetadata(meta.block_table[lo:hi], meta.seq_lens[lo:hi], meta.query_start_loc[lo:hi + 1] - qsl[lo],
+        window = WindowPlan(window.token_index, window.slot_mapping, aligned(window.rows[lo:hi]),
+                            aligned(window.first_block[lo:hi]), window.rows_cpu[lo:hi], window.first_block_cpu[lo:hi],
+                            window.num_ring_blocks)
+    return AttentionMetadata(aligned(meta.block_table[lo:hi]), aligned(meta.seq_lens[lo:hi]),
+                             meta.query_start_loc[lo:hi + 1] - qsl[lo],
                              meta.slot_mapping, None, meta.seq_lens_cpu[lo:hi], [x - qsl[lo] for x in qsl[lo:hi + 1]],
                              meta.block_size, phase_hint=meta.phase_hint, window=window)
 
