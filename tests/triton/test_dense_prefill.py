@@ -9,7 +9,7 @@ import torch
 from pagedkv.ops import reference
 from pagedkv.ops import triton as triton_ops
 from pagedkv.ops.triton import dense_prefill, tuning
-from triton_cases import build_case, rel_err
+from triton_cases import build_case, launch_keys, rel_err
 
 SPECS = ["q8", "q6", "q4", "q4:rotate_keys", "turboquant", "turboquant:k=q4_0,v=q4_0,rotate_keys",
          "turboquant:k=q8_0,v=q4_0"]
@@ -205,35 +205,6 @@ def test_a_window_splits_a_step_only_where_the_decode_kernel_reads_it():
     assert start("q4", new_lens=[1, 1], first_blocks=[1, 0]) is None   # decodes
     assert start("q4", new_lens=[70, 1], first_blocks=[1, 0]) == (0, True)   # a decode after a chunk: whole
 
-
-def launch_keys(monkeypatch) -> dict[str, list[tuple]]:
-    """Every interpreted kernel launch from now on, by kernel name: what Triton's compile cache would key it on
-    (constexpr values; each other argument's type and specialization: ints == 1 / multiples of 16 unless
-    `do_not_specialize`, pointers' 16-byte alignment)."""
-    import inspect
-
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime import interpreter
-
-    keys: dict[str, list[tuple]] = {}
-    real = interpreter.InterpretedFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        bound = dict(zip(self.arg_names, args), **kwargs)
-        plain = set(self.kwargs.get("do_not_specialize") or ())
-        key = []
-        for name, param in inspect.signature(self.fn).parameters.items():
-            value = bound.get(name)
-            if "constexpr" in str(param.annotation):
-                key.append((name, str(value)))
-            elif isinstance(value, (torch.Tensor, int, float)):
-                key.append((name, native_specialize_impl(BaseBackend, value, False, name not in plain, True)))
-        keys.setdefault(self.fn.__name__, []).append(tuple(key))
-        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
-    return keys
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="reads the interpreter's launches")

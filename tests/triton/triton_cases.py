@@ -77,3 +77,33 @@ def build_case(seed: int, fmt_spec: str, *, num_q_heads: int, num_kv_heads: int,
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not out.isnan().any(), "NaN in the kernel's output"
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def launch_keys(monkeypatch) -> dict[str, list[tuple]]:
+    """Every interpreted kernel launch from now on, by kernel name: what Triton's compile cache would key it on
+    (constexpr values; each other argument's type and specialization: ints == 1 / multiples of 16 unless
+    `do_not_specialize`, pointers' 16-byte alignment)."""
+    import inspect
+
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime import interpreter
+
+    keys: dict[str, list[tuple]] = {}
+    real = interpreter.InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        bound = dict(zip(self.arg_names, args), **kwargs)
+        plain = set(self.kwargs.get("do_not_specialize") or ())
+        key = []
+        for name, param in inspect.signature(self.fn).parameters.items():
+            value = bound.get(name)
+            if "constexpr" in str(param.annotation):
+                key.append((name, str(value)))
+            elif isinstance(value, (torch.Tensor, int, float)):
+                key.append((name, native_specialize_impl(BaseBackend, value, False, name not in plain, True)))
+        keys.setdefault(self.fn.__name__, []).append(tuple(key))
+        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+    return keys

@@ -1,0 +1,43 @@
+"""A server must not compile kernels mid-stream: Triton keys its compile cache on every integer argument's value
+class (== 1, a multiple of 16) and every pointer's 16-byte alignment, unless told not to, so an argument whose class
+changes from step to step compiles each kernel it reaches again (seconds on a GPU, inside a request's latency).
+Continuous batching over every path of the kernels, under the interpreter, with each launch's compile key
+recorded: past the constexprs (tile configs, formats), every argument keeps one class."""
+
+import collections
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagedkv.ops import triton as triton_ops
+from triton_cases import launch_keys
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="reads the interpreter's launches")
+
+
+def test_continuous_batching_keeps_each_kernel_arguments_class(monkeypatch):
+    """24 requests of 3-80 prompt tokens, 7 at a time, 64 tokens a step, over q8 pages with a dense recent window
+    (the most paths: the write, decode, dequantize and prefill kernels, the ring read by the last three): prefills,
+    chunks, mixed steps of any number of decodes."""
+    from pagedkv.engine import LLM, SamplingParams
+
+    keys = launch_keys(monkeypatch)
+    monkeypatch.setattr(triton_ops, "supports", lambda device, fmt: (True, None))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    llm = LLM(LlamaForCausalLM(config).eval(), kv_format="q8:recent_tokens=16", num_blocks=96, block_size=16, max_num_seqs=7,
+              max_num_batched_tokens=64)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 80, (24,), generator=g)]
+    llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert {"write_kv_kernel", "paged_attention_kernel", "decode_kernel_transposed", "dequantize_kernel"} <= keys.keys()
+    for kernel, launches in keys.items():
+        classes = collections.defaultdict(set)
+        for key in launches:
+            for arg, spec in key:
+                if isinstance(spec, tuple):   # not a constexpr: (type, value class)
+                    classes[arg].add(spec[1])
+        assert {arg: c for arg, c in classes.items() if len(c) > 1} == {}, kernel
