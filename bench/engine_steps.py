@@ -1,0 +1,62 @@
+"""Where a same-memory run's time went, step by step, from the timeline `bench/engine_gpu.py --same-memory` writes
+(one row per engine step: seconds, running, waiting, blocks used, CUDA graph replays, preemptions): per format, the
+steps that replayed a decode graph (count, median and total time), the others (admissions, prefill, mixed and eager
+steps), and the slowest steps with what changed in them. A step far slower than its kind (a kernel compiled
+mid-stream, a stall) shows at the top of the list.
+
+    python bench/engine_steps.py bench/results/h200/engine_memory_compiled.json [--slowest 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def steps(rows: list[list[float]]) -> list[dict]:
+    """One dict per step: its duration (ms) and what changed in it."""
+    out = []
+    prev = None
+    for i, row in enumerate(rows):
+        t, running, waiting, blocks, replays, preemptions = row
+        if prev is not None:
+            out.append({"step": i, "at_s": t, "ms": 1e3 * (t - prev[0]), "running": running,
+                        "admitted": prev[2] - waiting, "replayed": replays > prev[4],
+                        "preempted": preemptions - prev[5], "blocks": blocks})
+        prev = row
+    return out
+
+
+def summary(name: str, rows: list[list[float]], slowest: int) -> list[str]:
+    s = steps(rows)
+    graph = [x["ms"] for x in s if x["replayed"] and x["admitted"] == 0]
+    other = [x for x in s if not (x["replayed"] and x["admitted"] == 0)]
+    lines = [f"{name}: {len(s)} steps, {sum(x['ms'] for x in s) / 1e3:.2f} s; decode graph replays {len(graph)} "
+             f"(median {statistics.median(graph) if graph else float('nan'):.2f} ms, {sum(graph) / 1e3:.2f} s); "
+             f"other steps {len(other)} ({sum(x['ms'] for x in other) / 1e3:.2f} s)"]
+    for x in sorted(s, key=lambda x: -x["ms"])[:slowest]:
+        lines.append(f"    step {x['step']:>5} at {x['at_s']:7.3f} s: {x['ms']:8.1f} ms, {x['running']} running, "
+                     f"{x['admitted']:+d} admitted, {x['preempted']} preempted, "
+                     f"{'graph replay' if x['replayed'] else 'eager'}")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="engine_gpu.py JSON files with same-memory timelines")
+    p.add_argument("--slowest", type=int, default=5, help="slowest steps listed per format")
+    args = p.parse_args(argv)
+    for path in args.runs:
+        run = json.loads(Path(path).read_text())
+        print(f"== {path}")
+        for name, r in (run.get("same_memory") or {}).items():
+            rows = r.get("timeline", {}).get("rows")
+            if rows:
+                print("\n".join(summary(name, rows, args.slowest)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
