@@ -31,7 +31,9 @@ def test_continuous_batching_keeps_each_kernel_arguments_class(monkeypatch):
     llm = LLM(LlamaForCausalLM(config).eval(), kv_format="q8:recent_tokens=16", num_blocks=96, block_size=16, max_num_seqs=7,
               max_num_batched_tokens=64)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 80, (24,), generator=g)]
+    lengths = torch.randint(3, 80, (24,), generator=g).tolist()
+    lengths[5:5] = [7, 250, 266]   # block tables 1 block wide, then 16 and 17 (with the new tokens)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
     llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert {"write_kv_kernel", "paged_attention_kernel", "decode_kernel_transposed", "dequantize_kernel"} <= keys.keys()
     for kernel, launches in keys.items():

@@ -106,7 +106,7 @@ def part(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadata:
                              meta.block_size, phase_hint=meta.phase_hint, window=window)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])   # the block table's width changes from step to step (`attention.py`)
 def dequantize_kernel(
     k_out, v_out, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr, q_rotation_ptr, out_rotation_ptr,
     block_table_ptr, rows_ptr, stride_bt, k_strides, v_strides, ks_strides, vs_strides, o_strides,
