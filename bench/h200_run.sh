@@ -15,7 +15,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh gluon-window   # decode with a window: as served, then all through Gluon
 #   OUT=/some/dir bash bench/h200_run.sh longest-first  # decode programs launched longest sequence first: the GPU
 #                                                  # tests, ragged batches by split count (q4, TurboQuant)
-#   OUT=/some/dir bash bench/h200_run.sh longest-first-engine  # the same for off, equal lengths, the same-memory run
+#   OUT=/some/dir bash bench/h200_run.sh longest-first-engine  # the same-memory run in grid order, then longest first
+#   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
 #                                                  # its pages (bench/page_read_probe.py), at (32, 4096)
@@ -102,15 +103,21 @@ longest-first)   # `metadata.LONGEST_FIRST`: the kernels in any token order, the
             VARIANTS='{"grid": {}, "longest_first": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     done
     ;;
-longest-first-engine)   # the same for off, q4 at equal lengths (what a second split costs there), then the
-                        # same-memory run with it
+longest-first-engine)   # the same-memory run in grid order (no step should stand out: the compile fixed in
+                        # session 28), then longest first; the slowest steps of each
+    run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --out "$OUT/memory_grid_order"
+    run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --longest-first --out "$OUT/memory_longest_first"
+    run 30 python bench/engine_steps.py "$OUT/memory_grid_order/engine_memory.json" \
+        "$OUT/memory_longest_first/engine_memory.json"
+    ;;
+longest-first-probes)   # ragged batches for off, and q4 at equal lengths (what a second split costs there)
     run 150 env FORMAT=off SHAPES='[[128, 2048], [96, 2048], [64, 8192]]' SPREAD=0.5 \
         SPLITS='{"128": [1, 2, 3, 4], "96": [1, 2, 3, 4], "64": [2, 3, 4]}' \
         VARIANTS='{"grid": {}, "longest_first": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     run 100 env FORMAT=q4 SHAPES='[[128, 1536]]' SPLITS='{"128": [1, 2, 3]}' \
         VARIANTS='{"grid": {}, "longest_first": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
-    run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 --longest-first --out "$OUT/memory_longest_first"
     ;;
 ncu)   # hardware counters of one decode call per format at batch 64 and 8,192 tokens (where the time stalls)
     for fmt in off q8 turboquant turboquant:k=q4_0,v=q4_0; do
@@ -141,7 +148,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|prefill|gluon-tests|gluon|gluon-window|longest-first|longest-first-engine|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|prefill|gluon-tests|gluon|gluon-window|longest-first|longest-first-engine|longest-first-probes|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac
