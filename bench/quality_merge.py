@@ -44,6 +44,7 @@ def merge(reports: list[tuple[str, dict]]) -> dict:
     if not all("passkey" in r for r in merged["formats"].values()):  # a partial panel would read as misses
         for r in merged["formats"].values():
             r.pop("passkey", None)
+            r.pop("passkey_by_depth", None)
         merged["note"] = "passkeys left out: not every part measured them"
     devices = sorted({s["device"] for s in merged["sources"].values()})
     merged["device"] = " + ".join(devices)

@@ -336,14 +336,18 @@ def measure_profile(runner: Runner, fmts: list[EvalFormat], ids: torch.Tensor) -
     return out
 
 
-def measure_passkey(runner: Runner, fmt: EvalFormat, trials: list[PasskeyTrial], bar) -> dict:
-    """Passkey accuracy per prompt length."""
+def measure_passkey(runner: Runner, fmt: EvalFormat, trials: list[PasskeyTrial], bar) -> tuple[dict, dict]:
+    """(passkey accuracy per prompt length, each trial's result per length and depth: which keys a format
+    misses beside the ones `off` misses)."""
     passed: dict[int, list[bool]] = {}
+    by_depth: dict[str, dict[str, int]] = {}
     for t in trials:
         bar.set_description(f"passkey {t.length} depth {t.depth:.0%} {fmt.label}")
-        passed.setdefault(t.length, []).append(passkey_passes(runner, fmt, t))
+        ok = passkey_passes(runner, fmt, t)
+        passed.setdefault(t.length, []).append(ok)
+        by_depth.setdefault(str(t.length), {})[f"{t.depth:g}"] = int(ok)
         bar.update(t.prompt_ids.shape[0])
-    return {str(n): sum(p) / len(p) for n, p in passed.items()}
+    return {str(n): sum(p) / len(p) for n, p in passed.items()}, by_depth
 
 
 def run_eval(settings: EvalSettings, checkpoint: Callable[[dict], None] | None = None) -> dict:
@@ -419,7 +423,7 @@ def run_eval(settings: EvalSettings, checkpoint: Callable[[dict], None] | None =
         save(report)
     if trials:
         for f in fmts:
-            results[f.label]["passkey"] = measure_passkey(runner, f, trials, bar)
+            results[f.label]["passkey"], results[f.label]["passkey_by_depth"] = measure_passkey(runner, f, trials, bar)
             save(report)
     bar.close()
     report["complete"] = True

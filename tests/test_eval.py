@@ -83,6 +83,7 @@ def test_eval_writes_a_table_json_and_plot(tmp_path, capsys):
     assert [r["bytes_per_token_per_head_d128"] for r in res.values()] == [1024, 264, 200]
     assert off["profile"]["buckets"] == [[0, 256], [256, 300]] and len(off["profile"]["ppl"]) == 2
     assert set(off["passkey"]) == {"200"} and off["passkey"]["200"] in (0.0, 1.0)
+    assert off["passkey_by_depth"] == {"200": {"0.5": int(off["passkey"]["200"])}}
     table = capsys.readouterr().out
     assert "| `turboquant:k=q8_0,v=q3_0` | 100 | 200 |" in table
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
