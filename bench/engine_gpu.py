@@ -447,6 +447,18 @@ def plot(results: dict, path: Path) -> bool:
     return True
 
 
+def add_longest_first(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--longest-first", action="store_true",
+                   help="decode kernels launch their programs longest sequence first (`metadata.LONGEST_FIRST`)")
+
+
+def use_longest_first(args: argparse.Namespace) -> None:
+    if args.longest_first:
+        from pagedkv.ops import metadata
+
+        metadata.LONGEST_FIRST = True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
@@ -478,16 +490,12 @@ def main(argv=None) -> int:
     p.add_argument("--free-attention", nargs="+", default=[], metavar="FORMAT",
                    help="same-memory run: these formats also run with attention returning zeros (cache writes kept, the "
                         "same schedule), the bound on what faster attention kernels could give them")
-    p.add_argument("--longest-first", action="store_true",
-                   help="decode kernels launch their programs longest sequence first (`metadata.LONGEST_FIRST`)")
+    add_longest_first(p)
     p.add_argument("--fused-prefill", action="store_true",
                    help="prefill chunks over quantized pages through the fused kernels (`tuning.DENSE_PREFILL = False`) "
                         "instead of dense scratch pages")
     args = p.parse_args(argv)
-    if args.longest_first:
-        from pagedkv.ops import metadata
-
-        metadata.LONGEST_FIRST = True
+    use_longest_first(args)
     if args.fused_prefill:
         from pagedkv.ops.triton import tuning
 

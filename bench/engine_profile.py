@@ -84,13 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", action="store_true", help="device time by kernel of the steps (torch.profiler)")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="the decoder layers compiled with torch.compile (default: EngineConfig's, on with CUDA graphs)")
-    p.add_argument("--longest-first", action="store_true",
-                   help="decode kernels launch their programs longest sequence first (`metadata.LONGEST_FIRST`)")
+    engine_gpu.add_longest_first(p)
     args = p.parse_args(argv)
-    if args.longest_first:
-        from pagedkv.ops import metadata
-
-        metadata.LONGEST_FIRST = True
+    engine_gpu.use_longest_first(args)
     if args.tiny:
         engine_gpu.DEVICE = "cpu"
     measure = kernel_times if args.kernels else profiled

@@ -17,16 +17,9 @@ from pathlib import Path
 
 def steps(rows: list[list[float]]) -> list[dict]:
     """One dict per step: its duration (ms) and what changed in it."""
-    out = []
-    prev = None
-    for i, row in enumerate(rows):
-        t, running, waiting, blocks, replays, preemptions = row
-        if prev is not None:
-            out.append({"step": i, "at_s": t, "ms": 1e3 * (t - prev[0]), "running": running,
-                        "admitted": prev[2] - waiting, "replayed": replays > prev[4],
-                        "preempted": preemptions - prev[5], "blocks": blocks})
-        prev = row
-    return out
+    return [{"step": i, "at_s": t, "ms": 1e3 * (t - prev[0]), "running": running, "admitted": prev[2] - waiting,
+             "replayed": replays > prev[4], "preempted": preemptions - prev[5]}
+            for i, (prev, (t, running, waiting, _, replays, preemptions)) in enumerate(zip(rows, rows[1:]), start=1)]
 
 
 def summary(name: str, rows: list[list[float]], slowest: int) -> list[str]:

@@ -77,7 +77,8 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
     metas = [kb.decode_meta(t, lens) for _, _, t in layers]
     # longest-first variants read the order from the metadata, made here: timing captures CUDA graphs, where the
     # host-to-device copy of `decode_io.longest_first_on_device` cannot run
-    ordered_metas = [dataclasses.replace(m, token_order=decode_io.longest_first_on_device(m, num_seqs)) for m in metas]
+    ordered_metas = ([dataclasses.replace(m, token_order=decode_io.longest_first_on_device(m, num_seqs)) for m in metas]
+                     if any(o.get("ordered") for o in VARIANTS.values()) else metas)
 
     def calls(fn, ms=metas):
         return [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)
