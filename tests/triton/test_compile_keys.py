@@ -12,9 +12,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedkv.ops import triton as triton_ops
-from triton_cases import launch_keys
+from pagedkv.ops.triton import tuning
+from triton_cases import build_case, launch_keys
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="reads the interpreter's launches")
+# The launches are recorded where the interpreter runs them: on the CPU, as in CI. On a GPU the kernels compile instead.
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="records the Triton interpreter's launches; runs on the CPU (CI)")
 
 
 def test_continuous_batching_keeps_each_kernel_arguments_class(monkeypatch):
@@ -28,8 +31,8 @@ def test_continuous_batching_keeps_each_kernel_arguments_class(monkeypatch):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
-    llm = LLM(LlamaForCausalLM(config).eval(), kv_format="q8:recent_tokens=16", num_blocks=96, block_size=16, max_num_seqs=7,
-              max_num_batched_tokens=64)
+    llm = LLM(LlamaForCausalLM(config).eval(), kv_format="q8:recent_tokens=16", num_blocks=96, block_size=16,
+              max_num_seqs=7, max_num_batched_tokens=64)
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(3, 80, (24,), generator=g).tolist()
     lengths[5:5] = [7, 250, 266]   # block tables 1 block wide, then 16 and 17 (with the new tokens)
@@ -43,3 +46,21 @@ def test_continuous_batching_keeps_each_kernel_arguments_class(monkeypatch):
                 if isinstance(spec, tuple):   # not a constexpr: (type, value class)
                     classes[arg].add(spec[1])
         assert {arg: c for arg, c in classes.items() if len(c) > 1} == {}, kernel
+
+
+@pytest.mark.parametrize("spec", ["q4", "turboquant"])
+def test_mixed_steps_compile_no_kernel_again_whatever_their_decodes(monkeypatch, spec):
+    """Steps of continuous batching that differ only in how many decodes come before the same chunks (1 to 5) launch
+    every kernel with a compile key the first step used: no kernel compiles again mid-stream. (The chunks' part
+    used to be a slice from row `decodes`: misaligned but for multiples of four, a compile of each chunk kernel,
+    0.3-0.6 s on an H200, at the first such step.)"""
+    keys = launch_keys(monkeypatch)
+    monkeypatch.setattr(tuning, "DENSE_PREFILL", True)
+    seen = []
+    for k in range(1, 6):
+        case = build_case(k, spec, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                          ctx_lens=[40] * k + [37, 0], new_lens=[1] * k + [70, 64])
+        triton_ops.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
+        seen.append({name: set(launches) for name, launches in keys.items()})
+    assert "dequantize_kernel" in seen[0] and len(seen[0]) >= 2
+    assert seen[-1] == seen[0]

@@ -1,15 +1,13 @@
 """Prefill over quantized pages through dense scratch pages (`ops/triton/dense_prefill.py`) against the reference
 path: the context dequantized once per block and KV head, then the dense varlen kernel."""
 
-import os
-
 import pytest
 import torch
 
 from pagedkv.ops import reference
 from pagedkv.ops import triton as triton_ops
 from pagedkv.ops.triton import dense_prefill, tuning
-from triton_cases import build_case, launch_keys, rel_err
+from triton_cases import build_case, rel_err, specialization
 
 SPECS = ["q8", "q6", "q4", "q4:rotate_keys", "turboquant", "turboquant:k=q4_0,v=q4_0,rotate_keys",
          "turboquant:k=q8_0,v=q4_0"]
@@ -113,12 +111,7 @@ def test_a_mixed_batchs_parts_start_on_16_bytes(num_decodes):
     mixed step must not be a slice from row `num_decodes` (a new compile, 0.3-0.6 s on an H200, at the first step
     whose decodes are not a multiple of four), so its device tensors are copies where a slice would be misaligned;
     same values, each specialized as a 16-byte-aligned pointer."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
     from test_triton_decode_window import window_case
-
-    def specialization(t):
-        return native_specialize_impl(BaseBackend, t, False, True, True)
 
     n = num_decodes + 2
     case, _ = window_case("q4", 4, 2, 64, ctx_lens=[40] * n, new_lens=[1] * num_decodes + [70, 64],
@@ -204,23 +197,3 @@ def test_a_window_splits_a_step_only_where_the_decode_kernel_reads_it():
     assert start("q4", new_lens=[4, 4], first_blocks=[1, 0]) is None   # a verify step: the decode kernel reads it
     assert start("q4", new_lens=[1, 1], first_blocks=[1, 0]) is None   # decodes
     assert start("q4", new_lens=[70, 1], first_blocks=[1, 0]) == (0, True)   # a decode after a chunk: whole
-
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="reads the interpreter's launches")
-@pytest.mark.parametrize("spec", ["q4", "turboquant"])
-def test_mixed_steps_compile_no_kernel_again_whatever_their_decodes(monkeypatch, spec):
-    """Steps of continuous batching that differ only in how many decodes come before the same chunks (1 to 5) launch
-    every kernel with a compile key the first step used: no kernel compiles again mid-stream. (The chunks' part
-    used to be a slice from row `decodes`: misaligned but for multiples of four, a compile of each chunk kernel,
-    0.3-0.6 s on an H200, at the first such step.)"""
-    keys = launch_keys(monkeypatch)
-    monkeypatch.setattr(tuning, "DENSE_PREFILL", True)
-    seen = []
-    for k in range(1, 6):
-        case = build_case(k, spec, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                          ctx_lens=[40] * k + [37, 0], new_lens=[1] * k + [70, 64])
-        triton_ops.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=0.125)
-        seen.append({name: set(launches) for name, launches in keys.items()})
-    assert "dequantize_kernel" in seen[0] and len(seen[0]) >= 2
-    assert seen[-1] == seen[0]

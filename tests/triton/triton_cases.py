@@ -79,14 +79,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def launch_keys(monkeypatch) -> dict[str, list[tuple]]:
-    """Every interpreted kernel launch from now on, by kernel name: what Triton's compile cache would key it on
-    (constexpr values; each other argument's type and specialization: ints == 1 / multiples of 16 unless
-    `do_not_specialize`, pointers' 16-byte alignment)."""
-    import inspect
-
+def specialization(value, specialize: bool = True) -> tuple:
+    """(type, value class) Triton's compile cache keys a non-constexpr argument on: ints == 1 / multiples of 16
+    (unless `do_not_specialize`), pointers' 16-byte alignment ("D": divisible by 16)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
+
+    return native_specialize_impl(BaseBackend, value, False, specialize, True)
+
+
+def launch_keys(monkeypatch) -> dict[str, list[tuple]]:
+    """Every interpreted kernel launch from now on, by kernel name: what Triton's compile cache would key it on
+    (constexpr values; each other argument's `specialization`)."""
+    import inspect
+
     from triton.runtime import interpreter
 
     keys: dict[str, list[tuple]] = {}
@@ -101,7 +107,7 @@ def launch_keys(monkeypatch) -> dict[str, list[tuple]]:
             if "constexpr" in str(param.annotation):
                 key.append((name, str(value)))
             elif isinstance(value, (torch.Tensor, int, float)):
-                key.append((name, native_specialize_impl(BaseBackend, value, False, name not in plain, True)))
+                key.append((name, specialization(value, name not in plain)))
         keys.setdefault(self.fn.__name__, []).append(tuple(key))
         return real(self, *args, grid=grid, warmup=warmup, **kwargs)
 
