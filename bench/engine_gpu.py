@@ -299,7 +299,7 @@ def attention_free():
 
 def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int,
                     max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024, swap: bool = False,
-                    compile_layers: bool | None = None) -> dict:
+                    compile_layers: bool | None = None, graph_batch_sizes: list[int] | None = None) -> dict:
     """`LLM.generate` over pages of `fmt` holding at most `budget_bytes` (all layers), every request admitted
     as the pages allow: output tokens/s, preemptions, how many blocks the budget bought, and the run's timeline
     (one row per engine step, see `engine_generate_run`). swap: a preempted request's blocks go to a host tier
@@ -309,10 +309,12 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     block_size = 16
     bytes_per_token = page_bytes_per_token(fmt, text.num_key_value_heads, head_dim, text.num_hidden_layers)
     num_blocks = budget_bytes // (bytes_per_token * block_size)
-    tiers = dict(cpu_cache_gb=budget_bytes / 2**30, swap_on_preemption=True) if swap else {}
+    options = dict(cpu_cache_gb=budget_bytes / 2**30, swap_on_preemption=True) if swap else {}
+    if graph_batch_sizes:
+        options["cuda_graph_batch_sizes"] = tuple(graph_batch_sizes)
     llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=len(prompts),
               max_num_batched_tokens=max_num_batched_tokens, admission_lookahead_tokens=admission_lookahead_tokens,
-              compile_layers=compile_layers, **tiers)
+              compile_layers=compile_layers, **options)
     # as many other requests of the same length for a few tokens first, so that the kernels' first-use compilation
     # is not timed (a cold Triton cache cut the measured tokens/s by 1.2-1.6x): full prefill steps, mixed steps and
     # decode batches of every size compile here (four short requests left some to the timed run: TurboQuant 13,740
@@ -490,6 +492,8 @@ def main(argv=None) -> int:
     p.add_argument("--free-attention", nargs="+", default=[], metavar="FORMAT",
                    help="same-memory run: these formats also run with attention returning zeros (cache writes kept, the "
                         "same schedule), the bound on what faster attention kernels could give them")
+    p.add_argument("--graph-batch-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="same-memory run: the CUDA graph buckets (default: the engine's, every 8 up to 256)")
     add_longest_first(p)
     p.add_argument("--fused-prefill", action="store_true",
                    help="prefill chunks over quantized pages through the fused kernels (`tuning.DENSE_PREFILL = False`) "
@@ -608,7 +612,8 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
                 for free in (False, True) if fmt in args.free_attention else (False,):
                     with attention_free() if free else contextlib.nullcontext():
                         r = same_memory_run(model, fmt, budget, prompts, args.new_tokens, args.max_num_batched_tokens,
-                                            lookahead, swap=mode == "swap", compile_layers=args.compile_layers)
+                                            lookahead, swap=mode == "swap", compile_layers=args.compile_layers,
+                                            graph_batch_sizes=args.graph_batch_sizes)
                     name = (fmt + (f", lookahead {lookahead}" if len(lookaheads) > 1 else "")
                             + (f", {mode}" if len(modes) > 1 else "") + (", attention free" if free else ""))
                     results["same_memory"][name] = r

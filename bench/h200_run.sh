@@ -16,6 +16,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh longest-first  # decode programs launched longest sequence first: the GPU
 #                                                  # tests, ragged batches by split count (q4, TurboQuant)
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-engine  # the same-memory run in grid order, then longest first
+#   OUT=/some/dir bash bench/h200_run.sh buckets   # the same-memory run with the CUDA graph buckets, then the old ones
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -111,6 +112,16 @@ longest-first-engine)   # the same-memory run in grid order (no step should stan
         --formats off turboquant q4 --longest-first --out "$OUT/memory_longest_first"
     run 30 python bench/engine_steps.py "$OUT/memory_grid_order/engine_memory.json" \
         "$OUT/memory_longest_first/engine_memory.json"
+    ;;
+buckets)   # the same-memory run with the CUDA graph buckets every 8 up to 256 (the default), then the ones before
+           # (1-32 by 8, 48, 64, 96, 128, 192, 256), and the steps of each
+    run 260 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --out "$OUT/memory_fine_buckets"
+    run 260 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --graph-batch-sizes 1 2 4 8 16 24 32 48 64 96 128 192 256 \
+        --out "$OUT/memory_coarse_buckets"
+    run 30 python bench/engine_steps.py "$OUT/memory_fine_buckets/engine_memory.json" \
+        "$OUT/memory_coarse_buckets/engine_memory.json"
     ;;
 longest-first-probes)   # ragged batches for off, and q4 at equal lengths (what a second split costs there)
     run 150 env FORMAT=off SHAPES='[[128, 2048], [96, 2048], [64, 8192]]' SPREAD=0.5 \
