@@ -76,6 +76,21 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
 
+def ragged_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    """Random prompts of these lengths (`random_prompts`' when they are all equal)."""
+    if len(set(lengths)) == 1:
+        return random_prompts(len(lengths), lengths[0], vocab, seed)
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def spread_lengths(n: int, mean: int, spread: float, seed: int) -> list[int]:
+    """n lengths uniform over mean x (1 - spread) .. mean x (1 + spread), seeded; all `mean` at spread 0."""
+    g = torch.Generator().manual_seed(seed)
+    low, high = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+    return torch.randint(low, high + 1, (n,), generator=g).tolist()
+
+
 def free_memory():
     gc.collect()
     if DEVICE == "cuda":
@@ -251,18 +266,20 @@ def generate_batch_run(model, prompts: list[list[int]], new_tokens: int) -> dict
 TIMELINE_COLUMNS = ["seconds", "running", "waiting", "blocks_used", "graph_replays", "preemptions"]
 
 
-def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int, timeline: bool = False) -> dict:
-    """`LLM.generate`'s loop over `prompts` (EOS ignored): output tokens/s and TTFT. With `timeline`, also one row
-    per engine step (`TIMELINE_COLUMNS`; replays and preemptions counted from this run's start), read from
-    attributes (no stats dict, no sync)."""
+def engine_generate_run(llm: LLM, prompts: list[list[int]], new_tokens: int | list[int],
+                        timeline: bool = False) -> dict:
+    """`LLM.generate`'s loop over `prompts` (EOS ignored; new_tokens: for all, or one per prompt): output tokens/s
+    and TTFT. With `timeline`, also one row per engine step (`TIMELINE_COLUMNS`; replays and preemptions counted
+    from this run's start), read from attributes (no stats dict, no sync)."""
     engine = llm.engine
     sched, pool, graphs = engine.scheduler, engine.cache.pool, engine.runner.graphs
     replays0, preemptions0 = (graphs.num_replays if graphs else 0), sched.num_preemptions
     rows = []
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    counts = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in counts]
     sync()
     start = time.perf_counter()
-    seqs = [engine.make_sequence(p, params) for p in prompts]
+    seqs = [engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]
     for seq in seqs:
         engine.add(seq)
     while engine.has_unfinished():
@@ -297,7 +314,7 @@ def attention_free():
         PagedKVCache.attention = real
 
 
-def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int,
+def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int | list[int],
                     max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024, swap: bool = False,
                     compile_layers: bool | None = None, graph_batch_sizes: list[int] | None = None) -> dict:
     """`LLM.generate` over pages of `fmt` holding at most `budget_bytes` (all layers), every request admitted
@@ -320,7 +337,7 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     # decode batches of every size compile here (four short requests left some to the timed run: TurboQuant 13,740
     # tokens/s against 16,083 with the cache warm from an earlier run). Other tokens, so that the prefix cache
     # shares nothing with the timed requests; their steps are left out of the counts
-    engine_generate_run(llm, random_prompts(len(prompts), len(prompts[0]), text.vocab_size, seed=99), 4)
+    engine_generate_run(llm, ragged_prompts([len(p) for p in prompts], text.vocab_size, seed=99), 4)
     warm = llm.stats()
     out = engine_generate_run(llm, prompts, new_tokens, timeline=True)
     stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
@@ -492,6 +509,8 @@ def main(argv=None) -> int:
     p.add_argument("--free-attention", nargs="+", default=[], metavar="FORMAT",
                    help="same-memory run: these formats also run with attention returning zeros (cache writes kept, the "
                         "same schedule), the bound on what faster attention kernels could give them")
+    p.add_argument("--length-spread", type=float, default=0.0, metavar="F",
+                   help="same-memory run: each request's prompt and output lengths uniform over their mean x (1 +- F)")
     p.add_argument("--graph-batch-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="same-memory run: the CUDA graph buckets (default: the engine's, every 8 up to 256)")
     add_longest_first(p)
@@ -602,7 +621,11 @@ def main(argv=None) -> int:
 
 
 def main_same_memory(model, args, results: dict, t_start: float) -> int:
-    prompts = random_prompts(args.requests, args.prompt_tokens, model.config.vocab_size, seed=1234)
+    # --length-spread: prompt lengths and output lengths spread around their means (the batches' sequences then
+    # differ in length, as a server's do); 0: every request alike
+    lengths = spread_lengths(args.requests, args.prompt_tokens, args.length_spread, seed=1234)
+    prompts = ragged_prompts(lengths, model.config.vocab_size, seed=1234)
+    new_tokens = spread_lengths(args.requests, args.new_tokens, args.length_spread, seed=4321)
     budget = int(args.same_memory * 2**30)
     results["same_memory"] = {}
     lookaheads, modes = args.admission_lookahead_tokens, args.preemption
@@ -611,7 +634,7 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
             for mode in modes:
                 for free in (False, True) if fmt in args.free_attention else (False,):
                     with attention_free() if free else contextlib.nullcontext():
-                        r = same_memory_run(model, fmt, budget, prompts, args.new_tokens, args.max_num_batched_tokens,
+                        r = same_memory_run(model, fmt, budget, prompts, new_tokens, args.max_num_batched_tokens,
                                             lookahead, swap=mode == "swap", compile_layers=args.compile_layers,
                                             graph_batch_sizes=args.graph_batch_sizes)
                     name = (fmt + (f", lookahead {lookahead}" if len(lookaheads) > 1 else "")

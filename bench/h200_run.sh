@@ -17,6 +17,8 @@
 #                                                  # tests, ragged batches by split count (q4, TurboQuant)
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-engine  # the same-memory run in grid order, then longest first
 #   OUT=/some/dir bash bench/h200_run.sh buckets   # the same-memory run with the CUDA graph buckets, then the old ones
+#   OUT=/some/dir bash bench/h200_run.sh ragged-engine  # the same-memory run with lengths spread +-50%, both orders
+#   OUT=/some/dir bash bench/h200_run.sh step-kernels  # an engine prefill step and decode step by kernel
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -122,6 +124,18 @@ buckets)   # the same-memory run with the CUDA graph buckets every 8 up to 256 (
         --out "$OUT/memory_coarse_buckets"
     run 30 python bench/engine_steps.py "$OUT/memory_fine_buckets/engine_memory.json" \
         "$OUT/memory_coarse_buckets/engine_memory.json"
+    ;;
+ragged-engine)   # the same-memory run with lengths spread +-50% (ragged batches, as a server's), in grid order
+                 # and longest first
+    for order in "" --longest-first; do
+        run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+            --length-spread 0.5 --formats off q4 turboquant $order --out "$OUT/memory_ragged${order:+_longest_first}"
+    done
+    ;;
+step-kernels)   # by kernel: a same-memory prefill step (16 prompts of 1,024 tokens) and a decode step at batch 128
+    run 200 python bench/engine_profile.py --formats off q4 --requests 16 --prompt-tokens 1024 --kernels --top 25
+    run 200 python bench/engine_profile.py --formats q4 turboquant --requests 128 --prompt-tokens 1536 \
+        --max-num-batched-tokens 16384 --kernels --top 20
     ;;
 longest-first-probes)   # ragged batches for off, and q4 at equal lengths (what a second split costs there)
     run 150 env FORMAT=off SHAPES='[[128, 2048], [96, 2048], [64, 8192]]' SPREAD=0.5 \
