@@ -466,16 +466,24 @@ def plot(results: dict, path: Path) -> bool:
     return True
 
 
-def add_longest_first(p: argparse.ArgumentParser) -> None:
+def add_layer_options(p: argparse.ArgumentParser) -> None:
+    """Options of this script and bench/engine_profile.py that change how the engine runs a step."""
     p.add_argument("--longest-first", action="store_true",
                    help="decode kernels launch their programs longest sequence first (`metadata.LONGEST_FIRST`)")
+    p.add_argument("--compile-dynamic", choices=("true", "auto"), default=None,
+                   help="compiled layers' shapes: every dimension symbolic (true) or the sizes that change (auto); "
+                        "default: `pagedkv.hf.COMPILE_OPTIONS`")
 
 
-def use_longest_first(args: argparse.Namespace) -> None:
+def use_layer_options(args: argparse.Namespace) -> None:
     if args.longest_first:
         from pagedkv.ops import metadata
 
         metadata.LONGEST_FIRST = True
+    if args.compile_dynamic:
+        import pagedkv.hf
+
+        pagedkv.hf.COMPILE_OPTIONS["dynamic"] = True if args.compile_dynamic == "true" else None
 
 
 def main(argv=None) -> int:
@@ -513,12 +521,12 @@ def main(argv=None) -> int:
                    help="same-memory run: each request's prompt and output lengths uniform over their mean x (1 +- F)")
     p.add_argument("--graph-batch-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="same-memory run: the CUDA graph buckets (default: the engine's, every 8 up to 256)")
-    add_longest_first(p)
+    add_layer_options(p)
     p.add_argument("--fused-prefill", action="store_true",
                    help="prefill chunks over quantized pages through the fused kernels (`tuning.DENSE_PREFILL = False`) "
                         "instead of dense scratch pages")
     args = p.parse_args(argv)
-    use_longest_first(args)
+    use_layer_options(args)
     if args.fused_prefill:
         from pagedkv.ops.triton import tuning
 

@@ -84,9 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", action="store_true", help="device time by kernel of the steps (torch.profiler)")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="the decoder layers compiled with torch.compile (default: EngineConfig's, on with CUDA graphs)")
-    engine_gpu.add_longest_first(p)
+    engine_gpu.add_layer_options(p)
     args = p.parse_args(argv)
-    engine_gpu.use_longest_first(args)
+    engine_gpu.use_layer_options(args)
     if args.tiny:
         engine_gpu.DEVICE = "cpu"
     measure = kernel_times if args.kernels else profiled

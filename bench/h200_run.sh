@@ -132,10 +132,14 @@ ragged-engine)   # the same-memory run with lengths spread +-50% (ragged batches
             --length-spread 0.5 --formats off q4 turboquant $order --out "$OUT/memory_ragged${order:+_longest_first}"
     done
     ;;
-step-kernels)   # by kernel: a same-memory prefill step (16 prompts of 1,024 tokens) and a decode step at batch 128
-    run 200 python bench/engine_profile.py --formats off q4 --requests 16 --prompt-tokens 1024 --kernels --top 25
-    run 200 python bench/engine_profile.py --formats q4 turboquant --requests 128 --prompt-tokens 1536 \
-        --max-num-batched-tokens 16384 --kernels --top 20
+step-kernels)   # by kernel, compiled layers with every dimension symbolic (as before) and with automatic dynamic
+                # shapes: a same-memory prefill step (16 prompts of 1,024 tokens), and a decode step at batch 128
+    for dyn in true auto; do
+        run 150 python bench/engine_profile.py --formats q4 --requests 16 --prompt-tokens 1024 --kernels --top 25 \
+            --compile-dynamic $dyn
+        run 150 python bench/engine_profile.py --formats q4 --requests 128 --prompt-tokens 1536 \
+            --max-num-batched-tokens 16384 --kernels --top 20 --compile-dynamic $dyn
+    done
     ;;
 longest-first-probes)   # ragged batches for off, and q4 at equal lengths (what a second split costs there)
     run 150 env FORMAT=off SHAPES='[[128, 2048], [96, 2048], [64, 8192]]' SPREAD=0.5 \

@@ -22,6 +22,10 @@ ATTN_IMPLEMENTATION = "pagedkv"
 _CACHE_KWARG = "pagedkv_cache"
 # set by `compile_layers`: the cache's writes and attention are opaque to torch.compile
 _opaque_to_compiler = False
+# torch.compile's options for `compile_layers`. dynamic=True makes every input dimension symbolic, the model's own
+# (head_dim, from the rotary cos/sin) included; dynamic=None (automatic) compiles the first shape static and then
+# only the sizes that changed (a step's tokens) dynamic, so the kernels index by constant head and hidden sizes.
+COMPILE_OPTIONS = {"dynamic": True}
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -115,8 +119,8 @@ def switch_model(model: torch.nn.Module) -> None:
 
 
 def compile_layers(model: torch.nn.Module, **options) -> int:
-    """Compile each decoder layer of `model` in place with torch.compile (`nn.Module.compile`; dynamic shapes unless
-    `options` say otherwise) and return how many. The paged cache's writes (`PagedKVCache.update`) and attention
+    """Compile each decoder layer of `model` in place with torch.compile (`nn.Module.compile`; `COMPILE_OPTIONS`
+    unless `options` say otherwise) and return how many. The paged cache's writes (`PagedKVCache.update`) and attention
     stay outside the compiled graphs, called from them as opaque functions (marked once per process), so what lies
     between them fuses (norms, rotary embeddings, activations, residual adds) while the cache's kernels run as
     before. A layer's index is not specialized on (`allow_unspec_int_on_nn_module`), so the layers share their
@@ -131,7 +135,7 @@ def compile_layers(model: torch.nn.Module, **options) -> int:
         register()
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
     for layer in layers:
-        layer.compile(**{"dynamic": True, **options})
+        layer.compile(**{**COMPILE_OPTIONS, **options})
     return len(layers)
 
 
