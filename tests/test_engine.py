@@ -1,10 +1,13 @@
 """The serving engine on the CPU with SmolLM2: continuous batching, chunked prefill, preemption, prefix
 caching and sampling give every request the tokens it gets alone, and free every block at the end."""
 
+import bisect
+
 import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams, load_model
+from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import ConfigError, ContextWindowError
 
 PROMPTS = [
@@ -171,3 +174,14 @@ def test_abort_frees_blocks_at_once(model_and_tokenizer):
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert finished[other].outputs[0].finish_reason == "length"
     assert_no_blocks_in_use(llm)
+
+
+@pytest.mark.parametrize("max_num_seqs", [256, 100, 5])
+def test_default_graph_buckets_pad_a_decode_batch_by_fewer_than_8_rows(max_num_seqs):
+    """A decode batch replays the smallest captured bucket that holds it, and every padded row costs the matrix
+    products as much as a real one: no batch the engine can run pads by 8 rows or more (or doubles, below 8)."""
+    sizes = EngineConfig(max_num_seqs=max_num_seqs).graph_batch_sizes
+    assert sizes == tuple(sorted(sizes)) and sizes[-1] >= max_num_seqs
+    for n in range(1, max_num_seqs + 1):
+        bucket = sizes[bisect.bisect_left(sizes, n)]
+        assert bucket - n < 8 and bucket < 2 * n, (n, bucket)

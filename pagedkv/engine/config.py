@@ -8,7 +8,10 @@ import torch
 
 from ..errors import ConfigError
 
-DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Every 8 up to 256 (as vLLM captures): a batch pads to the next bucket, and a padded row costs a decode step as much
+# as a real one in the matrix products (the same-memory run's q4 batches of 129-146 ran in the 192 bucket at 2.93 ms a
+# step against 2.47 ms at 128).
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4) + tuple(range(8, 257, 8))
 
 
 @dataclass(frozen=True)
