@@ -57,6 +57,20 @@ def test_compiled_layers_generate_the_eager_tokens_and_share_their_graphs(kv_for
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
 
 
+def test_compile_options_reach_every_layer_and_arguments_override_them(monkeypatch):
+    import pagedkv.hf
+    from pagedkv.hf import compile_layers
+
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **options: seen.append(options))
+    monkeypatch.setitem(pagedkv.hf.COMPILE_OPTIONS, "dynamic", None)
+    assert compile_layers(tiny_llama(layers=2)) == 2
+    assert seen == [{"dynamic": None}] * 2
+    seen.clear()
+    compile_layers(tiny_llama(layers=2), dynamic=True, mode="max-autotune-no-cudagraphs")
+    assert seen == [{"dynamic": True, "mode": "max-autotune-no-cudagraphs"}] * 2
+
+
 def test_a_model_without_decoder_layers_is_refused():
     from pagedkv.hf import compile_layers
 
