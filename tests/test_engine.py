@@ -4,7 +4,6 @@ caching and sampling give every request the tokens it gets alone, and free every
 import bisect
 
 import pytest
-import torch
 
 from pagedkv import LLM, SamplingParams, load_model
 from pagedkv.engine.config import EngineConfig
