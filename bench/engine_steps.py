@@ -19,30 +19,29 @@ from pathlib import Path
 def steps(rows: list[list[float]]) -> list[dict]:
     """One dict per step: its duration (ms) and what changed in it."""
     return [{"step": i, "at_s": t, "ms": 1e3 * (t - prev[0]), "batch": prev[1], "running": running,
-             "admitted": prev[2] - waiting,
-             "replayed": replays > prev[4], "preempted": preemptions - prev[5]}
+             "admitted": prev[2] - waiting, "replayed": replays > prev[4], "preempted": preemptions - prev[5]}
             for i, (prev, (t, running, waiting, _, replays, preemptions)) in enumerate(zip(rows, rows[1:]), start=1)]
 
 
-def by_batch(s: list[dict], width: int, min_steps: int = 20) -> str:
-    """The decode-graph steps' median (ms) per bin of `width` batch sizes (the sequences running into the step),
-    bins of at least `min_steps` steps."""
+def by_batch(graph: list[dict], width: int, min_steps: int = 20) -> str:
+    """The median (ms) of decode-graph steps `graph` per bin of `width` batch sizes (the sequences running into
+    the step), bins of at least `min_steps` steps."""
     bins: dict[int, list[float]] = {}
-    for x in s:
-        if x["replayed"] and x["admitted"] == 0:
-            bins.setdefault((x["batch"] - 1) // width, []).append(x["ms"])
+    for x in graph:
+        bins.setdefault((x["batch"] - 1) // width, []).append(x["ms"])
     return ", ".join(f"{b * width + 1}-{(b + 1) * width}: {statistics.median(v):.2f} ({len(v)})"
                      for b, v in sorted(bins.items()) if len(v) >= min_steps)
 
 
 def summary(name: str, rows: list[list[float]], slowest: int, width: int = 8) -> list[str]:
     s = steps(rows)
-    graph = [x["ms"] for x in s if x["replayed"] and x["admitted"] == 0]
-    other = [x for x in s if not (x["replayed"] and x["admitted"] == 0)]
+    graph = [x for x in s if x["replayed"] and x["admitted"] == 0]   # decode steps replaying a CUDA graph
+    ms = [x["ms"] for x in graph]
+    other_s = (sum(x["ms"] for x in s) - sum(ms)) / 1e3
     lines = [f"{name}: {len(s)} steps, {sum(x['ms'] for x in s) / 1e3:.2f} s; decode graph replays {len(graph)} "
-             f"(median {statistics.median(graph) if graph else float('nan'):.2f} ms, {sum(graph) / 1e3:.2f} s); "
-             f"other steps {len(other)} ({sum(x['ms'] for x in other) / 1e3:.2f} s)",
-             f"    decode-graph step median by batch, ms (steps): {by_batch(s, width)}"]
+             f"(median {statistics.median(ms) if ms else float('nan'):.2f} ms, {sum(ms) / 1e3:.2f} s); "
+             f"other steps {len(s) - len(graph)} ({other_s:.2f} s)",
+             f"    decode-graph step median by batch, ms (steps): {by_batch(graph, width)}"]
     for x in sorted(s, key=lambda x: -x["ms"])[:slowest]:
         lines.append(f"    step {x['step']:>5} at {x['at_s']:7.3f} s: {x['ms']:8.1f} ms, {x['running']} running, "
                      f"{x['admitted']:+d} admitted, {x['preempted']} preempted, "

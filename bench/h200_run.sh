@@ -117,12 +117,11 @@ longest-first-engine)   # the same-memory run in grid order (no step should stan
     ;;
 buckets)   # the same-memory run with CUDA graph buckets every 8 up to 256, then the ones before (1-32 by 8, 48,
            # 64, 96, 128, 192, 256), and the steps of each; MEMORY_OPTIONS: more engine_gpu.py options
-    run 260 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 ${MEMORY_OPTIONS:-} --graph-batch-sizes 1 2 4 $(seq 8 8 256) \
-        --out "$OUT/memory_fine_buckets"
-    run 260 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 ${MEMORY_OPTIONS:-} --graph-batch-sizes 1 2 4 8 16 24 32 48 64 96 128 192 256 \
-        --out "$OUT/memory_coarse_buckets"
+    for buckets in "fine:1 2 4 $(seq -s ' ' 8 8 256)" "coarse:1 2 4 8 16 24 32 48 64 96 128 192 256"; do
+        run 260 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+            --formats off turboquant q4 ${MEMORY_OPTIONS:-} --graph-batch-sizes ${buckets#*:} \
+            --out "$OUT/memory_${buckets%%:*}_buckets"
+    done
     run 30 python bench/engine_steps.py "$OUT/memory_fine_buckets/engine_memory.json" \
         "$OUT/memory_coarse_buckets/engine_memory.json"
     ;;
