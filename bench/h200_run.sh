@@ -115,12 +115,13 @@ longest-first-engine)   # the same-memory run in grid order (no step should stan
     run 30 python bench/engine_steps.py "$OUT/memory_grid_order/engine_memory.json" \
         "$OUT/memory_longest_first/engine_memory.json"
     ;;
-buckets)   # the same-memory run with CUDA graph buckets every 8 up to 256, then the ones before (1-32 by 8, 48,
-           # 64, 96, 128, 192, 256), and the steps of each; MEMORY_OPTIONS: more engine_gpu.py options
-    for buckets in "fine:1 2 4 $(seq -s ' ' 8 8 256)" "coarse:1 2 4 8 16 24 32 48 64 96 128 192 256"; do
+buckets)   # the same-memory run with the engine's CUDA graph buckets (every 8 up to 256), then the ones before
+           # (1-32 by 8, 48, 64, 96, 128, 192, 256), and the steps of each; MEMORY_OPTIONS: more engine_gpu.py options
+    for buckets in fine coarse; do
+        sizes=()
+        [ "$buckets" = coarse ] && sizes=(--graph-batch-sizes 1 2 4 8 16 24 32 48 64 96 128 192 256)
         run 260 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-            --formats off turboquant q4 ${MEMORY_OPTIONS:-} --graph-batch-sizes ${buckets#*:} \
-            --out "$OUT/memory_${buckets%%:*}_buckets"
+            --formats off turboquant q4 ${MEMORY_OPTIONS:-} "${sizes[@]}" --out "$OUT/memory_${buckets}_buckets"
     done
     run 30 python bench/engine_steps.py "$OUT/memory_fine_buckets/engine_memory.json" \
         "$OUT/memory_coarse_buckets/engine_memory.json"
