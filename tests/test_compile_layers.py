@@ -42,9 +42,10 @@ def test_compiled_layers_generate_the_eager_tokens_and_share_their_graphs(kv_for
     compiled = LLM(tiny_llama(), compile_layers=True, **options)
     prompts, params = requests(0, (5, 17, 3, 33))
     assert tokens(compiled.generate(prompts, params)) == tokens(eager.generate(prompts, params))
-    # three layers, one set of graphs: a layer's index is not specialized on (a graph for each of the layer's
-    # pieces between the cache's calls, not three of each)
-    assert 0 < counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
+    # three layers, one set of graphs: a layer's index is not specialized on (each of the layer's five pieces
+    # between the cache's calls compiled at most twice, static for the first shape and then with the token count
+    # dynamic, `COMPILE_OPTIONS`' automatic dynamic shapes; a graph per layer would make 15 or more)
+    assert 0 < counters["stats"]["unique_graphs"] <= 10, dict(counters["stats"])
     # steps of one token (one sequence decoding alone) get their own graphs once: torch.compile specializes a
     # dimension of size 1
     prompts, params = requests(2, (9,))
