@@ -468,18 +468,19 @@ def plot(results: dict, path: Path) -> bool:
 
 def add_layer_options(p: argparse.ArgumentParser) -> None:
     """Options of this script and bench/engine_profile.py that change how the engine runs a step."""
-    p.add_argument("--longest-first", action="store_true",
-                   help="decode kernels launch their programs longest sequence first (`metadata.LONGEST_FIRST`)")
+    p.add_argument("--launch-order", choices=("grid", "longest-first"), default=None,
+                   help="decode kernels launch their programs in grid order or longest sequence first; default: "
+                        "`pagedkv.ops.metadata.LONGEST_FIRST` (longest first)")
     p.add_argument("--compile-dynamic", choices=("true", "auto"), default=None,
                    help="compiled layers' shapes: every dimension symbolic (true) or the sizes that change (auto); "
                         "default: `pagedkv.hf.COMPILE_OPTIONS`")
 
 
 def use_layer_options(args: argparse.Namespace) -> None:
-    if args.longest_first:
+    if args.launch_order:
         from pagedkv.ops import metadata
 
-        metadata.LONGEST_FIRST = True
+        metadata.LONGEST_FIRST = args.launch_order == "longest-first"
     if args.compile_dynamic:
         import pagedkv.hf
 

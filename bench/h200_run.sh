@@ -109,9 +109,9 @@ longest-first)   # `metadata.LONGEST_FIRST`: the kernels in any token order, the
 longest-first-engine)   # the same-memory run in grid order (no step should stand out: the compile fixed in
                         # session 28), then longest first; the slowest steps of each
     run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 --out "$OUT/memory_grid_order"
+        --formats off turboquant q4 --launch-order grid --out "$OUT/memory_grid_order"
     run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 --longest-first --out "$OUT/memory_longest_first"
+        --formats off turboquant q4 --launch-order longest-first --out "$OUT/memory_longest_first"
     run 30 python bench/engine_steps.py "$OUT/memory_grid_order/engine_memory.json" \
         "$OUT/memory_longest_first/engine_memory.json"
     ;;
@@ -128,9 +128,9 @@ buckets)   # the same-memory run with the engine's CUDA graph buckets (every 8 u
     ;;
 ragged-engine)   # the same-memory run with lengths spread +-50% (ragged batches, as a server's), in grid order
                  # and longest first
-    for order in "" --longest-first; do
+    for order in grid longest-first; do
         run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-            --length-spread 0.5 --formats off q4 turboquant $order --out "$OUT/memory_ragged${order:+_longest_first}"
+            --length-spread 0.5 --formats off q4 turboquant --launch-order $order --out "$OUT/memory_ragged_${order/-/_}"
     done
     ;;
 step-kernels)   # by kernel, compiled layers with every dimension symbolic (as before) and with automatic dynamic

@@ -1,4 +1,4 @@
-"""A decode step's launch order, longest sequence first (`metadata.LONGEST_FIRST`, off by default): the planners'
+"""A decode step's launch order, longest sequence first (`metadata.LONGEST_FIRST`, on by default): the planners'
 token order, the Gluon kernels' grid over it (`decode_gluon.launch_grid`), the split count it asks for, and the
 CUDA graph runner's static order row, refilled each step (on the CPU; the kernels' outputs under it are checked on
 the GPU in tests/triton/test_decode_gluon.py)."""
@@ -93,7 +93,9 @@ def test_the_cache_orders_decode_and_verify_steps_only(monkeypatch):
     from pagedkv.cache import PagedKVCache
 
     order = PagedKVCache._token_order
-    assert order([30, 50], [1, 1], None, "cuda") is None   # off by default
+    assert metadata.LONGEST_FIRST   # on by default
+    monkeypatch.setattr(metadata, "LONGEST_FIRST", False)
+    assert order([30, 50], [1, 1], None, "cuda") is None   # turned off: grid order
     monkeypatch.setattr(metadata, "LONGEST_FIRST", True)
     assert order([30, 50], [1, 1], None, "cpu") is None   # the CPU's reference path has no launch order
     assert order([1024, 1024], [1024, 1024], None, "cuda") is None   # prefill chunks: no decode kernel reads it
