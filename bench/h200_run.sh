@@ -133,8 +133,9 @@ ragged-engine)   # the same-memory run with lengths spread +-50% (ragged batches
             --length-spread 0.5 --formats off q4 turboquant --launch-order $order --out "$OUT/memory_ragged_${order/-/_}"
     done
     ;;
-step-kernels)   # by kernel, compiled layers with every dimension symbolic (as before) and with automatic dynamic
-                # shapes: a same-memory prefill step (16 prompts of 1,024 tokens), and a decode step at batch 128
+step-kernels)   # by kernel (and the kernels' total beside the step's wall time), compiled layers with every
+                # dimension symbolic and with automatic dynamic shapes (the default): a same-memory prefill step
+                # (16 prompts of 1,024 tokens), and a decode step at batch 128
     for dyn in true auto; do
         run 150 python bench/engine_profile.py --formats q4 --requests 16 --prompt-tokens 1024 --kernels --top 25 \
             --compile-dynamic $dyn
