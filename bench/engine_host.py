@@ -16,7 +16,8 @@ prefilled 16,384 tokens a step (so they start decoding a few steps apart), `--wa
 then `--steps` timed ones, with max_tokens such that the first-prefilled requests finish inside the
 window (their finishing steps count, as they do on the GPU). The window runs twice on fresh engines:
 untimed, for the step times, and with each phase timed by wrapping the engine's methods (inclusive
-means per step; nested phases are indented). Writes bench/results/engine_host.json, keeping the runs
+means per step; nested phases are indented). The prefill before the window is timed too: the host's part of a
+prefill step (scheduling, prefix hashes, slot reservation, the input tensors), which the GPU waits for. Writes bench/results/engine_host.json, keeping the runs
 of other `--label`s, and prints the `--compare` label's largest-batch column beside this run's.
 
     python bench/engine_host.py --label after --compare before
@@ -142,9 +143,10 @@ def run_window(batch: int, context: int, steps: int, warm: int, vocab: int, widt
     prompts = torch.randint(0, vocab, (batch, context), generator=g).tolist()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     seqs = [engine.requests[engine.add_request(p, params)] for p in prompts]
-    t0 = time.perf_counter()
+    t0, prefill_steps = time.perf_counter(), 0
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
+        prefill_steps += 1
     prefill_s = time.perf_counter() - t0
     for _ in range(warm):
         engine.step()
@@ -165,6 +167,7 @@ def run_window(batch: int, context: int, steps: int, warm: int, vocab: int, widt
         delattr(owner, name)
     out = {"step_us": step_us, "finished_per_step": finished, "steps_queued_ahead": engine.num_steps_ahead - ahead0,
            "requests_finished": engine.num_finished - done0, "gc_collections": gc_runs, "prefill_s": prefill_s,
+           "prefill_steps": prefill_steps,
            "phases_us": {label: totals.get(label, 0.0) / steps * 1e6 for label, _, _ in phases(engine)} if timed else {}}
     while engine.has_unfinished():
         engine.step()
@@ -183,7 +186,7 @@ def measure(batch: int, context: int, steps: int, warm: int, vocab: int, width: 
             "step_us_steady_mean": statistics.fmean(steady) if steady else None,
             "step_us_timed_mean": statistics.fmean(timed["step_us"]),
             **{k: plain[k] for k in ("step_us", "finished_per_step", "steps_queued_ahead", "requests_finished",
-                                     "gc_collections", "prefill_s")},
+                                     "gc_collections", "prefill_s", "prefill_steps")},
             "phases_us": timed["phases_us"]}
 
 
@@ -213,7 +216,18 @@ def plot(stored: dict, path: Path) -> bool:
     runs = stored["runs"]
     batches = sorted({int(b) for r in runs.values() for b in r["batches"]})
     big = str(max(batches))
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4))
+    prefill = {label: [r["batches"][str(b)]["prefill_s"] * 1e3 / r["batches"][str(b)]["prefill_steps"]
+                       if "prefill_steps" in r["batches"].get(str(b), {}) else 0 for b in batches]
+               for label, r in runs.items()}
+    with_prefill = any(v for values in prefill.values() for v in values)
+    fig, axes = plt.subplots(1, 3 if with_prefill else 2, figsize=(18 if with_prefill else 12, 4))
+    ax0, ax1 = axes[0], axes[1]
+    if with_prefill:   # runs stored before the prefill was timed have no bar here
+        for container, values in zip(plotting.grouped_bars(axes[2], [f"batch {b}" for b in batches], prefill),
+                                     prefill.values()):
+            axes[2].bar_label(container, [f"{v:.1f}" for v in values], fontsize=7)
+        axes[2].set_ylabel("host ms per prefill step (up to 16,384 tokens), lower is better")
+        axes[2].legend(fontsize=8)
     series = {label: [r["batches"].get(str(b), {}).get("step_us_mean", 0) for b in batches] for label, r in runs.items()}
     for container, values in zip(plotting.grouped_bars(ax0, [f"batch {b}" for b in batches], series), series.values()):
         ax0.bar_label(container, [f"{v:.0f}" for v in values], fontsize=7)
@@ -226,7 +240,8 @@ def plot(stored: dict, path: Path) -> bool:
                           horizontal=True)
     ax1.tick_params(axis="y", labelsize=8)
     ax1.set_xlabel(f"host us per step at batch {big}, by phase")
-    fig.suptitle("engine host work per decode step (CPU, stand-in model and graph replay)", fontsize=9)
+    fig.suptitle("engine host work per decode step and per prefill step (CPU, stand-in model and graph replay)",
+                 fontsize=9)
     plotting.save(fig, path)
     return True
 
@@ -255,7 +270,9 @@ def main(argv=None) -> int:
         run["batches"][str(b)] = measure(b, args.context, args.steps, args.warm, args.vocab, args.logits_width)
         r = run["batches"][str(b)]
         print(f"batch {b}: {r['step_us_mean']:.0f} us per step ({r['requests_finished']} requests finished in the "
-              f"window, {r['steps_queued_ahead']} of {args.steps} steps queued ahead)", flush=True)
+              f"window, {r['steps_queued_ahead']} of {args.steps} steps queued ahead); prefill "
+              f"{r['prefill_s'] * 1e3 / r['prefill_steps']:.1f} ms per step of up to 16,384 tokens "
+              f"({r['prefill_steps']} steps)", flush=True)
 
     out = Path(args.out)
     stored = json.loads(out.read_text()) if out.exists() else {"runs": {}}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import warnings
 
+import numpy as np
 import torch
 
 from ..cache import PagedKVCache
@@ -130,9 +131,9 @@ class ModelRunner:
         meta = self.cache.begin_step([s.seq_id for s in seqs], counts, device=self.device)
         meta.phase_hint = "verify" if any(spec) else None
         try:
-            out = self.model(input_ids=torch.tensor([input_ids], device=self.device),  # [1, num_tokens]
-                             position_ids=torch.tensor([positions], device=self.device),
-                             logits_to_keep=torch.tensor(keep, device=self.device), use_cache=True,
+            out = self.model(input_ids=self._ids(input_ids)[None],  # [1, num_tokens]
+                             position_ids=self._ids(positions)[None],
+                             logits_to_keep=self._ids(keep), use_cache=True,
                              **{self.cache_kwarg: self.cache})
         finally:
             self.cache.end_forward()
@@ -143,3 +144,8 @@ class ModelRunner:
             row += len(r)
         logits = logits[:num_sample_rows]
         return (logits if sample_idx else logits[:0]), sample_idx, False, prompt_logits
+
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        """An int64 tensor on the model's device from a list of ints: through numpy, which converts a long list (a
+        prefill step's 16,384 token ids) ten times faster than `torch.tensor` does."""
+        return torch.from_numpy(np.array(values, dtype=np.int64)).to(self.device)
