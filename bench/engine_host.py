@@ -17,8 +17,9 @@ then `--steps` timed ones, with max_tokens such that the first-prefilled request
 window (their finishing steps count, as they do on the GPU). The window runs twice on fresh engines:
 untimed, for the step times, and with each phase timed by wrapping the engine's methods (inclusive
 means per step; nested phases are indented). The prefill before the window is timed too: the host's part of a
-prefill step (scheduling, prefix hashes, slot reservation, the input tensors), which the GPU waits for. Writes bench/results/engine_host.json, keeping the runs
-of other `--label`s, and prints the `--compare` label's largest-batch column beside this run's.
+prefill step (scheduling, prefix hashes, slot reservation, the input tensors), which the GPU waits for. Writes
+bench/results/engine_host.json, keeping the runs of other `--label`s, and prints the `--compare` label's
+largest-batch column beside this run's.
 
     python bench/engine_host.py --label after --compare before
 """
@@ -148,6 +149,7 @@ def run_window(batch: int, context: int, steps: int, warm: int, vocab: int, widt
         engine.step()
         prefill_steps += 1
     prefill_s = time.perf_counter() - t0
+    prefill_ms_per_step = prefill_s * 1e3 / prefill_steps
     for _ in range(warm):
         engine.step()
     assert engine._in_flight is not None, "decode steps are not queued ahead: the harness measures the wrong path"
@@ -167,7 +169,7 @@ def run_window(batch: int, context: int, steps: int, warm: int, vocab: int, widt
         delattr(owner, name)
     out = {"step_us": step_us, "finished_per_step": finished, "steps_queued_ahead": engine.num_steps_ahead - ahead0,
            "requests_finished": engine.num_finished - done0, "gc_collections": gc_runs, "prefill_s": prefill_s,
-           "prefill_steps": prefill_steps,
+           "prefill_steps": prefill_steps, "prefill_ms_per_step": prefill_ms_per_step,
            "phases_us": {label: totals.get(label, 0.0) / steps * 1e6 for label, _, _ in phases(engine)} if timed else {}}
     while engine.has_unfinished():
         engine.step()
@@ -186,7 +188,7 @@ def measure(batch: int, context: int, steps: int, warm: int, vocab: int, width: 
             "step_us_steady_mean": statistics.fmean(steady) if steady else None,
             "step_us_timed_mean": statistics.fmean(timed["step_us"]),
             **{k: plain[k] for k in ("step_us", "finished_per_step", "steps_queued_ahead", "requests_finished",
-                                     "gc_collections", "prefill_s", "prefill_steps")},
+                                     "gc_collections", "prefill_s", "prefill_steps", "prefill_ms_per_step")},
             "phases_us": timed["phases_us"]}
 
 
@@ -216,8 +218,7 @@ def plot(stored: dict, path: Path) -> bool:
     runs = stored["runs"]
     batches = sorted({int(b) for r in runs.values() for b in r["batches"]})
     big = str(max(batches))
-    prefill = {label: [r["batches"][str(b)]["prefill_s"] * 1e3 / r["batches"][str(b)]["prefill_steps"]
-                       if "prefill_steps" in r["batches"].get(str(b), {}) else 0 for b in batches]
+    prefill = {label: [r["batches"].get(str(b), {}).get("prefill_ms_per_step", 0) for b in batches]
                for label, r in runs.items()}
     with_prefill = any(v for values in prefill.values() for v in values)
     fig, axes = plt.subplots(1, 3 if with_prefill else 2, figsize=(18 if with_prefill else 12, 4))
@@ -271,7 +272,7 @@ def main(argv=None) -> int:
         r = run["batches"][str(b)]
         print(f"batch {b}: {r['step_us_mean']:.0f} us per step ({r['requests_finished']} requests finished in the "
               f"window, {r['steps_queued_ahead']} of {args.steps} steps queued ahead); prefill "
-              f"{r['prefill_s'] * 1e3 / r['prefill_steps']:.1f} ms per step of up to 16,384 tokens "
+              f"{r['prefill_ms_per_step']:.1f} ms per step of up to 16,384 tokens "
               f"({r['prefill_steps']} steps)", flush=True)
 
     out = Path(args.out)

@@ -95,6 +95,9 @@ def main(argv=None) -> int:
     measure = kernel_times if args.kernels else profiled
     model = build_model(args.layers, args.tiny)
     prompts = random_prompts(args.requests, args.prompt_tokens, model.config.vocab_size, seed=1234)
+    # to compile each format's kernels outside the profile: other prompts, since the measured ones would hit the
+    # prefix cache and the profiled prefill step compute fewer tokens than it says
+    warm_up = random_prompts(2, args.prompt_tokens, model.config.vocab_size, seed=4321)
     for fmt in args.formats:
         llm = LLM(model, kv_format=fmt, num_blocks=args.requests * (args.prompt_tokens // 16 + 8) + 64,
                   max_num_seqs=args.requests, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -102,9 +105,7 @@ def main(argv=None) -> int:
         engine = llm.engine
         engine.runner.graphs = None
         params = SamplingParams(max_tokens=64, ignore_eos=True)
-        # compile this format's kernels outside the profile, with other prompts: the measured ones would hit the
-        # prefix cache and the profiled prefill step compute fewer tokens than it says
-        for prompt in random_prompts(2, args.prompt_tokens, model.config.vocab_size, seed=4321):
+        for prompt in warm_up:
             engine.add_request(prompt, params)
         while engine.has_unfinished():
             engine.step()

@@ -152,7 +152,8 @@ def paged_layer(fmt_spec: str, keys: torch.Tensor, values: torch.Tensor, num_seq
 
 def decode_meta(table: torch.Tensor, seq_len: int | list[int], num_new: int = 1) -> AttentionMetadata:
     """Metadata of a step of `num_new` tokens per sequence over `table`; `seq_len`: every sequence's length, or a
-    list of one length per sequence (each within the table's reach)."""
+    list of one length per sequence (each within the table's reach). No token order: the kernels launch in grid
+    order, whatever `metadata.LONGEST_FIRST` says (the engine's steps launch longest first)."""
     n = table.shape[0]
     lens = list(seq_len) if isinstance(seq_len, (list, tuple)) else [seq_len] * n
     qsl = list(range(0, n * num_new + 1, num_new))
