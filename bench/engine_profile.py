@@ -10,6 +10,12 @@ kernels' total, per format.
     python bench/engine_profile.py --formats off turboquant
     python bench/engine_profile.py --formats off q4 turboquant --requests 128 --prompt-tokens 1536 --kernels
     python bench/engine_profile.py --formats q4 --kernels --no-compile-layers   # decoder layers eager
+    python bench/engine_profile.py --formats q4 --requests 16 --kernels --trace bench/results/h200   # + GPU idle
+
+`--trace DIR` then runs one more prefill step of new prompts under `torch.profiler` with the host's Python stack,
+writes its chrome trace to DIR/prefill_step_trace_FORMAT.json.gz and prints where the GPU waited
+(`bench/trace_gaps.py`), and runs another with `torch.cuda.set_sync_debug_mode("warn")`: every call that makes the
+host wait for the GPU inside a step is printed with its line.
 """
 
 from __future__ import annotations
@@ -75,6 +81,32 @@ def kernel_times(fn, n: int, top: int, label: str) -> float:
     return total
 
 
+def trace_step(fn, path: Path, top: int) -> None:
+    """One call of `fn` under torch.profiler (CPU and CUDA, Python stacks), its chrome trace written to `path`
+    (gzip), then its GPU idle stretches printed."""
+    import gzip
+    import shutil
+
+    import trace_gaps
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with profile(activities=activities, with_stack=True) as prof:
+        start = time.perf_counter()
+        fn()
+        sync()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    plain = path.with_suffix("")   # .json
+    prof.export_chrome_trace(str(plain))
+    with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
+    print(f"--- traced step: {wall_ms:.1f} ms wall under the profiler, trace in {path}", flush=True)
+    if torch.cuda.is_available():
+        trace_gaps.main([str(path), "--top", str(top)])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=8)
@@ -85,6 +117,9 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
     p.add_argument("--kernels", action="store_true", help="device time by kernel of the steps (torch.profiler)")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="also trace one more prefill step (chrome trace into DIR, GPU idle stretches printed) and run "
+                        "another with CUDA sync debugging on")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="the decoder layers compiled with torch.compile (default: EngineConfig's, on with CUDA graphs)")
     engine_gpu.add_layer_options(p)
@@ -120,6 +155,27 @@ def main(argv=None) -> int:
                 f"{args.prompt_tokens} tokens of context")
         for r in rids:
             engine.abort(r)
+        while engine.has_unfinished():
+            engine.step()
+        if args.trace is not None:
+            args.trace.mkdir(parents=True, exist_ok=True)
+            fresh = random_prompts(2 * args.requests, args.prompt_tokens, model.config.vocab_size, seed=777)
+            rids = [engine.add_request(prompt, params) for prompt in fresh[:args.requests]]
+            trace_step(engine.step, args.trace / f"prefill_step_trace_{fmt}.json.gz", args.top)
+            rids += [engine.add_request(prompt, params) for prompt in fresh[args.requests:]]
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                start = time.perf_counter()
+                engine.step()
+                sync()
+                print(f"--- a prefill step under sync debugging: {(time.perf_counter() - start) * 1e3:.1f} ms",
+                      flush=True)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.set_sync_debug_mode(0)
+            for r in rids:
+                engine.abort(r)
         del llm, engine
     return 0
 

@@ -19,6 +19,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh buckets   # the same-memory run with the CUDA graph buckets, then the old ones
 #   OUT=/some/dir bash bench/h200_run.sh ragged-engine  # the same-memory run with lengths spread +-50%, both orders
 #   OUT=/some/dir bash bench/h200_run.sh step-kernels  # an engine prefill step and decode step by kernel
+#   OUT=/some/dir bash bench/h200_run.sh prefill-gaps  # where the GPU waits in a prefill step; same-memory run
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -142,6 +143,14 @@ step-kernels)   # by kernel (and the kernels' total beside the step's wall time)
         run 150 python bench/engine_profile.py --formats q4 --requests 128 --prompt-tokens 1536 \
             --max-num-batched-tokens 16384 --kernels --top 20 --compile-dynamic $dyn
     done
+    ;;
+prefill-gaps)   # where the GPU waits in a same-memory prefill step (16 prompts of 1,024 tokens, q4): kernels and wall,
+                # a chrome trace with the host's Python stack read by bench/trace_gaps.py, a step under CUDA sync
+                # debugging; then the same-memory run with the defaults
+    run 200 python bench/engine_profile.py --formats q4 turboquant --requests 16 --prompt-tokens 1024 --kernels --top 12 \
+        --trace "$OUT"
+    run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --out "$OUT/memory_defaults"
     ;;
 longest-first-probes)   # ragged batches for off, and q4 at equal lengths (what a second split costs there)
     run 150 env FORMAT=off SHAPES='[[128, 2048], [96, 2048], [64, 8192]]' SPREAD=0.5 \
