@@ -74,11 +74,13 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
     layers = [kb.paged_layer(FORMAT, keys, values, num_seqs, seq_len, None if ORDERED else gen)
               for _ in range(kb.copies_for(n * kb.NUM_KV_HEADS * 264))]
     lens = lengths(num_seqs, seq_len)
-    metas = [kb.decode_meta(t, lens) for _, _, t in layers]
-    # longest-first variants read the order from the metadata, made here: timing captures CUDA graphs, where the
-    # host-to-device copy of `decode_io.longest_first_on_device` cannot run
-    ordered_metas = ([dataclasses.replace(m, token_order=decode_io.longest_first_on_device(m, num_seqs)) for m in metas]
-                     if any(o.get("ordered") for o in VARIANTS.values()) else metas)
+    metas = [kb.decode_meta(t, lens) for _, _, t in layers]   # the engine's launch order (the default's column)
+    # the variants launch in grid order, or longest first with "ordered": the order is made here, since timing
+    # captures CUDA graphs, where the host-to-device copy of `decode_io.longest_first_on_device` cannot run
+    grid_metas = [dataclasses.replace(m, token_order=None) for m in metas]
+    ordered_metas = ([m if m.token_order is not None else
+                      dataclasses.replace(m, token_order=decode_io.longest_first_on_device(m, num_seqs)) for m in metas]
+                     if any(o.get("ordered") for o in VARIANTS.values()) else grid_metas)
 
     def calls(fn, ms=metas):
         return [lambda q=queries[i % copies], p=p, f=f, m=m: fn(q, p, f, m)
@@ -97,7 +99,7 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
             row[f"gluon_{name}_split{sp}_err"] = kb.rel_err(o, ref)
             row[f"gluon_{name}_split{sp}_us"] = kb.time_per_call(calls(
                 lambda q, p, f, m, sp=sp, opts=opts: launch(q, p, f, m, scale=kb.SCALE, num_splits=sp, **opts),
-                ordered_metas if opts.get("ordered") else metas)) * 1e3
+                ordered_metas if opts.get("ordered") else grid_metas)) * 1e3
     best = min((v, kk) for kk, v in row.items() if kk.startswith("gluon") and kk.endswith("_us"))
     print(f"{FORMAT} ({num_seqs}, {seq_len}): sdpa {row['sdpa_us']:.1f} us, default {row['default_us']:.1f} us "
           f"({row['default_us'] / row['sdpa_us']:.3f}), gluon best {best[1]} {best[0]:.1f} us ({best[0] / row['sdpa_us']:.3f}); "

@@ -32,10 +32,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import plotting  # noqa: E402  (bench/plotting.py, beside this script)
+from pagedkv.cache import PagedKVCache  # noqa: E402
 from pagedkv.config import KVFormat  # noqa: E402
 from pagedkv.formats import make_format  # noqa: E402
 from pagedkv.ops import reference  # noqa: E402
 from pagedkv.ops import triton as triton_ops  # noqa: E402
+from pagedkv.ops import metadata  # noqa: E402
 from pagedkv.ops.metadata import AttentionMetadata  # noqa: E402
 from pagedkv.ops.triton import attention, split_k, tuning  # noqa: E402
 from pagedkv.ops.triton.tuning import DecodeTiles, TileConfig  # noqa: E402
@@ -152,14 +154,15 @@ def paged_layer(fmt_spec: str, keys: torch.Tensor, values: torch.Tensor, num_seq
 
 def decode_meta(table: torch.Tensor, seq_len: int | list[int], num_new: int = 1) -> AttentionMetadata:
     """Metadata of a step of `num_new` tokens per sequence over `table`; `seq_len`: every sequence's length, or a
-    list of one length per sequence (each within the table's reach). No token order: the kernels launch in grid
-    order, whatever `metadata.LONGEST_FIRST` says (the engine's steps launch longest first)."""
+    list of one length per sequence (each within the table's reach). With the token order the engine's steps get
+    (`PagedKVCache._token_order`: longest first while `metadata.LONGEST_FIRST`), so the kernels launch as served."""
     n = table.shape[0]
     lens = list(seq_len) if isinstance(seq_len, (list, tuple)) else [seq_len] * n
     qsl = list(range(0, n * num_new + 1, num_new))
     return AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32, device=DEV),
                              torch.tensor(qsl, dtype=torch.int32, device=DEV),
-                             torch.zeros(n * num_new, dtype=torch.int64, device=DEV), None, lens, qsl, BLOCK_SIZE)
+                             torch.zeros(n * num_new, dtype=torch.int64, device=DEV), None, lens, qsl, BLOCK_SIZE,
+                             token_order=PagedKVCache._token_order(lens, [num_new] * n, None, DEV))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -569,7 +572,8 @@ def main() -> None:
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(DEV),
               "torch": torch.__version__, "triton": __import__("triton").__version__,
               "command": "python " + " ".join(sys.argv), "shapes": {"num_q_heads": NUM_Q_HEADS,
-              "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE}}
+              "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
+              "decode_launch_order": "longest-first" if metadata.LONGEST_FIRST else "grid"}
     warm_up()
     result["copy"] = copy_bandwidth()
     print(f"copy bandwidth: {result['copy']['gbps']:.0f} GB/s (read + write; kernel {result['copy']['kernel_gbps']:.0f}, "
