@@ -358,19 +358,10 @@ class PagedKVCache(Cache):
     @staticmethod
     def _token_order(seq_lens: list[int], num_new_tokens: list[int], token_mask, device) -> torch.Tensor | None:
         """The step's query tokens longest attention span first, for the GPU decode kernels' launch order
-        (`metadata.LONGEST_FIRST`; on CUDA, steps of equally many packed new tokens per sequence, as many as the
-        decode kernels read at most: decode and verify steps, not prefill chunks), else None."""
+        (`metadata.launch_order`); None for a padded batch."""
         from .ops import metadata
 
-        if not (metadata.LONGEST_FIRST and torch.device(device).type == "cuda" and token_mask is None
-                and num_new_tokens and len(set(num_new_tokens)) == 1):
-            return None
-        from .ops.triton.tuning import WINDOW_MAX_NEW_TOKENS
-
-        if num_new_tokens[0] > WINDOW_MAX_NEW_TOKENS:
-            return None
-        order = metadata.longest_first(seq_lens, num_new_tokens[0])
-        return torch.from_numpy(order).to(device, non_blocking=True)
+        return None if token_mask is not None else metadata.launch_order(seq_lens, num_new_tokens, device)
 
     def begin_forward(self, batch_size: int, num_columns: int, attention_mask: torch.Tensor | None,
                       device: torch.device) -> AttentionMetadata:

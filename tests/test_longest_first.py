@@ -100,3 +100,28 @@ def test_the_cache_orders_decode_and_verify_steps_only(monkeypatch):
     assert order([30, 50], [1, 1], None, "cpu") is None   # the CPU's reference path has no launch order
     assert order([1024, 1024], [1024, 1024], None, "cuda") is None   # prefill chunks: no decode kernel reads it
     assert order([30, 50], [1, 2], None, "cuda") is None   # unequal new tokens
+
+
+def test_a_mixed_steps_decodes_launch_in_the_order_decode_steps_do(monkeypatch):
+    """Quantized pages split a mixed step: its decodes run the decode kernels over their own metadata (`part`). They
+    launch longest first as decode steps do, so they use the kernel variants the CUDA graphs compiled (in grid order
+    a q4 engine compiled another variant mid-stream: a 0.9 s step on an H200); its prefill chunks get no order."""
+    from pagedkv.ops.triton import dense_prefill
+
+    calls = []
+
+    def order(seq_lens, num_new_tokens, device):
+        calls.append((list(seq_lens), list(num_new_tokens)))
+        return torch.tensor(metadata.longest_first(seq_lens, num_new_tokens[0])) if len(set(num_new_tokens)) == 1 else None
+
+    monkeypatch.setattr(metadata, "launch_order", order)
+    lens, new = [30, 50, 40, 64, 96], [1, 1, 1, 64, 32]
+    qsl = [0]
+    for n in new:
+        qsl.append(qsl[-1] + n)
+    meta = metadata.AttentionMetadata(torch.zeros(5, 8, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                                      torch.tensor(qsl, dtype=torch.int32), torch.zeros(qsl[-1], dtype=torch.int64),
+                                      None, lens, qsl, 16)
+    decodes, chunks = dense_prefill.part(meta, 0, 3), dense_prefill.part(meta, 3, 5)
+    assert calls == [([30, 50, 40], [1, 1, 1]), ([64, 96], [64, 32])]
+    assert decodes.token_order.tolist() == [1, 2, 0] and chunks.token_order is None

@@ -25,6 +25,21 @@ def longest_first(seq_lens, tokens_per_seq: int) -> np.ndarray | None:
     return (seqs[:, None] * tokens_per_seq + np.arange(tokens_per_seq - 1, -1, -1)).reshape(-1).astype(np.int32)
 
 
+def launch_order(seq_lens, num_new_tokens, device) -> torch.Tensor | None:
+    """The token order a step's GPU decode kernels launch in (`AttentionMetadata.token_order`), or None for grid
+    order: with `LONGEST_FIRST`, on CUDA, for steps of equally many new tokens per sequence, as many as the decode
+    kernels read at most (decode and verify steps, and the decodes of a mixed step; not prefill chunks). Every
+    decode launch of an engine then compiles and runs the same (ordered) kernel variants."""
+    if not (LONGEST_FIRST and torch.device(device).type == "cuda" and num_new_tokens
+            and len(set(num_new_tokens)) == 1):
+        return None
+    from .triton.tuning import WINDOW_MAX_NEW_TOKENS
+
+    if num_new_tokens[0] > WINDOW_MAX_NEW_TOKENS:
+        return None
+    return torch.from_numpy(longest_first(seq_lens, num_new_tokens[0])).to(device, non_blocking=True)
+
+
 @dataclass
 class WindowPlan:
     """A step's dense recent window (`recent_tokens`, `pagedkv.window`): where new tokens' exact keys/values

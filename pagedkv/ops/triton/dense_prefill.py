@@ -33,6 +33,7 @@ import triton.language as tl
 from ...config import KVFormat
 from ...formats import make_format
 from ...formats.base import PageFormat, empty_pages
+from .. import metadata
 from ..metadata import AttentionMetadata, WindowPlan
 from .codecs import KVQUANT, load_keys, load_token_scales, load_values
 from . import tuning
@@ -93,8 +94,11 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 def part(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadata:
     """The metadata of sequences lo..hi-1 of a batch (their queries: query_start_loc_cpu[lo]..[hi]); its device
-    tensors start on 16 bytes, as the whole batch's do (`aligned`)."""
+    tensors start on 16 bytes, as the whole batch's do (`aligned`). A part of equally many new tokens per sequence
+    (a mixed step's decodes) gets the launch order decode steps get (`metadata.launch_order`), so that its decode
+    kernels are the variants the CUDA graphs compiled, not others compiled mid-stream."""
     qsl = meta.query_start_loc_cpu
+    new_tokens = [b - a for a, b in zip(qsl[lo:hi], qsl[lo + 1:hi + 1])]
     window = meta.window
     if window is not None:
         window = WindowPlan(window.token_index, window.slot_mapping, aligned(window.rows[lo:hi]),
@@ -103,7 +107,8 @@ def part(meta: AttentionMetadata, lo: int, hi: int) -> AttentionMetadata:
     return AttentionMetadata(aligned(meta.block_table[lo:hi]), aligned(meta.seq_lens[lo:hi]),
                              meta.query_start_loc[lo:hi + 1] - qsl[lo],
                              meta.slot_mapping, None, meta.seq_lens_cpu[lo:hi], [x - qsl[lo] for x in qsl[lo:hi + 1]],
-                             meta.block_size, phase_hint=meta.phase_hint, window=window)
+                             meta.block_size, phase_hint=meta.phase_hint, window=window,
+                             token_order=metadata.launch_order(meta.seq_lens_cpu[lo:hi], new_tokens, meta.seq_lens.device))
 
 
 @triton.jit(do_not_specialize=["stride_bt"])   # the block table's width changes from step to step (`attention.py`)
