@@ -331,7 +331,7 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
         options["cuda_graph_batch_sizes"] = tuple(graph_batch_sizes)
     llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=len(prompts),
               max_num_batched_tokens=max_num_batched_tokens, admission_lookahead_tokens=admission_lookahead_tokens,
-              compile_layers=compile_layers, **options)
+              compile_layers=compile_layers, async_scheduling=ASYNC_SCHEDULING, **options)
     # as many other requests of the same length for a few tokens first, so that the kernels' first-use compilation
     # is not timed (a cold Triton cache cut the measured tokens/s by 1.2-1.6x): full prefill steps, mixed steps and
     # decode batches of every size compile here (four short requests left some to the timed run: TurboQuant 13,740
@@ -343,7 +343,7 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
              for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays", "tier_host_hits",
                        "tier_offloaded_blocks")}
-    out.update(format=fmt, num_blocks=num_blocks, bytes_per_token=bytes_per_token,
+    out.update(format=fmt, num_blocks=num_blocks, bytes_per_token=bytes_per_token, async_scheduling=llm.engine._async,
                tokens_that_fit=num_blocks * block_size, preemptions=stats["preemptions"],
                admission_lookahead_tokens=admission_lookahead_tokens, swap_on_preemption=swap, steps=stats["steps"],
                steps_queued_ahead=stats["steps_queued_ahead"], cuda_graph_replays=stats["cuda_graph_replays"],
@@ -474,9 +474,17 @@ def add_layer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-dynamic", choices=("true", "auto"), default=None,
                    help="compiled layers' shapes: every dimension symbolic (true) or the sizes that change (auto); "
                         "default: `pagedkv.hf.COMPILE_OPTIONS`")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="each step planned and queued before the tokens of the one in flight are read (default: "
+                        "`EngineConfig`'s, on for CUDA)")
+
+
+ASYNC_SCHEDULING: bool | None = None   # EngineConfig.async_scheduling of the engines built here (--async-scheduling)
 
 
 def use_layer_options(args: argparse.Namespace) -> None:
+    global ASYNC_SCHEDULING
+    ASYNC_SCHEDULING = args.async_scheduling
     if args.launch_order:
         from pagedkv.ops import metadata
 

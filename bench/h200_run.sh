@@ -20,6 +20,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh ragged-engine  # the same-memory run with lengths spread +-50%, both orders
 #   OUT=/some/dir bash bench/h200_run.sh step-kernels  # an engine prefill step and decode step by kernel
 #   OUT=/some/dir bash bench/h200_run.sh prefill-gaps  # where the GPU waits in a prefill step; same-memory run
+#   OUT=/some/dir bash bench/h200_run.sh async-memory  # same-memory run, asynchronous scheduling on and off
 #   OUT=/some/dir bash bench/h200_run.sh memory-inductor  # same-memory run; inductor's SiLU and add kernels
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
@@ -152,6 +153,20 @@ prefill-gaps)   # where the GPU waits in a same-memory prefill step (16 prompts 
         --trace "$OUT"
     run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
         --formats off turboquant q4 --out "$OUT/memory_defaults"
+    ;;
+async-memory)   # the same-memory run with asynchronous scheduling (the default) and without, side by side; then
+                # the inductor kernels of the MLP's SiLU-times-up and residual adds, and the GPU tests of the order
+    run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --out "$OUT/memory_async"
+    run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --no-async-scheduling --out "$OUT/memory_sync"
+    for f in memory_async memory_sync; do python bench/engine_steps.py "$OUT/$f/engine_memory.json"; done
+    mkdir -p "$OUT/inductor"
+    for f in $(grep -rl --include=*.py -E "def triton_poi_fused_.*(mul_silu|_add_[0-9])" /tmp/torchinductor_* 2>/dev/null | head -40); do
+        cp "$f" "$OUT/inductor/" && echo "== $f" && grep -n -B3 -A1 -E "^def triton_poi_fused_.*(mul_silu|_add_[0-9])" "$f" | head -12
+    done
+    run 150 python -m pytest -q -rf "${workers[@]}" tests/test_longest_first.py tests/test_engine_cuda_graph.py \
+        tests/test_engine_async.py
     ;;
 memory-inductor)   # the same-memory run with the defaults, then the inductor kernels of its MLP's SiLU-times-up and
                    # residual adds (their launch configs and code, copied to $OUT/inductor), and the GPU tests of

@@ -101,6 +101,9 @@ def register_serve(subparsers) -> None:
     g.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="compile each decoder layer with torch.compile, the cache's kernels as they are "
                         "(default: on with CUDA graphs, i.e. on CUDA without --enforce-eager or --tensor-parallel)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan and queue each step before reading the tokens of the one in flight, so the host's "
+                        "work overlaps the GPU's (default: on CUDA, without --tensor-parallel)")
     g.add_argument("--cpu-cache-gb", type=float, default=0.0, metavar="GB",
                    help="host memory for prefix-cache blocks evicted from the device pool (default 0: off)")
     g.add_argument("--kv-cache-dir", default=None, metavar="DIR",
@@ -131,7 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        prefix_caching=args.prefix_caching, enforce_eager=args.enforce_eager,
                        max_model_len=args.max_model_len, cpu_cache_gb=args.cpu_cache_gb,
                        kv_cache_dir=args.kv_cache_dir, disk_cache_gb=args.disk_cache_gb,
-                       swap_on_preemption=args.swap_on_preemption, compile_layers=args.compile_layers)
+                       swap_on_preemption=args.swap_on_preemption, compile_layers=args.compile_layers,
+                       async_scheduling=args.async_scheduling)
     EngineConfig(**engine_opts)  # validate before loading a model
     speculative = speculative_options(args)
     if args.tensor_parallel != 1 and speculative is not None:

@@ -41,6 +41,13 @@ class EngineConfig:
     decode at batch 64 and 8,192 tokens 1.09-1.20x the output tokens/s, a 2,048-token prefill step 15% faster, the
     same-memory run 1.14-1.24x; the first steps of a process compile (default model: ~17-26 s once). Without CUDA
     graphs a decode step is host-bound and the compiled layers' guards make it slower, hence off with enforce_eager.
+    async_scheduling: schedule and queue each step before the host reads the tokens of the one in flight (their
+    input rows filled on the device), so the host's part of a step (scheduling, prefix hashes, slot reservation,
+    input tensors: ~8-20 ms for a 16,384-token prefill step) overlaps the GPU's work on the step before; a
+    sequence that turns out to have finished wasted one token, which is dropped. Decode steps replayed from CUDA
+    graphs run one step ahead either way. None (default): on for a model on CUDA (not with tensor parallelism);
+    steps with speculative decoding,
+    n > 1 samples, log-probabilities or penalties run in turn.
     """
 
     max_num_seqs: int = 256
@@ -55,6 +62,7 @@ class EngineConfig:
     disk_cache_gb: float = 16.0
     swap_on_preemption: bool = False
     compile_layers: bool | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -79,6 +87,8 @@ class EngineConfig:
         object.__setattr__(self, "cuda_graph_batch_sizes", sizes)
         if self.compile_layers not in (None, True, False):
             raise ConfigError(f"compile_layers={self.compile_layers!r} must be True, False or None (on for CUDA graphs)")
+        if self.async_scheduling not in (None, True, False):
+            raise ConfigError(f"async_scheduling={self.async_scheduling!r} must be True, False or None (on for CUDA)")
 
     def compiles_layers(self, device: torch.device, tensor_parallel: bool = False) -> bool:
         """Whether a model on `device` gets its decoder layers compiled (compile_layers, None resolved: not with
@@ -86,6 +96,13 @@ class EngineConfig:
         if self.compile_layers is not None:
             return self.compile_layers
         return torch.device(device).type == "cuda" and not self.enforce_eager and not tensor_parallel
+
+    def schedules_async(self, device: torch.device, tensor_parallel: bool = False) -> bool:
+        """Whether an engine whose model is on `device` queues each step before reading the one in flight (None
+        resolved: not with tensor parallelism, whose ranks were not tested with it)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return torch.device(device).type == "cuda" and not tensor_parallel
 
     @property
     def has_tiers(self) -> bool:

@@ -20,7 +20,7 @@ from ..errors import CacheCapacityError, ConfigError, ContextWindowError
 from ..hf import install_paged_kv_cache, text_config
 from .config import EngineConfig
 from .detokenizer import Detokenizer
-from .model_runner import ModelRunner
+from .model_runner import PLACEHOLDER, ModelRunner
 from .outputs import RequestOutput
 from .prefix_tiers import make_prefix_cache
 from .sampler import Sampler, token_logprobs
@@ -42,6 +42,9 @@ class _Step:
     is_graph: bool  # replayed from a CUDA graph: the next decode step may be queued behind it
     accepted: list[list[int]] | None = None  # a verify step: the tokens each sampled sequence emits
     logprobs: list | None = None  # TokenLogprob of each sampled token, None for sequences that do not ask
+    # set once the next step was scheduled behind this one (`_queue_after`): the scheduler has advanced its
+    # sequences, and sampled[i] holds PLACEHOLDER at token_ids[placeholders[i]] (-1: none) until `_finish`
+    placeholders: list[int] | None = None
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:
@@ -78,11 +81,13 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_finished = 0
         self.num_steps = 0
-        self.num_steps_ahead = 0  # decode steps queued behind one in flight
+        self.num_steps_ahead = 0  # steps queued behind one in flight
         self._in_flight: _Step | None = None  # a decode step queued on the GPU, tokens not read yet
         self._token_buffers: list[torch.Tensor] | None = None  # pinned, for the sampled tokens of two steps
         self._token_events: list[torch.cuda.Event] = []  # recorded after each buffer's copy
         self._keep_buffers: list[torch.Tensor] = []  # pinned, the rows of a step's tokens the next step keeps
+        self._async = config.schedules_async(self.runner.device, tensor_parallel=hasattr(self.cache, "peers"))
+        self._carried: list[RequestOutput] = []  # outputs of requests failed by a queued step, for the next return
 
     # ------------------------------------------------------------------------------------------
     # requests
@@ -171,12 +176,12 @@ class LLMEngine:
 
         Decode steps replayed from CUDA graphs run one step ahead: the next step is queued on the GPU
         (fed the device-side tokens of the step in flight) before the host reads the tokens of the step
-        in flight and does its bookkeeping, so host work overlaps GPU work. A sequence that turns out to
-        have finished wasted one queued token, which is dropped.
+        in flight and does its bookkeeping, so host work overlaps GPU work. With `async_scheduling` any step
+        is (`_queue_after`). A sequence that turns out to have finished wasted one queued token, which is dropped.
         """
         if self._in_flight is not None:
             step, self._in_flight = self._in_flight, None
-            self._in_flight = self._run_ahead(step)
+            self._in_flight = (self._run_ahead(step) if step.is_graph else None) or self._queue_after(step)
             return self._finish(step)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
@@ -198,6 +203,7 @@ class LLMEngine:
         if step.is_graph:
             self._in_flight = step
             return []
+        self._in_flight = self._queue_after(step)
         return self._finish(step)
 
     def _sample(self, batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor, is_graph: bool) -> "_Step":
@@ -295,6 +301,63 @@ class LLMEngine:
         self.num_steps_ahead += 1
         return self._sample(ScheduledBatch(seqs, [1] * len(seqs)), seqs, logits, is_graph=True)
 
+    def _queue_after(self, step: "_Step") -> "_Step | None":
+        """With `async_scheduling`: schedule and queue the step after `step` (in flight, its tokens not read yet),
+        or None when it has to wait for them.
+
+        Each sampled sequence gets PLACEHOLDER as its next token and the scheduler advances `step`'s batch now
+        (`after_step` reads no sampled token), so the next batch is planned as if the tokens had arrived; the
+        model runner fills their input rows from the device-side tokens. A sequence whose token ends it
+        (max_tokens or the context window, as surely as it gets one) sits the step out; one that turns out to stop
+        (a stop token) computed one token in vain, dropped by `_finish`. Not with speculative decoding (verify
+        steps read their tokens on the host), nor for sequences that sample n > 1, want log-probabilities or have
+        penalties (their state reads the host's tokens).
+        """
+        if not self._async or self.speculator is not None or step.accepted is not None:
+            return None
+        live = [s for s in step.sampled if not s.is_finished]
+        if any(s.params.n > 1 or s.group is not None or s.params.logprobs is not None or s.params.has_penalties
+               for s in live):
+            return None
+        step.placeholders = []
+        for seq in step.sampled:
+            step.placeholders.append(-1 if seq.is_finished else len(seq.token_ids))
+            if not seq.is_finished:
+                seq.token_ids.append(PLACEHOLDER)
+        self.scheduler.after_step(step.batch)
+        # sequences that end with this token sit the next step out (its plan is made without them)
+        ending = {id(s) for s in live if self._length_reached(s, len(s.token_ids))}
+        running = self.scheduler.running
+        before = list(running)
+        running[:] = [s for s in running if id(s) not in ending]
+        try:
+            batch = self.scheduler.schedule()
+        finally:
+            planned, old = {id(s) for s in running}, {id(s) for s in before}
+            running[:] = ([s for s in before if id(s) in ending or id(s) in planned]
+                          + [s for s in running if id(s) not in old])
+        if not batch:
+            return None
+        sources = {id(s): i for i, s in enumerate(step.sampled) if step.placeholders[i] >= 0}
+        try:
+            logits, rows, is_graph, prompt_logits = self.runner.run(
+                batch, pending=(step.tokens, sources) if sources else None)
+        except CacheCapacityError:  # the estimate missed: make room, and plan again once the tokens are in
+            self.scheduler.preempt_last()
+            return None
+        except Exception as exc:  # a failed forward fails its requests, never the engine
+            self._fail(batch.seqs, f"{type(exc).__name__}: {exc}")
+            for seq in batch.seqs:   # their tokens in flight are not read (`_finish` skips finished sequences)
+                if seq.token_ids[-1] == PLACEHOLDER:
+                    seq.token_ids.pop()
+            self._carried += [seq.output(seq.text) for seq in batch.seqs]
+            return None
+        self.num_steps += 1
+        self.num_steps_ahead += 1
+        for i, rows_logits in prompt_logits.items():
+            self._record_prompt_logprobs(batch.seqs[i], rows_logits)
+        return self._sample(batch, [batch.seqs[i] for i in rows], logits, is_graph)
+
     def _surviving_tokens(self, step: "_Step", keep: list[int]) -> torch.Tensor:
         """The in-flight tokens of step.sampled[i] for i in `keep`, gathered on the device without waiting for it."""
         if not step.tokens.is_cuda:
@@ -314,7 +377,8 @@ class LLMEngine:
             tokens = step.host.tolist()
         else:
             tokens = step.tokens.tolist()
-        self.scheduler.after_step(step.batch)
+        if step.placeholders is None:   # else advanced when the next step was queued
+            self.scheduler.after_step(step.batch)
         for seq in step.sampled:
             if seq.sample_index and not seq.is_finished and seq.seq_id not in self.cache.seqs:  # spawned this step
                 self.scheduler.fork(seq.group[0], seq)
@@ -323,7 +387,10 @@ class LLMEngine:
         for i, (seq, token) in enumerate(zip(step.sampled, tokens)):
             if seq.is_finished:  # aborted, or finished by the step before (a token queued ahead)
                 continue
-            seq.token_ids.append(token)
+            if step.placeholders is None:
+                seq.token_ids.append(token)
+            else:
+                seq.token_ids[step.placeholders[i]] = token
             if step.logprobs is not None and step.logprobs[i] is not None:
                 seq.logprobs.append(step.logprobs[i])
             self.num_generated_tokens += 1
@@ -336,6 +403,8 @@ class LLMEngine:
                 out = self._output(seq)
                 if out.finished or seq.stream:
                     outputs.append(out)
+        if self._carried:
+            outputs, self._carried = self._carried + outputs, []
         return list({out.request_id: out for out in outputs}.values())  # n samples: the latest of each request
 
     def _verify(self, batch: ScheduledBatch, sampled: list[Sequence], logits: torch.Tensor) -> "_Step":

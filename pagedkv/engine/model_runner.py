@@ -24,6 +24,10 @@ from .scheduler import ScheduledBatch
 
 _compile_announced = False
 
+# a sequence's last token while the step that samples it is still in flight (`LLMEngine._queue_after`): its input
+# row is filled on the device, never embedded as such
+PLACEHOLDER = -1
+
 
 def announce_compile(num_layers: int) -> None:
     """Say on stderr, once per process, that the decoder layers compile on their first steps."""
@@ -86,9 +90,14 @@ class ModelRunner:
         return self.graphs.run(seqs, input_ids=input_ids)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], bool, dict[int, torch.Tensor]]:
+    def run(self, batch: ScheduledBatch, pending: tuple[torch.Tensor, dict[int, int]] | None = None
+            ) -> tuple[torch.Tensor, list[int], bool, dict[int, torch.Tensor]]:
         """Forward `batch`; returns (logits, index in batch.seqs of each sampled sequence, whether a CUDA graph
         was replayed, prompt logits).
+
+        `pending`: (tokens, {id(seq): i}) when the step before is still in flight: a sequence in the map has
+        PLACEHOLDER as its last token, whose value is tokens[i] on the device (that step's sampled tokens, not
+        read yet); its input row is filled from there on the device.
 
         logits: [num_rows, vocab], one row per sampled sequence, in order; a sequence verifying m drafted
         tokens (batch.num_spec_tokens) gets its m + 1 rows (the predictions after its last token and after
@@ -102,7 +111,11 @@ class ModelRunner:
         sample_idx = [i for i, (s, n, m) in enumerate(zip(seqs, counts, spec)) if s.num_computed_tokens + n - m == len(s)]
         if self.can_replay(batch):
             try:
-                return self.graphs.run(seqs), sample_idx, True, {}
+                if pending is None:
+                    return self.graphs.run(seqs), sample_idx, True, {}
+                ids = [s.token_ids[-1] for s in seqs]
+                fills = [(i, pending[1][id(s)]) for i, s in enumerate(seqs) if id(s) in pending[1]]
+                return self.graphs.run(seqs, input_ids=self._filled_ids(ids, fills, pending[0])), sample_idx, True, {}
             except CacheCapacityError:
                 raise
             except Exception as exc:  # a model or kernel that cannot be captured: stay correct, run eagerly
@@ -115,12 +128,14 @@ class ModelRunner:
                 raise
             except Exception as exc:
                 self.disable_graphs(exc)
-        input_ids, positions, rows, prompt_rows = [], [], [], {}
+        input_ids, positions, rows, prompt_rows, fills = [], [], [], {}, []
         for i, (s, n, m) in enumerate(zip(seqs, counts, spec)):
             start = s.num_computed_tokens
             if s.params.prompt_logprobs is not None and start + 1 < s.num_prompt_tokens:
                 # positions start .. before the last prompt token predict prompt tokens start + 1 ..
                 prompt_rows[i] = range(len(input_ids), len(input_ids) + min(n, s.num_prompt_tokens - 1 - start))
+            if pending is not None and id(s) in pending[1] and start <= len(s.token_ids) - 1 < start + n - m:
+                fills.append((len(input_ids) + len(s.token_ids) - 1 - start, pending[1][id(s)]))
             input_ids.extend(s.token_ids[start:start + n - m])
             input_ids.extend(s.spec_token_ids[:m])
             positions.extend(range(start, start + n))
@@ -131,7 +146,8 @@ class ModelRunner:
         meta = self.cache.begin_step([s.seq_id for s in seqs], counts, device=self.device)
         meta.phase_hint = "verify" if any(spec) else None
         try:
-            out = self.model(input_ids=self._ids(input_ids)[None],  # [1, num_tokens]
+            ids = self._ids(input_ids) if not fills else self._filled_ids(input_ids, fills, pending[0])
+            out = self.model(input_ids=ids[None],  # [1, num_tokens]
                              position_ids=self._ids(positions)[None],
                              logits_to_keep=self._ids(keep), use_cache=True,
                              **{self.cache_kwarg: self.cache})
@@ -144,6 +160,14 @@ class ModelRunner:
             row += len(r)
         logits = logits[:num_sample_rows]
         return (logits if sample_idx else logits[:0]), sample_idx, False, prompt_logits
+
+    def _filled_ids(self, values: list[int], fills: list[tuple[int, int]], tokens: torch.Tensor) -> torch.Tensor:
+        """`_ids(values)` with values[row] = tokens[i] for each (row, i) of `fills`, filled on the device (`tokens`:
+        the sampled tokens of a step still in flight)."""
+        ids = self._ids(values)
+        rows, src = zip(*fills)
+        ids[self._ids(list(rows))] = tokens[torch.tensor(src, dtype=torch.int64).to(tokens.device)].to(ids.device)
+        return ids
 
     def _ids(self, values: list[int]) -> torch.Tensor:
         """An int64 tensor on the model's device from a list of ints: through numpy, which converts a long list (a
