@@ -167,6 +167,8 @@ async-memory)   # the same-memory run with asynchronous scheduling (the default)
     done
     run 150 python -m pytest -q -rf "${workers[@]}" tests/test_longest_first.py tests/test_engine_cuda_graph.py \
         tests/test_engine_async.py
+    run 170 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
+        --skip prefill,write --out "$OUT/kernels_served_order"
     ;;
 memory-inductor)   # the same-memory run with the defaults, then the inductor kernels of its MLP's SiLU-times-up and
                    # residual adds (their launch configs and code, copied to $OUT/inductor), and the GPU tests of
