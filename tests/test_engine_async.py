@@ -94,3 +94,17 @@ def test_async_scheduling_is_on_for_cuda_only_by_default():
     assert EngineConfig(async_scheduling=True).schedules_async(torch.device("cpu"))
     with pytest.raises(ConfigError, match="async_scheduling"):
         EngineConfig(async_scheduling="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the default there: CUDA graphs, Triton kernels)")
+@pytest.mark.parametrize("kv_format", ["off", "q4", "turboquant"])
+def test_async_scheduling_on_the_gpu_gives_the_tokens_of_steps_in_turn(kv_format):
+    """On CUDA, with CUDA graph decode steps and the Triton kernels: the same schedule, so the same tokens."""
+    model = tiny_llama().to("cuda", torch.bfloat16)
+    prompts, params = workload()
+    options = dict(kv_format=kv_format, max_num_batched_tokens=32, num_blocks=96, block_size=16, max_num_seqs=8,
+                   cuda_graph_batch_sizes=(1, 2, 4, 8))
+    want = run(LLM(model, async_scheduling=False, **options), prompts, params)
+    llm = LLM(model, async_scheduling=True, **options)
+    assert run(llm, prompts, params) == want
+    assert llm.engine.num_steps_ahead > 5 and llm.stats()["cuda_graph_replays"] > 5
