@@ -99,8 +99,14 @@ def test_async_scheduling_is_on_for_cuda_only_by_default():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the default there: CUDA graphs, Triton kernels)")
 @pytest.mark.parametrize("kv_format", ["off", "q4", "turboquant"])
 def test_async_scheduling_on_the_gpu_gives_the_tokens_of_steps_in_turn(kv_format):
-    """On CUDA, with CUDA graph decode steps and the Triton kernels: the same schedule, so the same tokens."""
-    model = tiny_llama().to("cuda", torch.bfloat16)
+    """On CUDA, with CUDA graph decode steps and the Triton kernels (head_dim 64): the same schedule, so the same
+    tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
     prompts, params = workload()
     options = dict(kv_format=kv_format, max_num_batched_tokens=32, num_blocks=96, block_size=16, max_num_seqs=8,
                    cuda_graph_batch_sizes=(1, 2, 4, 8))
