@@ -20,6 +20,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh ragged-engine  # the same-memory run with lengths spread +-50%, both orders
 #   OUT=/some/dir bash bench/h200_run.sh step-kernels  # an engine prefill step and decode step by kernel
 #   OUT=/some/dir bash bench/h200_run.sh prefill-gaps  # where the GPU waits in a prefill step; same-memory run
+#   OUT=/some/dir bash bench/h200_run.sh ordered-grid  # kernel table, same-memory run, order tests
 #   OUT=/some/dir bash bench/h200_run.sh async-memory  # same-memory run, asynchronous scheduling on and off
 #   OUT=/some/dir bash bench/h200_run.sh memory-inductor  # same-memory run; inductor's SiLU and add kernels
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
@@ -153,6 +154,15 @@ prefill-gaps)   # where the GPU waits in a same-memory prefill step (16 prompts 
         --trace "$OUT"
     run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
         --formats off turboquant q4 --out "$OUT/memory_defaults"
+    ;;
+ordered-grid)   # longest-first launches with a key range's heads side by side: the kernel table in the served
+                # order, the same-memory run, and the GPU tests of the launch order
+    run 120 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
+        --skip prefill,write --out "$OUT/kernels_heads_side_by_side"
+    run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --out "$OUT/memory_heads_side_by_side"
+    run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py tests/triton/test_triton_decode.py \
+        tests/test_longest_first.py tests/test_engine_async.py -k "any_token_order or order or async"
     ;;
 async-memory)   # the same-memory run with asynchronous scheduling (the default) and without, side by side; then
                 # the inductor kernels of the MLP's SiLU-times-up and residual adds, and the GPU tests of the order

@@ -25,7 +25,7 @@ def makespan(durations: list[float], slots: int) -> float:
 
 
 def programs(lens: list[int], heads: int, splits: int, overhead: float, longest_first: bool) -> list[float]:
-    """Durations in launch order: grid (tokens, heads, splits), or (splits, heads, tokens) longest first."""
+    """Durations in launch order: grid (tokens, heads, splits), or (heads, splits, tokens) longest first."""
     def part(n, s):
         chunk = -(-n // splits)
         return max(0, min(n, (s + 1) * chunk) - s * chunk) + overhead

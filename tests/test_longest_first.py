@@ -41,7 +41,7 @@ def test_the_grid_runs_over_the_order_when_there_is_one():
     grid, pointer, ordered = decode_gluon.launch_grid(q, meta, 2, 3, None)
     assert (grid, ordered) == ((4, 2, 3), False) and pointer is meta.seq_lens
     grid, order, ordered = decode_gluon.launch_grid(q, meta, 2, 3, True)   # computed on the device
-    assert (grid, ordered) == ((3, 2, 4), True) and order.tolist() == [1, 3, 0, 2]
+    assert (grid, ordered) == ((2, 3, 4), True) and order.tolist() == [1, 3, 0, 2]   # (heads, splits, tokens)
     given = dataclasses.replace(meta, token_order=torch.tensor([3, 1, 0, 2], dtype=torch.int32))
     grid, order, ordered = decode_gluon.launch_grid(q, given, 2, 3, None)
     assert ordered and order is given.token_order

@@ -145,7 +145,7 @@ def test_turboquant_scale_pages_must_be_aligned():
 @pytest.mark.parametrize("fmt", ["q8", "q4", "turboquant"])
 def test_decode_kernel_launched_in_any_token_order_matches_reference(fmt, num_splits, transposed):
     """A token order in the metadata (`metadata.LONGEST_FIRST`'s; here a random one) only changes which programs
-    start first (`decode_io.launch_grid`: grid (splits, heads, tokens) over it): the reference's outputs."""
+    start first (`decode_io.launch_grid`: grid (heads, splits, tokens) over it): the reference's outputs."""
     hq, hkv, d, bs = SHAPES[1]
     case = build_case(7, fmt, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                       ctx_lens=CTX_LENS, new_lens=NEW_LENS)

@@ -26,7 +26,7 @@ def launch_grid(query: torch.Tensor, meta, heads: int, num_splits: int, ordered:
         if order is None and ordered:
             order = longest_first_on_device(meta, num_tokens)
         if order is not None:
-            return (num_splits, heads, num_tokens), order, True
+            return (heads, num_splits, num_tokens), order, True
     return (num_tokens, heads, num_splits), meta.seq_lens, False
 
 
@@ -46,12 +46,14 @@ def longest_first_on_device(meta, num_tokens: int) -> torch.Tensor:
 @triton.jit
 def program_coords(token_order_ptr, ORDERED: tl.constexpr):
     """(query token, KV head or head group, split) of this program: grid (tokens, heads, splits), or with ORDERED
-    (splits, heads, tokens) over the tokens in `token_order_ptr`'s order (`launch_grid`), so the programs of one
-    token are launched together and the longest tokens first. The Gluon kernels call it too (scalar work only)."""
+    (heads, splits, tokens) over the tokens in `token_order_ptr`'s order (`launch_grid`), so the programs of one
+    token are launched together and the longest tokens first, a key range's heads side by side (a block's heads
+    are adjacent in head-major pages: one sequence of 32,768 tokens decoded 2% slower with splits side by side).
+    The Gluon kernels call it too (scalar work only)."""
     if ORDERED:
         token = tl.load(token_order_ptr + tl.program_id(2)).to(tl.int32)
-        head = tl.program_id(1)
-        split = tl.program_id(0)
+        head = tl.program_id(0)
+        split = tl.program_id(1)
     else:
         token = tl.program_id(0)
         head = tl.program_id(1)
