@@ -119,3 +119,13 @@ def test_async_scheduling_on_the_gpu_gives_the_tokens_of_steps_in_turn(kv_format
     llm = LLM(model, async_scheduling=True, **options)
     assert run(llm, prompts, params) == want
     assert llm.engine.num_steps_ahead > 5 and llm.stats()["cuda_graph_replays"] > 5
+
+
+def test_the_runner_fills_only_the_rows_it_is_given():
+    """A queued step whose rows come from the host alone (its in-flight tokens' sequences sat it out) feeds the host's
+    ids as they are; the others get theirs from the device tokens."""
+    llm = LLM(tiny_llama(), async_scheduling=True)
+    runner = llm.engine.runner
+    tokens = torch.tensor([40, 41, 42])
+    assert runner._filled_ids([5, 6, 7], [], tokens).tolist() == [5, 6, 7]
+    assert runner._filled_ids([5, PLACEHOLDER, 7, PLACEHOLDER], [(1, 2), (3, 0)], tokens).tolist() == [5, 42, 7, 40]

@@ -46,8 +46,8 @@ class EngineConfig:
     input tensors: ~8-20 ms for a 16,384-token prefill step) overlaps the GPU's work on the step before; a
     sequence that turns out to have finished wasted one token, which is dropped. Decode steps replayed from CUDA
     graphs run one step ahead either way. None (default): on for a model on CUDA (not with tensor parallelism);
-    steps with speculative decoding,
-    n > 1 samples, log-probabilities or penalties run in turn.
+    steps with speculative decoding, n > 1 samples, log-probabilities or penalties run in turn. H200, the same-memory
+    run: 1.005x (`off`), 1.018x (TurboQuant), 1.009x (q4) the output tokens/s of steps in turn.
     """
 
     max_num_seqs: int = 256

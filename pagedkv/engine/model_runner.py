@@ -146,7 +146,7 @@ class ModelRunner:
         meta = self.cache.begin_step([s.seq_id for s in seqs], counts, device=self.device)
         meta.phase_hint = "verify" if any(spec) else None
         try:
-            ids = self._ids(input_ids) if not fills else self._filled_ids(input_ids, fills, pending[0])
+            ids = self._filled_ids(input_ids, fills, pending[0]) if fills else self._ids(input_ids)
             out = self.model(input_ids=ids[None],  # [1, num_tokens]
                              position_ids=self._ids(positions)[None],
                              logits_to_keep=self._ids(keep), use_cache=True,
@@ -165,6 +165,8 @@ class ModelRunner:
         """`_ids(values)` with values[row] = tokens[i] for each (row, i) of `fills`, filled on the device (`tokens`:
         the sampled tokens of a step still in flight)."""
         ids = self._ids(values)
+        if not fills:
+            return ids
         rows, src = zip(*fills)
         ids[self._ids(list(rows))] = tokens[torch.tensor(src, dtype=torch.int64).to(tokens.device)].to(ids.device)
         return ids
