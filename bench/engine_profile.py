@@ -139,7 +139,9 @@ def main(argv=None) -> int:
     for fmt in args.formats:
         llm = LLM(model, kv_format=fmt, num_blocks=args.requests * (args.prompt_tokens // 16 + 8) + 64,
                   max_num_seqs=args.requests, max_num_batched_tokens=args.max_num_batched_tokens,
-                  compile_layers=args.compile_layers, async_scheduling=engine_gpu.ASYNC_SCHEDULING)
+                  compile_layers=args.compile_layers,
+                  # one step at a time (a step queued behind the profiled one would run inside its profile)
+                  async_scheduling=bool(engine_gpu.ASYNC_SCHEDULING))
         engine = llm.engine
         engine.runner.graphs = None
         params = SamplingParams(max_tokens=64, ignore_eos=True)
