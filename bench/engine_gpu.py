@@ -343,7 +343,7 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
              for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays", "tier_host_hits",
                        "tier_offloaded_blocks")}
-    out.update(format=fmt, num_blocks=num_blocks, bytes_per_token=bytes_per_token, async_scheduling=llm.engine._async,
+    out.update(format=fmt, num_blocks=num_blocks, bytes_per_token=bytes_per_token, async_scheduling=llm.engine.async_scheduling,
                tokens_that_fit=num_blocks * block_size, preemptions=stats["preemptions"],
                admission_lookahead_tokens=admission_lookahead_tokens, swap_on_preemption=swap, steps=stats["steps"],
                steps_queued_ahead=stats["steps_queued_ahead"], cuda_graph_replays=stats["cuda_graph_replays"],

@@ -22,7 +22,6 @@
 #   OUT=/some/dir bash bench/h200_run.sh prefill-gaps  # where the GPU waits in a prefill step; same-memory run
 #   OUT=/some/dir bash bench/h200_run.sh ordered-grid  # kernel table, same-memory run, order tests
 #   OUT=/some/dir bash bench/h200_run.sh async-memory  # same-memory run, asynchronous scheduling on and off
-#   OUT=/some/dir bash bench/h200_run.sh memory-inductor  # same-memory run; inductor's SiLU and add kernels
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -179,18 +178,6 @@ async-memory)   # the same-memory run with asynchronous scheduling (the default)
         tests/test_engine_async.py
     run 170 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
         --skip prefill,write --out "$OUT/kernels_served_order"
-    ;;
-memory-inductor)   # the same-memory run with the defaults, then the inductor kernels of its MLP's SiLU-times-up and
-                   # residual adds (their launch configs and code, copied to $OUT/inductor), and the GPU tests of
-                   # the launch order
-    run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 --out "$OUT/memory_defaults"
-    mkdir -p "$OUT/inductor"
-    for f in $(grep -rl --include=*.py -E "def triton_poi_fused_.*(mul_silu|_add_[0-9])" /tmp/torchinductor_* 2>/dev/null | head -40); do
-        cp "$f" "$OUT/inductor/" && echo "== $f" && grep -n -B3 -A1 -E "^def triton_poi_fused_.*(mul_silu|_add_[0-9])" "$f" | head -12
-    done
-    run 300 python -m pytest -q -rf "${workers[@]}" tests/test_longest_first.py tests/test_engine_cuda_graph.py \
-        tests/triton/test_decode_gluon.py -k "any_token_order or longest or order or graph"
     ;;
 longest-first-probes)   # ragged batches for off, and q4 at equal lengths (what a second split costs there)
     run 150 env FORMAT=off SHAPES='[[128, 2048], [96, 2048], [64, 8192]]' SPREAD=0.5 \

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import plotting  # noqa: E402  (bench/plotting.py, beside this script)
-from pagedkv.cache import PagedKVCache  # noqa: E402
 from pagedkv.config import KVFormat  # noqa: E402
 from pagedkv.formats import make_format  # noqa: E402
 from pagedkv.ops import reference  # noqa: E402
@@ -155,14 +154,14 @@ def paged_layer(fmt_spec: str, keys: torch.Tensor, values: torch.Tensor, num_seq
 def decode_meta(table: torch.Tensor, seq_len: int | list[int], num_new: int = 1) -> AttentionMetadata:
     """Metadata of a step of `num_new` tokens per sequence over `table`; `seq_len`: every sequence's length, or a
     list of one length per sequence (each within the table's reach). With the token order the engine's steps get
-    (`PagedKVCache._token_order`: longest first while `metadata.LONGEST_FIRST`), so the kernels launch as served."""
+    (`metadata.launch_order`: longest first while `metadata.LONGEST_FIRST`), so the kernels launch as served."""
     n = table.shape[0]
     lens = list(seq_len) if isinstance(seq_len, (list, tuple)) else [seq_len] * n
     qsl = list(range(0, n * num_new + 1, num_new))
     return AttentionMetadata(table, torch.tensor(lens, dtype=torch.int32, device=DEV),
                              torch.tensor(qsl, dtype=torch.int32, device=DEV),
                              torch.zeros(n * num_new, dtype=torch.int64, device=DEV), None, lens, qsl, BLOCK_SIZE,
-                             token_order=PagedKVCache._token_order(lens, [num_new] * n, None, DEV))
+                             token_order=metadata.launch_order(lens, [num_new] * n, DEV))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -86,7 +86,7 @@ class LLMEngine:
         self._token_buffers: list[torch.Tensor] | None = None  # pinned, for the sampled tokens of two steps
         self._token_events: list[torch.cuda.Event] = []  # recorded after each buffer's copy
         self._keep_buffers: list[torch.Tensor] = []  # pinned, the rows of a step's tokens the next step keeps
-        self._async = config.schedules_async(self.runner.device, tensor_parallel=hasattr(self.cache, "peers"))
+        self.async_scheduling = config.schedules_async(self.runner.device, tensor_parallel=hasattr(self.cache, "peers"))
         self._carried: list[RequestOutput] = []  # outputs of requests failed by a queued step, for the next return
 
     # ------------------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ class LLMEngine:
         """
         if self._in_flight is not None:
             step, self._in_flight = self._in_flight, None
-            self._in_flight = (self._run_ahead(step) if step.is_graph else None) or self._queue_after(step)
+            self._in_flight = self._run_ahead(step) or self._queue_after(step)
             return self._finish(step)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
@@ -313,7 +313,7 @@ class LLMEngine:
         steps read their tokens on the host), nor for sequences that sample n > 1, want log-probabilities or have
         penalties (their state reads the host's tokens).
         """
-        if not self._async or self.speculator is not None or step.accepted is not None:
+        if not self.async_scheduling or self.speculator is not None or step.accepted is not None:
             return None
         live = [s for s in step.sampled if not s.is_finished]
         if any(s.params.n > 1 or s.group is not None or s.params.logprobs is not None or s.params.has_penalties
