@@ -22,6 +22,9 @@
 #   OUT=/some/dir bash bench/h200_run.sh prefill-gaps  # where the GPU waits in a prefill step; same-memory run
 #   OUT=/some/dir bash bench/h200_run.sh ordered-grid  # kernel table, same-memory run, order tests
 #   OUT=/some/dir bash bench/h200_run.sh async-memory  # same-memory run, asynchronous scheduling on and off
+#   OUT=/some/dir bash bench/h200_run.sh off-splits  # kernel table, the dense decode's split counts, same-memory run
+#   OUT=/some/dir bash bench/h200_run.sh engine-shapes  # decode steps by kernel and the decode kernels' split counts at
+#                                                  # the same-memory run's batches (1,536 tokens)
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -163,6 +166,30 @@ ordered-grid)   # longest-first launches with a key range's heads side by side: 
     run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py tests/triton/test_triton_decode.py \
         tests/test_longest_first.py tests/test_engine_async.py -k "any_token_order or order or async"
     ;;
+off-splits)   # the dense decode's split counts with four KV heads a program (2-3 resident a multiprocessor): the
+              # kernel table in the served order, the split counts side by side (longest first), the same-memory run
+    run 200 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
+        --skip prefill,write --out "$OUT/kernels"
+    run 120 env FORMAT=off SPLITS='{"1": [64, 96, 128, 192], "32": [4, 5, 6], "64": [2, 3], "128": [2, 3]}' \
+        VARIANTS='{"longest_first": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --out "$OUT/memory"
+    run 30 python bench/engine_steps.py "$OUT/memory/engine_memory.json"
+    ;;
+engine-shapes)   # the decode kernels at the batches and lengths of the same-memory run's decode steps: one eager
+                 # decode step by kernel per format at its batch there, then each kernel over split counts (longest first)
+    for x in off:40 q4:144 turboquant:100; do
+        run 130 python bench/engine_profile.py --formats "${x%%:*}" --requests "${x##*:}" --prompt-tokens 1536 \
+            --max-num-batched-tokens 16384 --kernels --top 22
+    done
+    run 150 env FORMAT=turboquant SHAPES='[[100, 1536], [64, 1536], [128, 2048]]' \
+        SPLITS='{"100": [1, 2, 3, 4, 6], "64": [2, 3, 4, 6], "128": [1, 2, 3, 4]}' \
+        VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    run 120 env FORMAT=q4 SHAPES='[[144, 1536], [100, 1536]]' SPLITS='{"144": [1, 2, 3, 4], "100": [1, 2, 3, 4]}' \
+        VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    run 80 env FORMAT=off SHAPES='[[40, 1536]]' SPLITS='{"40": [2, 3, 4, 6, 8]}' \
+        VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    ;;
 async-memory)   # the same-memory run with asynchronous scheduling (the default) and without, side by side; then
                 # the inductor kernels of the MLP's SiLU-times-up and residual adds, and the GPU tests of the order
     run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
@@ -215,7 +242,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|prefill|gluon-tests|gluon|gluon-window|longest-first|longest-first-engine|longest-first-probes|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|ordered-grid|off-splits|engine-shapes|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac
