@@ -54,6 +54,22 @@ def test_dequantize_writes_each_block_of_each_sequence_once():
     assert plan.table[0, :7].tolist() == list(range(7)) and plan.table[1, 0] == 7   # 107 tokens: 7 blocks, then 64
 
 
+def test_plan_puts_each_sequences_blocks_in_turn():
+    """The scratch plan of ragged lengths, an empty sequence among them: (sequence, block-table column) per scratch
+    block, in turn, and each sequence's scratch blocks in its table row, padded with 0."""
+    from pagedkv.ops.metadata import AttentionMetadata
+
+    lens, qsl = [0, 5, 33, 16, 17], [0, 1, 2, 3, 4, 5]
+    ints = lambda x, dtype=torch.int32: torch.tensor(x, dtype=dtype)
+    meta = AttentionMetadata(torch.zeros(5, 4, dtype=torch.int32), ints(lens), ints(qsl), ints([0] * 5, torch.int64),
+                             None, lens, qsl, 16)
+    plan = dense_prefill.Plan(meta)
+    assert plan.num_blocks == 7
+    assert plan.rows.dtype == plan.table.dtype == torch.int32
+    assert plan.rows.tolist() == [[1, 0], [2, 0], [2, 1], [2, 2], [3, 0], [4, 0], [4, 1]]
+    assert plan.table.tolist() == [[0, 0, 0], [0, 0, 0], [1, 2, 3], [4, 0, 0], [5, 6, 0]]
+
+
 def test_which_part_of_a_batch_takes_the_path(monkeypatch):
     def start(new_lens, spec="q8"):
         case = build_case(5, spec, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,

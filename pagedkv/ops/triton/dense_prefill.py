@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -174,18 +175,20 @@ class Plan:
     its block table) per scratch block, and the scratch's own block table [num_seqs, max_blocks] int32."""
 
     def __init__(self, meta: AttentionMetadata):
+        # numpy, not Python lists: the first layer of a step builds it while the GPU waits (64 sequences of 8,192
+        # tokens, 32,768 blocks: 20 ms in lists on a 2-core CPU)
         bs = meta.block_size
-        counts = [(n + bs - 1) // bs for n in meta.seq_lens_cpu]
-        rows, table, start = [], [], 0
-        width = max(counts, default=0) or 1
-        for seq, n in enumerate(counts):
-            rows += [(seq, j) for j in range(n)]
-            table.append(list(range(start, start + n)) + [0] * (width - n))
-            start += n
+        counts = (np.asarray(meta.seq_lens_cpu, dtype=np.int64) + bs - 1) // bs
+        self.num_blocks = total = int(counts.sum())
+        width = int(counts.max(initial=0)) or 1
+        firsts = np.cumsum(counts) - counts                  # each sequence's first scratch block
+        seqs = np.repeat(np.arange(len(counts)), counts)
+        rows = np.stack([seqs, np.arange(total) - firsts[seqs]], axis=1) if total else np.zeros((1, 2), np.int64)
+        table = np.zeros((len(counts), width), dtype=np.int32)   # scratch block j of a sequence at column j, then 0
+        table[np.arange(width)[None, :] < counts[:, None]] = np.arange(total)
         device = meta.block_table.device
-        self.num_blocks = start
-        self.rows = torch.tensor(rows or [(0, 0)], dtype=torch.int32).to(device, non_blocking=True)
-        self.table = torch.tensor(table, dtype=torch.int32).to(device, non_blocking=True)
+        self.rows = torch.from_numpy(rows.astype(np.int32)).to(device, non_blocking=True)
+        self.table = torch.from_numpy(table).to(device, non_blocking=True)
 
 
 @dataclass
