@@ -339,7 +339,15 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     # shares nothing with the timed requests; their steps are left out of the counts
     engine_generate_run(llm, ragged_prompts([len(p) for p in prompts], text.vocab_size, seed=99), 4)
     warm = llm.stats()
-    out = engine_generate_run(llm, prompts, new_tokens, timeline=True)
+    if PROFILE_KERNELS:
+        from torch.profiler import ProfilerActivity, profile
+
+        on_gpu = torch.cuda.is_available()   # on the CPU (--tiny) the operators' CPU time stands in
+        with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+            out = engine_generate_run(llm, prompts, new_tokens, timeline=True)
+        out["kernels"] = kernel_totals(prof, on_gpu)
+    else:
+        out = engine_generate_run(llm, prompts, new_tokens, timeline=True)
     stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
              for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays", "tier_host_hits",
                        "tier_offloaded_blocks")}
@@ -352,6 +360,26 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     del llm
     free_memory()
     return out
+
+
+def kernel_totals(prof, on_gpu: bool) -> list[list]:
+    """[name, total ms, calls] of every kernel a `torch.profiler` run recorded, the largest first; on the CPU, the
+    operators' own CPU time."""
+    rows = []
+    for e in prof.key_averages():
+        ms = (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e3
+        if ms > 0 and (not on_gpu or e.device_type == torch.autograd.DeviceType.CUDA or e.self_cpu_time_total == 0):
+            rows.append([e.key, round(ms, 3), e.count])
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def print_kernels(name: str, r: dict, top: int = 15) -> None:
+    """The `top` kernels of a same-memory run profiled with --profile-kernels: total ms, share, calls, us a call."""
+    rows = r.get("kernels") or []
+    total = sum(k[1] for k in rows) or 1.0
+    print(f"--- {name}: {total / 1e3:.2f} s of kernels in a run of {r['seconds']:.2f} s (under the profiler)")
+    for kname, ms, calls in rows[:top]:
+        print(f"{ms:10.1f} ms  {100 * ms / total:5.1f}%  {calls:8d} x {1e3 * ms / max(calls, 1):8.1f} us  {kname[:90]}")
 
 
 def same_memory_title(results: dict, what: str) -> str:
@@ -480,6 +508,7 @@ def add_layer_options(p: argparse.ArgumentParser) -> None:
 
 
 ASYNC_SCHEDULING: bool | None = None   # EngineConfig.async_scheduling of the engines built here (--async-scheduling)
+PROFILE_KERNELS = False   # --profile-kernels: the same-memory runs under torch.profiler
 
 
 def use_layer_options(args: argparse.Namespace) -> None:
@@ -515,6 +544,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for engine_gpu.json and engine_gpu.png")
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
     p.add_argument("--replot", default=None, metavar="JSON", help="only redraw engine_gpu.png next to this JSON")
+    p.add_argument("--profile-kernels", action="store_true",
+                   help="with --same-memory: each timed run under torch.profiler, its GPU time by kernel printed and "
+                        "kept in the JSON (the profiler slows the run; the CUDA graph replays' kernels are there where "
+                        "CUPTI records graph nodes: the calls column tells)")
     p.add_argument("--same-memory", type=float, default=None, metavar="GIB",
                    help="only the same-memory run: every format's pages get GIB gibibytes")
     p.add_argument("--admission-lookahead-tokens", type=int, nargs="+", default=[EngineConfig.admission_lookahead_tokens],
@@ -536,6 +569,8 @@ def main(argv=None) -> int:
                         "instead of dense scratch pages")
     args = p.parse_args(argv)
     use_layer_options(args)
+    global PROFILE_KERNELS
+    PROFILE_KERNELS = args.profile_kernels
     if args.fused_prefill:
         from pagedkv.ops.triton import tuning
 
@@ -658,7 +693,9 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
                             + (f", {mode}" if len(modes) > 1 else "") + (", attention free" if free else ""))
                     results["same_memory"][name] = r
                     print(f"pagedkv {name}, {args.same_memory} GiB of pages, admission lookahead {lookahead}, preemption "
-                          f"by {mode}: {({k: v for k, v in r.items() if k != 'timeline'})}", flush=True)
+                          f"by {mode}: {({k: v for k, v in r.items() if k not in ('timeline', 'kernels')})}", flush=True)
+                    if "kernels" in r:
+                        print_kernels(name, r)
     results["seconds"] = time.perf_counter() - t_start
     print(f"\n{results['gpu']}: the same {args.same_memory} GiB of pages, {args.requests} requests x "
           f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens (EOS ignored), {args.layers} layers")

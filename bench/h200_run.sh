@@ -23,6 +23,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh ordered-grid  # kernel table, same-memory run, order tests
 #   OUT=/some/dir bash bench/h200_run.sh async-memory  # same-memory run, asynchronous scheduling on and off
 #   OUT=/some/dir bash bench/h200_run.sh off-splits  # kernel table, the dense decode's split counts, same-memory run
+#   OUT=/some/dir bash bench/h200_run.sh memory-kernels  # the same-memory run's GPU time by kernel (torch.profiler)
 #   OUT=/some/dir bash bench/h200_run.sh engine-shapes  # decode steps by kernel and the decode kernels' split counts at
 #                                                  # the same-memory run's batches (1,536 tokens)
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
@@ -192,6 +193,11 @@ engine-shapes)   # the decode kernels at the batches and lengths of the same-mem
     run 80 env FORMAT=off SHAPES='[[40, 1536]]' SPLITS='{"40": [2, 3, 4, 6, 8]}' \
         VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
+memory-kernels)   # the same-memory run under torch.profiler: the GPU time of each kernel over the whole run (the
+                  # profiler slows it: its tokens/s are not the run's; the calls say whether graph replays were seen)
+    run 420 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --profile-kernels --out "$OUT/memory_kernels"
+    ;;
 async-memory)   # the same-memory run with asynchronous scheduling (the default) and without, side by side; then
                 # the inductor kernels of the MLP's SiLU-times-up and residual adds, and the GPU tests of the order
     run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
@@ -244,7 +250,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|ordered-grid|off-splits|engine-shapes|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|ordered-grid|off-splits|engine-shapes|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac
