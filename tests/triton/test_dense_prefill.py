@@ -60,9 +60,8 @@ def test_plan_puts_each_sequences_blocks_in_turn():
     from pagedkv.ops.metadata import AttentionMetadata
 
     lens, qsl = [0, 5, 33, 16, 17], [0, 1, 2, 3, 4, 5]
-    ints = lambda x, dtype=torch.int32: torch.tensor(x, dtype=dtype)
-    meta = AttentionMetadata(torch.zeros(5, 4, dtype=torch.int32), ints(lens), ints(qsl), ints([0] * 5, torch.int64),
-                             None, lens, qsl, 16)
+    meta = AttentionMetadata(torch.zeros(5, 4, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                             torch.tensor(qsl, dtype=torch.int32), torch.zeros(5, dtype=torch.int64), None, lens, qsl, 16)
     plan = dense_prefill.Plan(meta)
     assert plan.num_blocks == 7
     assert plan.rows.dtype == plan.table.dtype == torch.int32
