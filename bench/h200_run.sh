@@ -180,16 +180,19 @@ off-splits)   # the dense decode's split counts with four KV heads a program (2-
     run 30 python bench/engine_steps.py "$OUT/memory/engine_memory.json"
     ;;
 engine-shapes)   # the decode kernels at the batches and lengths of the same-memory run's decode steps: one eager
-                 # decode step by kernel per format at its batch there, then each kernel over split counts (longest first)
+                 # decode step by kernel per format at its batch there, then each kernel over split counts (longest
+                 # first; session 33 ran the probes with the "lf" variant only)
     for x in off:40 q4:144 turboquant:100; do
         run 130 python bench/engine_profile.py --formats "${x%%:*}" --requests "${x##*:}" --prompt-tokens 1536 \
             --max-num-batched-tokens 16384 --kernels --top 22
     done
-    run 150 env FORMAT=turboquant SHAPES='[[100, 1536], [64, 1536], [128, 2048]]' \
+    # longest first as served, and with a third ring stage (ENGINE_SHAPE_VARIANTS replaces the pair)
+    variants=${ENGINE_SHAPE_VARIANTS:-'{"lf": {"ordered": true}, "lf3": {"ordered": true, "stages": 3}}'}
+    run 200 env FORMAT=turboquant SHAPES='[[100, 1536], [64, 1536], [128, 2048]]' \
         SPLITS='{"100": [1, 2, 3, 4, 6], "64": [2, 3, 4, 6], "128": [1, 2, 3, 4]}' \
-        VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
-    run 120 env FORMAT=q4 SHAPES='[[144, 1536], [100, 1536]]' SPLITS='{"144": [1, 2, 3, 4], "100": [1, 2, 3, 4]}' \
-        VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+        VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
+    run 160 env FORMAT=q4 SHAPES='[[144, 1536], [100, 1536]]' SPLITS='{"144": [1, 2, 3, 4], "100": [1, 2, 3, 4]}' \
+        VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
     run 80 env FORMAT=off SHAPES='[[40, 1536]]' SPLITS='{"40": [2, 3, 4, 6, 8]}' \
         VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
