@@ -316,11 +316,13 @@ def attention_free():
 
 def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int | list[int],
                     max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024, swap: bool = False,
-                    compile_layers: bool | None = None, graph_batch_sizes: list[int] | None = None) -> dict:
+                    compile_layers: bool | None = None, graph_batch_sizes: list[int] | None = None,
+                    profile_kernels: bool = False) -> dict:
     """`LLM.generate` over pages of `fmt` holding at most `budget_bytes` (all layers), every request admitted
     as the pages allow: output tokens/s, preemptions, how many blocks the budget bought, and the run's timeline
     (one row per engine step, see `engine_generate_run`). swap: a preempted request's blocks go to a host tier
-    as large as the pages and come back on readmission (`swap_on_preemption`), instead of being recomputed."""
+    as large as the pages and come back on readmission (`swap_on_preemption`), instead of being recomputed.
+    profile_kernels: the timed run under torch.profiler, its kernels' total times kept as "kernels" (`kernel_totals`)."""
     text = model.config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     block_size = 16
@@ -339,13 +341,12 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     # shares nothing with the timed requests; their steps are left out of the counts
     engine_generate_run(llm, ragged_prompts([len(p) for p in prompts], text.vocab_size, seed=99), 4)
     warm = llm.stats()
-    if PROFILE_KERNELS:
+    if profile_kernels:
         from torch.profiler import ProfilerActivity, profile
 
-        on_gpu = torch.cuda.is_available()   # on the CPU (--tiny) the operators' CPU time stands in
-        with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
             out = engine_generate_run(llm, prompts, new_tokens, timeline=True)
-        out["kernels"] = kernel_totals(prof, on_gpu)
+        out["kernels"] = kernel_totals(prof)
     else:
         out = engine_generate_run(llm, prompts, new_tokens, timeline=True)
     stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
@@ -362,15 +363,18 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     return out
 
 
-def kernel_totals(prof, on_gpu: bool) -> list[list]:
-    """[name, total ms, calls] of every kernel a `torch.profiler` run recorded, the largest first; on the CPU, the
-    operators' own CPU time."""
-    rows = []
-    for e in prof.key_averages():
-        ms = (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e3
-        if ms > 0 and (not on_gpu or e.device_type == torch.autograd.DeviceType.CUDA or e.self_cpu_time_total == 0):
-            rows.append([e.key, round(ms, 3), e.count])
-    return sorted(rows, key=lambda r: -r[1])
+def kernel_totals(prof) -> list[list]:
+    """[name, total ms, calls] of every kernel a `torch.profiler` run recorded, the largest first; on the CPU (--tiny),
+    the operators' own CPU time stands in."""
+    on_gpu = torch.cuda.is_available()
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if on_gpu and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        row = totals.setdefault(event.name, [event.name, 0.0, 0])
+        row[1] += (event.device_time_total if on_gpu else event.self_cpu_time_total) / 1e3
+        row[2] += 1
+    return sorted((r for r in totals.values() if r[1] > 0), key=lambda r: -r[1])
 
 
 def print_kernels(name: str, r: dict, top: int = 15) -> None:
@@ -508,7 +512,6 @@ def add_layer_options(p: argparse.ArgumentParser) -> None:
 
 
 ASYNC_SCHEDULING: bool | None = None   # EngineConfig.async_scheduling of the engines built here (--async-scheduling)
-PROFILE_KERNELS = False   # --profile-kernels: the same-memory runs under torch.profiler
 
 
 def use_layer_options(args: argparse.Namespace) -> None:
@@ -569,8 +572,6 @@ def main(argv=None) -> int:
                         "instead of dense scratch pages")
     args = p.parse_args(argv)
     use_layer_options(args)
-    global PROFILE_KERNELS
-    PROFILE_KERNELS = args.profile_kernels
     if args.fused_prefill:
         from pagedkv.ops.triton import tuning
 
@@ -688,7 +689,8 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
                     with attention_free() if free else contextlib.nullcontext():
                         r = same_memory_run(model, fmt, budget, prompts, new_tokens, args.max_num_batched_tokens,
                                             lookahead, swap=mode == "swap", compile_layers=args.compile_layers,
-                                            graph_batch_sizes=args.graph_batch_sizes)
+                                            graph_batch_sizes=args.graph_batch_sizes,
+                                            profile_kernels=args.profile_kernels)
                     name = (fmt + (f", lookahead {lookahead}" if len(lookaheads) > 1 else "")
                             + (f", {mode}" if len(modes) > 1 else "") + (", attention free" if free else ""))
                     results["same_memory"][name] = r

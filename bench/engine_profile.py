@@ -55,9 +55,9 @@ def profiled(fn, n: int, top: int, label: str) -> float:
 
 
 def kernel_times(fn, n: int, top: int, label: str) -> float:
-    """Device time per call of `fn` by kernel (`torch.profiler`), the `top` largest printed, beside the calls' wall
-    time (under the profiler: the gap is what the GPU waits for the host, plus the profiler's own cost); returns the
-    total (us per call)."""
+    """Device time per call of `fn` by kernel (`torch.profiler`, `engine_gpu.kernel_totals`), the `top` largest
+    printed, beside the calls' wall time (under the profiler: the gap is what the GPU waits for the host, plus the
+    profiler's own cost); returns the total (us per call)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = torch.cuda.is_available()   # on the CPU (--tiny) the operators' CPU time stands in
@@ -68,15 +68,10 @@ def kernel_times(fn, n: int, top: int, label: str) -> float:
             fn()
         sync()
         wall_us = (time.perf_counter() - start) / n * 1e6
-    times: dict[str, float] = {}
-    for event in prof.events():
-        if on_gpu and event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = event.device_time_total if on_gpu else event.self_cpu_time_total
-        times[event.name] = times.get(event.name, 0.0) + us / n
-    total = sum(times.values())
+    times = [(name, 1e3 * ms / n) for name, ms, _ in engine_gpu.kernel_totals(prof)]
+    total = sum(us for _, us in times)
     print(f"--- {label}: {total:.0f} us of {'kernels' if on_gpu else 'CPU operators'} per step, {wall_us:.0f} us wall")
-    for name, us in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
+    for name, us in times[:top]:
         print(f"{us:9.1f} us  {100 * us / total:5.1f}%  {name[:110]}")
     return total
 

@@ -20,7 +20,6 @@
 #   OUT=/some/dir bash bench/h200_run.sh ragged-engine  # the same-memory run with lengths spread +-50%, both orders
 #   OUT=/some/dir bash bench/h200_run.sh step-kernels  # an engine prefill step and decode step by kernel
 #   OUT=/some/dir bash bench/h200_run.sh prefill-gaps  # where the GPU waits in a prefill step; same-memory run
-#   OUT=/some/dir bash bench/h200_run.sh ordered-grid  # kernel table, same-memory run, order tests
 #   OUT=/some/dir bash bench/h200_run.sh async-memory  # same-memory run, asynchronous scheduling on and off
 #   OUT=/some/dir bash bench/h200_run.sh off-splits  # kernel table, the dense decode's split counts, same-memory run
 #   OUT=/some/dir bash bench/h200_run.sh memory-kernels  # the same-memory run's GPU time by kernel (torch.profiler)
@@ -160,15 +159,6 @@ prefill-gaps)   # where the GPU waits in a same-memory prefill step (16 prompts 
     run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
         --formats off turboquant q4 --out "$OUT/memory_defaults"
     ;;
-ordered-grid)   # longest-first launches with a key range's heads side by side: the kernel table in the served
-                # order, the same-memory run, and the GPU tests of the launch order
-    run 120 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
-        --skip prefill,write --out "$OUT/kernels_heads_side_by_side"
-    run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 --out "$OUT/memory_heads_side_by_side"
-    run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py tests/triton/test_triton_decode.py \
-        tests/test_longest_first.py tests/test_engine_async.py -k "any_token_order or order or async"
-    ;;
 off-splits)   # the dense decode's split counts with four KV heads a program (2-3 resident a multiprocessor): the
               # kernel table in the served order, the split counts side by side (longest first), the same-memory run
     run 200 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
@@ -253,7 +243,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|ordered-grid|off-splits|engine-shapes|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac
