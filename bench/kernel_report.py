@@ -194,8 +194,12 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
         launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=num_splits, **options)
     kernel = launches.compiled[0]
     info, sass = assemble(kernel)
-    ops = loop_ops(sass_loops(sass)[0])
+    loops = sass_loops(sass)
+    if launches.options[0].get("STREAM", False):   # the walk over pairs holds the key loop: the shortest with products
+        loops = sorted((loop for loop in loops if loop_ops(loop).get("HMMA")), key=len)
+    ops = loop_ops(loops[0])
     return {"format": spec, "head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits, "window": window,
+            "stream": launches.options[0].get("STREAM", False),
             "keys_per_step": 32 if launches.options[0].get("PAIRS", False) else 16,
             "kv_heads_per_program": launches.options[0].get("HEADS", 1), **ptxas_usage(info),
             "shared_bytes": kernel.metadata.shared, "loop_ops": dict(ops)}
@@ -381,6 +385,9 @@ def main() -> None:
                         help="print (JSON) the Gluon decode kernels' registers, spills and loop opcodes (q8 per head_dim, "
                              "dtype and split; TurboQuant q8_0/q3_0 and q4_0/q4_0, q4, q6 and off, per dtype; q8, "
                              "TurboQuant and q4 with a dense recent window)")
+    parser.add_argument("--gluon-stream", action="store_true",
+                        help="print (JSON) the same for the stream-K variants (`stream_k`: TurboQuant q8_0/q3_0 and "
+                             "q4_0/q4_0, q4, q6; bfloat16), each after its split kernel; loop opcodes of the key loop")
     parser.add_argument("--ordered", action="store_true",
                         help="with --gluon: the kernels launched longest sequence first (`ordered=True`, `launch_grid`)")
     parser.add_argument("--dependent-launch", action="store_true",
@@ -398,6 +405,11 @@ def main() -> None:
             for dtype in (torch.bfloat16, torch.float16):
                 print(json.dumps(gluon_prefill_report(head_dim, dtype)), flush=True)
         print(json.dumps(gluon_prefill_report(128, torch.bfloat16, block_size=64)), flush=True)
+        return
+    if args.gluon_stream:
+        for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0", "q4", "q6"):
+            for stream in (False, True):
+                print(json.dumps(gluon_report(128, torch.bfloat16, 4, spec, stream=stream)), flush=True)
         return
     if args.gluon:
         order = {"ordered": True} if args.ordered else {}

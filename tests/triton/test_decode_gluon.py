@@ -246,3 +246,86 @@ def test_gluon_decode_reads_the_pages_then_the_window(spec, kernel, head_dim, nu
     plain = decode_gluon.KERNELS[kernel][1](case.query, case.pages, case.fmt, case.meta, scale=0.2,
                                             num_splits=num_splits)
     assert rel_err(plain, ref) > 2 * rel_err(out, ref)   # the window's exact keys are what brought it closer
+
+
+# decode batches (one new token a sequence) whose keys end at and around the 16-key steps, one long sequence
+STREAM_CTX = [0, 15, 16, 30, 300, 1000, 46, 2, 2047]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("programs", [True, 7, 64, 1000], ids=lambda p: "resident" if p is True else f"{p}programs")
+@pytest.mark.parametrize("spec,shape", [(spec, shape) for spec in ("q4", "q6", *TQ_SPECS) for shape in TQ_SHAPES],
+                         ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
+def test_stream_k_decode_matches_reference(spec, shape, programs, dtype):
+    """The q4 / q6 and TurboQuant kernels stream-K (`stream_k`): the batch's key steps divided evenly over the
+    resident slots or a given number of programs (7: pairs cut in many segments; 1,000: most programs idle), the
+    partial states merged by the stream reduce."""
+    from pagedkv.ops.triton import decode_gluon
+
+    launch = decode_gluon.KERNELS["turboquant" if spec.startswith("turboquant") else "q4"][1]
+    hq, hkv, d, bs = shape
+    case = build_case(hash((spec, shape, "stream")) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                      block_size=bs, ctx_lens=STREAM_CTX, new_lens=[1] * len(STREAM_CTX), dtype=dtype)
+    assert decode_gluon.one_token_each(case.meta, case.query.shape[0])
+    scale = d ** -0.5
+    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
+    out = launch(case.query, case.pages, case.fmt, case.meta, scale=scale, stream=programs)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("spec", ["q4", "turboquant"])
+def test_stream_k_decode_is_captured_in_a_cuda_graph_and_follows_new_lengths(spec):
+    """The stream-K grid is the same whatever the lengths (every program finds its piece on the device): a decode
+    captured at one set of lengths replays right at another."""
+    import dataclasses
+
+    from pagedkv.ops.triton import decode_gluon
+
+    launch = decode_gluon.KERNELS["turboquant" if spec.startswith("turboquant") else "q4"][1]
+    hq, hkv, d, bs = TQ_SHAPES[3]
+    case = build_case(5, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=STREAM_CTX, new_lens=[1] * len(STREAM_CTX), dtype=torch.bfloat16)
+    scale = d ** -0.5
+    lens = case.meta.seq_lens.clone()
+    launch(case.query, case.pages, case.fmt, case.meta, scale=scale, stream=True)   # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch(case.query, case.pages, case.fmt, case.meta, scale=scale, stream=True)
+    for shorter in (lens, torch.clamp(lens - 17, min=1), torch.clamp(lens // 3, min=1)):
+        case.meta.seq_lens.copy_(shorter)
+        graph.replay()
+        meta = dataclasses.replace(case.meta, seq_lens_cpu=shorter.tolist())
+        ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, meta, scale=scale)
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_only_decode_batches_without_a_window_stream():
+    """`decode_gluon.stream_programs` (CPU: shapes and options only): a stream-K launch for batches of one query token
+    a sequence, sized to the resident slots or as asked; split launches for other batches, with a dense recent
+    window, and by default while STREAM_K lists no kernel."""
+    from types import SimpleNamespace
+
+    from pagedkv.config import KVFormat
+    from pagedkv.formats import make_format
+    from pagedkv.ops.triton import decode_gluon
+
+    query = torch.empty(4, 8, 128, dtype=torch.bfloat16)
+    decode = SimpleNamespace(block_table=torch.zeros(4, 3), query_start_loc_cpu=[0, 1, 2, 3, 4])
+    mixed = SimpleNamespace(block_table=torch.zeros(4, 3), query_start_loc_cpu=[0, 0, 2, 3, 4])
+    fmt = {spec: make_format(KVFormat.parse(spec), 2, 128, torch.bfloat16, "cpu")
+           for spec in ("q4", "turboquant", "turboquant:k=q4_0,v=q4_0")}
+    slots = 132   # multiprocessors assumed off a GPU
+    assert decode_gluon.stream_programs(True, "q4", fmt["q4"], query, decode, None) == 16 * slots
+    assert decode_gluon.stream_programs(True, "turboquant", fmt["turboquant"], query, decode, None) == 16 * slots
+    assert decode_gluon.stream_programs(True, "turboquant", fmt["turboquant:k=q4_0,v=q4_0"], query, decode,
+                                        None) == 12 * slots
+    assert decode_gluon.stream_programs(96, "q4", fmt["q4"], query, decode, None) == 96
+    assert decode_gluon.stream_programs(True, "q4", fmt["q4"], query, mixed, None) == 0
+    assert decode_gluon.stream_programs(True, "q4", fmt["q4"], query, decode, (query, query)) == 0
+    assert decode_gluon.stream_programs(False, "q4", fmt["q4"], query, decode, None) == 0
+    assert decode_gluon.stream_programs(None, "q4", fmt["q4"], query, decode, None) == (
+        16 * slots if "q4" in decode_gluon.STREAM_K else 0)

@@ -46,6 +46,7 @@ from .conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_OFFSET_ASM, NIBBLE_KE
                           SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
                           SIX_BIT_SPREAD_ASM)
 from .decode_io import launch_grid, program_coords
+from .stream_k import MIN_STEPS, next_pair, reduce_stream, segment, stream_chunk, stream_states
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -89,6 +90,17 @@ DENSE_HEADS = 4
 # split counts at most: a batch of one 32,768-token sequence split 256 ways took 1.0-1.1x the time of 128 ways
 # for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
 MAX_SPLITS = 128
+# The kernels that serve decode batches stream-K (`stream_k`: the grid is the resident slots, the batch's key steps
+# divided evenly over them) instead of splitting every (token, KV head) pair alike: none until timed faster on an
+# H200 (`bench/gluon_probe.py` variant "stream", `bench/engine_gpu.py --stream-k`)
+STREAM_K: tuple[str, ...] = ()
+# Resident programs per multiprocessor a stream-K grid fills, as registers allow (65,536 a multiprocessor, 32 lanes a
+# program: 128 registers a lane fit 16, TurboQuant K q4_0 / V q4_0's 168 fit 12; `bench/kernel_report.py --gluon`)
+STREAM_PROGRAMS_PER_SM = {"q4": 16, "turboquant": 16, ("turboquant", "q4_0", "q4_0"): 12}
+# Register caps of the stream-K variants, whose walk over pairs takes more than the split kernels' (compiled for
+# sm_90, `bench/kernel_report.py --gluon`): q4 and q6 use 154 uncapped (12 programs a multiprocessor), 121 and 124
+# capped at 128, no spills; TurboQuant K q4_0 / V q4_0 216 uncapped, 160 capped without spills (168 spills 12 bytes)
+STREAM_REGISTERS = {"q4": 128, ("turboquant", "q4_0", "q4_0"): 160}
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
@@ -200,6 +212,40 @@ def query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs):
         q_end = gl.load(query_start_loc_ptr + seq + 1)
         seq_len = gl.load(seq_lens_ptr + seq)
     return seq, seq_len - (q_end - q_start) + (token - q_start)
+
+
+SCAN = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))   # 128 tokens' lengths a pass, one warp
+
+
+@gluon.jit
+def add(a, b):
+    return a + b
+
+
+@gluon.jit
+def stream_piece(seq_lens_ptr, num_tokens, HEADS: gl.constexpr, MIN_STEPS: gl.constexpr):
+    """This program's piece of a stream-K decode (`stream_k`: `steps_before` and `first_pair` in Gluon): (g, g_end,
+    t, a, s), the 16-key steps [g, g_end) of the batch's line it attends, the token t whose pairs hold step g (when
+    g < g_end), the step a they start at and s, its steps a pair."""
+    offs = gl.arange(0, 128, layout=SCAN)
+    total = 0
+    for base in range(0, num_tokens, 128):
+        total += gl.sum(gl.cdiv(gl.load(seq_lens_ptr + base + offs, mask=base + offs < num_tokens, other=0), 16),
+                        axis=0)
+    total = total * HEADS
+    chunk = stream_chunk(total, gl.num_programs(0), MIN_STEPS)
+    g = gl.program_id(0) * chunk
+    run = 0
+    t = 0
+    a = 0
+    for base in range(0, num_tokens, 128):
+        s = gl.cdiv(gl.load(seq_lens_ptr + base + offs, mask=base + offs < num_tokens, other=0), 16)
+        done = (run + gl.associative_scan(s, 0, add)) * HEADS <= g
+        t += gl.sum(done.to(gl.int32), axis=0)
+        a += gl.sum(gl.where(done, s, 0), axis=0)
+        run += gl.sum(s, axis=0)
+    s = gl.cdiv(gl.load(seq_lens_ptr + gl.minimum(t, num_tokens - 1)), 16)   # t == num_tokens: an idle program
+    return g, gl.minimum(g + chunk, total), t, a * HEADS, s
 
 
 @gluon.jit
@@ -569,26 +615,16 @@ def decode_tq_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
-    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
+    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, STREAM: gl.constexpr = False,
+    MIN_STEPS: gl.constexpr = 8,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
-    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s."""
+    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. STREAM: a stream-K
+    decode (`stream_k`: the grid is the resident slots, each program its share of the batch's key steps, pair by
+    pair; decode batches without a window), else one (query token, KV head, split) a program."""
     launch_dependents(PDL)
-    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
-    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
-
-    kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
-    head_off = kv_head.to(gl.int64)
-    k_ptr += head_off * k_strides[2]
-    ks_ptr += head_off * ks_strides[2]
-    kz_ptr += head_off * ks_strides[2]
-    v_ptr += head_off * v_strides[2]
-    vs_ptr += head_off * vs_strides[2]
-    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     RING: gl.constexpr = 4 if PAIRS else STAGES
-    AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     k_ring = gl.allocate_shared_memory(gl.int8 if K_BITS == 8 else gl.uint8, [RING, 16, 128 * K_BITS // 8],
                                        KEY_RING if K_BITS == 8 else HALF_KEY_RING)
     s_ring = gl.allocate_shared_memory(gl.int64, [RING, 4, 16], FLAT)
@@ -598,6 +634,44 @@ def decode_tq_kernel(
     else:
         m_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], WORD_RING)
         n_ring = m_ring
+    if STREAM:
+        HEADS: gl.constexpr = NUM_Q_HEADS // GROUP
+        g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_seqs, HEADS, MIN_STEPS)
+        while g < g_end:
+            t, a, s = next_pair(g, t, a, s, seq_lens_ptr, HEADS)
+            kv_head, kv_lo, kv_hi, slot, g = segment(g, g_end, t, a, s, gl.load(seq_lens_ptr + t), gl.program_id(0),
+                                                     HEADS)
+            tq_attend_range(part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr,
+                            block_table_ptr + t.to(gl.int64) * stride_bt, t, kv_head, kv_lo, kv_hi,
+                            slot.to(gl.int64) * GROUP, 1, stride_qt, stride_qh, k_strides, ks_strides, v_strides,
+                            vs_strides, qk_scale, k_ring, s_ring, m_ring, n_ring, GROUP, BLOCK_SIZE, K_BITS, V_BITS,
+                            STAGES, PAIRS)
+    else:
+        token, kv_head, split = program_coords(token_order_ptr, ORDERED)
+        seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
+        kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
+        tq_attend_range(part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr,
+                        block_table_ptr + seq.to(gl.int64) * stride_bt, token, kv_head, kv_lo, kv_hi,
+                        (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP) * num_slots + split, num_slots,
+                        stride_qt, stride_qh, k_strides, ks_strides, v_strides, vs_strides, qk_scale, k_ring, s_ring,
+                        m_ring, n_ring, GROUP, BLOCK_SIZE, K_BITS, V_BITS, STAGES, PAIRS)
+
+
+@gluon.jit
+def tq_attend_range(part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row,
+                    token, kv_head, kv_lo, kv_hi, state0, state_stride, stride_qt, stride_qh, k_strides, ks_strides,
+                    v_strides, vs_strides, qk_scale, k_ring, s_ring, m_ring, n_ring, GROUP: gl.constexpr,
+                    BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr, V_BITS: gl.constexpr, STAGES: gl.constexpr,
+                    PAIRS: gl.constexpr):
+    """`decode_tq_kernel`'s work for the keys [kv_lo, kv_hi) of KV head `kv_head` of query token `token` (block
+    table row bt_row): the partial states of the group's query head i at state0 + i * state_stride."""
+    head_off = kv_head.to(gl.int64)
+    k_ptr += head_off * k_strides[2]
+    ks_ptr += head_off * ks_strides[2]
+    kz_ptr += head_off * ks_strides[2]
+    v_ptr += head_off * v_strides[2]
+    vs_ptr += head_off * vs_strides[2]
+    AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     for st in gl.static_range(AHEAD):
         copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
                      v_strides, vs_strides, k_ring.index(st), s_ring.index(st),
@@ -665,7 +739,7 @@ def decode_tq_kernel(
 
     oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     h_ok = oh < GROUP
-    state = (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP + oh) * num_slots + split
+    state = state0 + oh * state_stride
     gl.store(part_m_ptr + state, m_i, mask=h_ok)
     gl.store(part_l_ptr + state, l_i, mask=h_ok)
     o_at = part_out_ptr + state[None, :] * 128
@@ -701,13 +775,45 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
     return parts, num_slots, window_first
 
 
+def stream_programs(stream, kernel: str, fmt, query: torch.Tensor, meta, window) -> int:
+    """Programs of a stream-K decode (`stream_k`) of this batch, or 0 for a split one: `stream` None asks STREAM_K
+    (the kernels' default), True the resident slots (STREAM_PROGRAMS_PER_SM of `kernel` per multiprocessor), a number
+    that many; only decode batches (one query token per sequence) without a dense recent window stream."""
+    if stream is None:
+        stream = kernel in STREAM_K
+    if not stream or window is not None or not one_token_each(meta, query.shape[0]):
+        return 0
+    if stream is not True:
+        return int(stream)
+    per_sm = STREAM_PROGRAMS_PER_SM[kernel]
+    if kernel == "turboquant":
+        per_sm = STREAM_PROGRAMS_PER_SM.get((kernel, fmt.spec.k_quant, fmt.spec.v_quant), per_sm)
+    return per_sm * _multiprocessors(query.device)
+
+
+def one_token_each(meta, num_tokens: int) -> bool:
+    """Whether the batch is a decode: query token t is sequence t's one."""
+    return num_tokens == meta.block_table.shape[0] and meta.query_start_loc_cpu == list(range(num_tokens + 1))
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; off one (the compile-only reports), an H200's 132."""
+    if device.type != "cuda":
+        return 132
+    from .tuning import multiprocessor_count
+
+    return multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None, pairs: bool | None = None, ordered: bool | None = None) -> torch.Tensor:
+                       window=None, pairs: bool | None = None, ordered: bool | None = None,
+                       stream: int | bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
-    `ordered`: the launch order (`launch_grid`)."""
+    `ordered`: the launch order (`launch_grid`); `stream`: a stream-K decode instead of `num_splits` splits
+    (`stream_programs`: None as STREAM_K says, True its resident slots, a number that many programs)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -724,12 +830,19 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     q = query
     if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R)
         q = (query.float() @ view.q_rotation).to(torch.float16)
-    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, True)
+    programs = stream_programs(stream, "turboquant", fmt, query, meta, window)
     if max_registers is None:
         max_registers = tq_tuning(fmt.spec)[0]
+        if programs:
+            max_registers = STREAM_REGISTERS.get(("turboquant", fmt.spec.k_quant, fmt.spec.v_quant), max_registers)
     if pairs is None:
         pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
-    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    if programs:
+        parts, num_slots, window_first = stream_states(query, view.num_kv_heads, programs), 0, meta.seq_lens
+        grid, order, ordered = (programs,), meta.seq_lens, False
+    else:
+        parts, num_slots, window_first = window_splits(query, meta, num_splits, window, True)
+        grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_tq_kernel[grid](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
@@ -738,8 +851,12 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
-        PDL=dependent_launch(query.device), ORDERED=ordered, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
-    reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
+        PDL=dependent_launch(query.device), ORDERED=ordered, STREAM=bool(programs), MIN_STEPS=MIN_STEPS,
+        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+    if programs:
+        reduce_stream(out, parts, view, meta, programs)
+    else:
+        reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
 
@@ -834,26 +951,16 @@ def decode_q4_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
-    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
+    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, STREAM: gl.constexpr = False,
+    MIN_STEPS: gl.constexpr = 8,
 ):
     """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
-    then has 4 stages), else 16 keys a step with STAGES - 1 ahead."""
+    then has 4 stages), else 16 keys a step with STAGES - 1 ahead. STREAM: a stream-K decode (partial states in
+    `stream_k`'s slots, as `decode_tq_kernel`'s), else one (query token, KV head, split) a program."""
     launch_dependents(PDL)
-    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
-    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
-
-    kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
-    head_off = kv_head.to(gl.int64)
-    k_ptr += head_off * k_strides[2]
-    ks_ptr += head_off * ks_strides[2]
-    v_ptr += head_off * v_strides[2]
-    vs_ptr += head_off * vs_strides[2]
-    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     RING: gl.constexpr = 4 if PAIRS else STAGES
-    AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     k_ring = gl.allocate_shared_memory(gl.uint8, [RING, 16, 64], gl.SwizzledSharedLayout(16, 1, 4, [1, 0]))
     w_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], WORD_RING)
     ks_ring = gl.allocate_shared_memory(gl.float32, [RING, 16], WORDS)
@@ -864,6 +971,45 @@ def decode_q4_kernel(
     else:
         kp_ring = k_ring
         vp_ring = k_ring
+    if STREAM:
+        HEADS: gl.constexpr = NUM_Q_HEADS // GROUP
+        g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_seqs, HEADS, MIN_STEPS)
+        while g < g_end:
+            t, a, s = next_pair(g, t, a, s, seq_lens_ptr, HEADS)
+            kv_head, kv_lo, kv_hi, slot, g = segment(g, g_end, t, a, s, gl.load(seq_lens_ptr + t), gl.program_id(0),
+                                                     HEADS)
+            q4_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr,
+                            block_table_ptr + t.to(gl.int64) * stride_bt, t, kv_head, kv_lo, kv_hi,
+                            slot.to(gl.int64) * GROUP, 1, stride_qt, stride_qh, stride_ot, stride_oh, k_strides,
+                            ks_strides, v_strides, vs_strides, qk_scale, k_ring, w_ring, ks_ring, vs_ring, kp_ring,
+                            vp_ring, GROUP, BLOCK_SIZE, True, STAGES, BITS, PAIRS)
+    else:
+        token, kv_head, split = program_coords(token_order_ptr, ORDERED)
+        seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
+        kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
+        q4_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr,
+                        block_table_ptr + seq.to(gl.int64) * stride_bt, token, kv_head, kv_lo, kv_hi,
+                        (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP) * num_slots + split, num_slots,
+                        stride_qt, stride_qh, stride_ot, stride_oh, k_strides, ks_strides, v_strides, vs_strides,
+                        qk_scale, k_ring, w_ring, ks_ring, vs_ring, kp_ring, vp_ring, GROUP, BLOCK_SIZE, SPLIT,
+                        STAGES, BITS, PAIRS)
+
+
+@gluon.jit
+def q4_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row,
+                    token, kv_head, kv_lo, kv_hi, state0, state_stride, stride_qt, stride_qh, stride_ot, stride_oh,
+                    k_strides, ks_strides, v_strides, vs_strides, qk_scale, k_ring, w_ring, ks_ring, vs_ring,
+                    kp_ring, vp_ring, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
+                    STAGES: gl.constexpr, BITS: gl.constexpr, PAIRS: gl.constexpr):
+    """`decode_q4_kernel`'s work for the keys [kv_lo, kv_hi) of KV head `kv_head` of query token `token` (block
+    table row bt_row): with SPLIT the partial states of the group's query head i at state0 + i * state_stride,
+    else the output."""
+    head_off = kv_head.to(gl.int64)
+    k_ptr += head_off * k_strides[2]
+    ks_ptr += head_off * ks_strides[2]
+    v_ptr += head_off * v_strides[2]
+    vs_ptr += head_off * vs_strides[2]
+    AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     for st in gl.static_range(AHEAD):
         copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides, v_strides,
                      vs_strides, k_ring.index(st), ks_ring.index(st), w_ring.index(st), vs_ring.index(st),
@@ -934,7 +1080,7 @@ def decode_q4_kernel(
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     rows = (16 * (r & 7) + 8 * (r >> 3))[:, None]   # row g + 8a of tile n: channel 8 (2g + a) + (0, 2, 1, 3, ..)[n]
     if SPLIT:
-        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_slots + split
+        state = state0 + oh * state_stride
         gl.store(part_m_ptr + state, m_i, mask=h_ok)
         gl.store(part_l_ptr + state, l_i, mask=h_ok)
         o_at = part_out_ptr + state[None, :] * 128 + rows
@@ -973,10 +1119,12 @@ def _reads_q46(fmt, query, block_size, softcap, sliding_window) -> bool:
 
 def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None, pairs: bool | None = None, ordered: bool | None = None) -> torch.Tensor:
+                       window=None, pairs: bool | None = None, ordered: bool | None = None,
+                       stream: int | bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
     dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed,
-    `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`)."""
+    `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`); `stream`: a stream-K decode
+    (`stream_programs`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -987,10 +1135,17 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
     if pairs is None:
         pairs = view.k_bits in Q4_PAIRS_BITS
-    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    programs = stream_programs(stream, "q4", fmt, query, meta, window)
+    if programs and max_registers is None:
+        max_registers = STREAM_REGISTERS["q4"]
+    if programs:
+        parts, num_slots, window_first = stream_states(query, view.num_kv_heads, programs), 0, meta.seq_lens
+        grid, order, ordered = (programs,), meta.seq_lens, False
+    else:
+        parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
+        grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_q4_kernel[grid](
         out, *(parts or (out, out, out)), query, view.k, view.k_scale, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
@@ -999,9 +1154,12 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, PAIRS=pairs,
-        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, num_warps=1,
-        **({"maxnreg": max_registers} if max_registers else {}))
-    reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
+        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, STREAM=bool(programs),
+        MIN_STEPS=MIN_STEPS, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+    if programs:
+        reduce_stream(out, parts, view, meta, programs)
+    else:
+        reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
 
