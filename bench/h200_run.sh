@@ -25,6 +25,9 @@
 #   OUT=/some/dir bash bench/h200_run.sh memory-kernels  # the same-memory run's GPU time by kernel (torch.profiler)
 #   OUT=/some/dir bash bench/h200_run.sh engine-shapes  # decode steps by kernel and the decode kernels' split counts at
 #                                                  # the same-memory run's batches (1,536 tokens)
+#   OUT=/some/dir bash bench/h200_run.sh stream    # stream-K decode: GPU tests, probes beside the splits (SPREAD=0.5:
+#                                                  # ragged lengths)
+#   OUT=/some/dir bash bench/h200_run.sh stream-memory  # the same-memory run, split and stream-K side by side
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -186,6 +189,24 @@ engine-shapes)   # the decode kernels at the batches and lengths of the same-mem
     run 80 env FORMAT=off SHAPES='[[40, 1536]]' SPLITS='{"40": [2, 3, 4, 6, 8]}' \
         VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
+stream)   # stream-K decode (ops/triton/stream_k.py): its GPU tests, then the probes beside the splits, longest first,
+          # at the same-memory run's batches and the kernel table's shapes (TurboQuant, its q4_0 pair, q4)
+    run 240 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "stream"
+    variants='{"lf": {"ordered": true}, "stream": {"stream": true}}'
+    run 150 env FORMAT=turboquant SHAPES='[[100, 1536], [64, 1536], [128, 2048], [64, 8192], [32, 4096], [1, 32768]]' \
+        SPLITS='{"100": [2, 3], "64": [2, 4], "128": [1, 2], "32": [4, 8], "1": [128]}' SPREAD=${SPREAD:-0} \
+        VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
+    run 120 env FORMAT=q4 SHAPES='[[144, 1536], [100, 1536], [64, 8192], [32, 4096], [1, 32768]]' \
+        SPLITS='{"144": [1, 2], "100": [1, 2], "64": [2, 4], "32": [4, 8], "1": [128]}' SPREAD=${SPREAD:-0} \
+        VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
+    run 100 env FORMAT="turboquant:k=q4_0,v=q4_0" SHAPES='[[100, 1536], [64, 8192], [32, 4096]]' \
+        SPLITS='{"100": [2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
+    ;;
+stream-memory)   # the same-memory run, TurboQuant and q4 split then stream-K, side by side in one process
+    run 420 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --stream-k both --out "$OUT/memory_stream"
+    run 30 python bench/engine_steps.py "$OUT/memory_stream/engine_memory.json"
+    ;;
 memory-kernels)   # the same-memory run under torch.profiler: the GPU time of each kernel over the whole run (the
                   # profiler slows it: its tokens/s are not the run's; the calls say whether graph replays were seen)
     run 420 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
@@ -243,7 +264,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|stream|stream-memory|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac

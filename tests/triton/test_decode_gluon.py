@@ -303,10 +303,10 @@ def test_stream_k_decode_is_captured_in_a_cuda_graph_and_follows_new_lengths(spe
         assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
-def test_only_decode_batches_without_a_window_stream():
+def test_only_decode_batches_without_a_window_stream(monkeypatch):
     """`decode_gluon.stream_programs` (CPU: shapes and options only): a stream-K launch for batches of one query token
     a sequence, sized to the resident slots or as asked; split launches for other batches, with a dense recent
-    window, and by default while STREAM_K lists no kernel."""
+    window, and by default for the kernels STREAM_K lists at batches of enough pairs."""
     from types import SimpleNamespace
 
     from pagedkv.config import KVFormat
@@ -327,5 +327,13 @@ def test_only_decode_batches_without_a_window_stream():
     assert decode_gluon.stream_programs(True, "q4", fmt["q4"], query, mixed, None) == 0
     assert decode_gluon.stream_programs(True, "q4", fmt["q4"], query, decode, (query, query)) == 0
     assert decode_gluon.stream_programs(False, "q4", fmt["q4"], query, decode, None) == 0
-    assert decode_gluon.stream_programs(None, "q4", fmt["q4"], query, decode, None) == (
-        16 * slots if "q4" in decode_gluon.STREAM_K else 0)
+    # by default: the kernels STREAM_K lists, for batches with a (token, KV head) pair per STREAM_MAX_PIECES slots
+    monkeypatch.setattr(decode_gluon, "STREAM_K", ())
+    assert decode_gluon.stream_programs(None, "q4", fmt["q4"], query, decode, None) == 0
+    monkeypatch.setattr(decode_gluon, "STREAM_K", ("q4",))
+    assert decode_gluon.stream_programs(None, "q4", fmt["q4"], query, decode, None) == 0   # 8 pairs: few
+    n = -(-16 * slots // (2 * decode_gluon.STREAM_MAX_PIECES))   # 2 KV heads
+    for tokens, programs in ((n - 1, 0), (n, 16 * slots)):
+        large = torch.empty(tokens, 8, 128, dtype=torch.bfloat16)
+        batch = SimpleNamespace(block_table=torch.zeros(tokens, 3), query_start_loc_cpu=list(range(tokens + 1)))
+        assert decode_gluon.stream_programs(None, "q4", fmt["q4"], large, batch, None) == programs

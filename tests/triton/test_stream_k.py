@@ -72,12 +72,13 @@ def partial_state(q, k, v, scale):
     return p @ v, m, p.sum(-1)
 
 
+@pytest.mark.parametrize("programs", [11, 40])   # a pair for every two programs or more, and fewer (REDUCE_SLOTS)
 @pytest.mark.parametrize("rotated", [False, True], ids=["plain", "rotated"])
 @pytest.mark.parametrize("d,heads,group", [(64, 3, 3), (128, 2, 4), (128, 1, 8)])
-def test_the_reduce_merges_each_pairs_partial_states_into_its_attention(d, heads, group, rotated):
+def test_the_reduce_merges_each_pairs_partial_states_into_its_attention(d, heads, group, rotated, programs):
     gen = torch.Generator().manual_seed(d + heads)
     lens = [40, 0, 1, 300, 17, 129]
-    programs, scale = 11, d ** -0.5   # pairs of up to 6 partial states
+    scale = d ** -0.5   # with one step a program at least, pairs of up to 6 and 18 partial states
     q = torch.randn(len(lens), heads * group, d, generator=gen)
     keys = [torch.randn(n, heads, d, generator=gen) for n in lens]
     values = [torch.randn(n, heads, d, generator=gen) for n in lens]

@@ -97,6 +97,10 @@ STREAM_K: tuple[str, ...] = ()
 # Resident programs per multiprocessor a stream-K grid fills, as registers allow (65,536 a multiprocessor, 32 lanes a
 # program: 128 registers a lane fit 16, TurboQuant K q4_0 / V q4_0's 168 fit 12; `bench/kernel_report.py --gluon`)
 STREAM_PROGRAMS_PER_SM = {"q4": 16, "turboquant": 16, ("turboquant", "q4_0", "q4_0"): 12}
+# Batches that stream by default have at least one (token, KV head) pair per STREAM_MAX_PIECES programs (at equal
+# lengths each pair is cut in at most that many pieces, whose partial states the reduce merges): batch 17 and more
+# with 8 KV heads on an H200; fewer, longer sequences keep the splits
+STREAM_MAX_PIECES = 16
 # Register caps of the stream-K variants, whose walk over pairs takes more than the split kernels' (compiled for
 # sm_90, `bench/kernel_report.py --gluon`): q4 and q6 use 154 uncapped (12 programs a multiprocessor), 121 and 124
 # capped at 128, no spills; TurboQuant K q4_0 / V q4_0 216 uncapped, 160 capped without spills (168 spills 12 bytes)
@@ -779,6 +783,7 @@ def stream_programs(stream, kernel: str, fmt, query: torch.Tensor, meta, window)
     """Programs of a stream-K decode (`stream_k`) of this batch, or 0 for a split one: `stream` None asks STREAM_K
     (the kernels' default), True the resident slots (STREAM_PROGRAMS_PER_SM of `kernel` per multiprocessor), a number
     that many; only decode batches (one query token per sequence) without a dense recent window stream."""
+    asked = stream is not None
     if stream is None:
         stream = kernel in STREAM_K
     if not stream or window is not None or not one_token_each(meta, query.shape[0]):
@@ -788,7 +793,10 @@ def stream_programs(stream, kernel: str, fmt, query: torch.Tensor, meta, window)
     per_sm = STREAM_PROGRAMS_PER_SM[kernel]
     if kernel == "turboquant":
         per_sm = STREAM_PROGRAMS_PER_SM.get((kernel, fmt.spec.k_quant, fmt.spec.v_quant), per_sm)
-    return per_sm * _multiprocessors(query.device)
+    programs = per_sm * _multiprocessors(query.device)
+    if not asked and query.shape[0] * fmt.num_kv_heads * STREAM_MAX_PIECES < programs:
+        return 0   # few pairs, each cut in many pieces: the splits (one sequence: 128 of them)
+    return programs
 
 
 def one_token_each(meta, num_tokens: int) -> bool:

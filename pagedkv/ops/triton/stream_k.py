@@ -35,7 +35,9 @@ KEYS_PER_STEP = 16   # the unit of the line: one ring step of the Gluon kernels 
 # rather than cutting pairs into pieces whose query loads and partial states cost more than their keys
 MIN_STEPS = 8
 SCAN_BLOCK = 128     # tokens a vector pass over the lengths reads at once
-REDUCE_SLOTS = 4     # partial states the reduce merges at once (a pair of a decode batch has 1-3)
+# Partial states the reduce merges at once: 4 where the batch has a pair for every two programs or more (a pair then
+# has 1-3 at equal lengths), else 16 (fewer pairs, more pieces each)
+REDUCE_SLOTS = (4, 16)
 
 
 def segments(seq_lens, num_kv_heads: int, num_programs: int, min_steps: int = MIN_STEPS) -> list[list[tuple]]:
@@ -232,10 +234,11 @@ def reduce_stream(out: torch.Tensor, parts, view, meta, num_programs: int, min_s
     part_out, part_m, part_l = parts
     num_tokens, num_q_heads, head_dim = out.shape
     rotate = bool(view.rotate_out)
+    slots = REDUCE_SLOTS[0] if 2 * num_tokens * view.num_kv_heads >= num_programs else REDUCE_SLOTS[1]
     assert head_dim == 1 << (head_dim.bit_length() - 1), f"the stream-K reduce needs a power-of-two head_dim, got {head_dim}"
     reduce_stream_kernel[(num_tokens, num_q_heads)](
         out, part_out, part_m, part_l, view.aux("value_signs") if rotate else part_m, meta.seq_lens,
         out.stride(0), out.stride(1), num_tokens, num_programs,
         HEADS=view.num_kv_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim, ROTATE_OUT=rotate,
         LOG2_HEAD_DIM=head_dim.bit_length() - 1, SQRT_HEAD_DIM=math.sqrt(head_dim), MIN_STEPS=min_steps,
-        SLOTS=REDUCE_SLOTS, BLOCK=SCAN_BLOCK, num_warps=1, **dependent_options(out.device))
+        SLOTS=slots, BLOCK=SCAN_BLOCK, num_warps=1 if slots * head_dim <= 2048 else 4, **dependent_options(out.device))
