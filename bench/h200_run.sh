@@ -190,12 +190,14 @@ engine-shapes)   # the decode kernels at the batches and lengths of the same-mem
         VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
 stream)   # stream-K decode (ops/triton/stream_k.py): the probes beside the splits, longest first, at the same-memory
-          # run's batches and the kernel table's shapes (TurboQuant, its q4_0 pair, q4; each variant's error printed),
-          # then its GPU tests
+          # run's batches and the kernel table's shapes (TurboQuant, its q4_0 pair, q4; each variant's error printed;
+          # TurboQuant also with a third ring stage, and over twice the resident slots, 4,224 programs on 132
+          # multiprocessors), then its GPU tests
     variants='{"lf": {"ordered": true}, "stream": {"stream": true}}'
     run 150 env FORMAT=turboquant SHAPES='[[100, 1536], [64, 1536], [128, 2048], [64, 8192], [32, 4096], [1, 32768]]' \
         SPLITS='{"100": [2, 3], "64": [2, 4], "128": [1, 2], "32": [4, 8], "1": [128]}' SPREAD=${SPREAD:-0} \
-        VARIANTS="${variants%\}}, \"stream3\": {\"stream\": true, \"stages\": 3}}" OUT="$OUT" python bench/gluon_probe.py
+        VARIANTS="${variants%\}}, \"stream3\": {\"stream\": true, \"stages\": 3}, \"stream2x\": {\"stream\": 4224}}" \
+        OUT="$OUT" python bench/gluon_probe.py
     run 120 env FORMAT=q4 SHAPES='[[144, 1536], [100, 1536], [64, 8192], [32, 4096], [1, 32768]]' \
         SPLITS='{"144": [1, 2], "100": [1, 2], "64": [2, 4], "32": [4, 8], "1": [128]}' SPREAD=${SPREAD:-0} \
         VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
