@@ -218,7 +218,7 @@ def query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs):
     return seq, seq_len - (q_end - q_start) + (token - q_start)
 
 
-SCAN = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))   # 128 tokens' lengths a pass, one warp
+SCAN = gl.constexpr(gl.BlockedLayout([8], [32], [1], [0]))   # 256 tokens' lengths at once, one warp
 
 
 @gluon.jit
@@ -230,19 +230,22 @@ def add(a, b):
 def stream_piece(seq_lens_ptr, num_tokens, HEADS: gl.constexpr, MIN_STEPS: gl.constexpr):
     """This program's piece of a stream-K decode (`stream_k`: `steps_before` and `first_pair` in Gluon): (g, g_end,
     t, a, s), the 16-key steps [g, g_end) of the batch's line it attends, the token t whose pairs hold step g (when
-    g < g_end), the step a they start at and s, its steps a pair."""
-    offs = gl.arange(0, 128, layout=SCAN)
-    total = 0
-    for base in range(0, num_tokens, 128):
+    g < g_end), the step a they start at and s, its steps a pair. A batch of up to 256 tokens is one load of
+    lengths, kept for both passes."""
+    offs = gl.arange(0, 256, layout=SCAN)
+    s0 = gl.cdiv(gl.load(seq_lens_ptr + offs, mask=offs < num_tokens, other=0), 16)
+    total = gl.sum(s0, axis=0)
+    for base in range(256, num_tokens, 256):
         total += gl.sum(gl.cdiv(gl.load(seq_lens_ptr + base + offs, mask=base + offs < num_tokens, other=0), 16),
                         axis=0)
     total = total * HEADS
     chunk = stream_chunk(total, gl.num_programs(0), MIN_STEPS)
     g = gl.program_id(0) * chunk
-    run = 0
-    t = 0
-    a = 0
-    for base in range(0, num_tokens, 128):
+    done = gl.associative_scan(s0, 0, add) * HEADS <= g   # the tokens whose pairs all end at or before step g
+    t = gl.sum(done.to(gl.int32), axis=0)
+    a = gl.sum(gl.where(done, s0, 0), axis=0)
+    run = gl.sum(s0, axis=0)
+    for base in range(256, num_tokens, 256):
         s = gl.cdiv(gl.load(seq_lens_ptr + base + offs, mask=base + offs < num_tokens, other=0), 16)
         done = (run + gl.associative_scan(s, 0, add)) * HEADS <= g
         t += gl.sum(done.to(gl.int32), axis=0)

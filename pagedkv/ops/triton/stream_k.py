@@ -8,7 +8,8 @@ a full wave and a seventh. Here the grid is the resident slots, P programs, and 
 s_t), s_t = ceil(keys_t / 16), a_t = H (s_0 + .. + s_{t-1})), cut into P equal pieces of `chunk` steps. A program
 walks its piece pair by pair; each piece of a pair it attends (a segment) ends in a partial softmax state. Nothing
 is planned on the host: every program finds its first pair from the batch's lengths on the device (two vector
-passes over `seq_lens`), so the launch is the same for every step and CUDA graphs replay it.
+passes over `seq_lens`, one load of them up to 256 tokens), so the launch is the same for every step and CUDA graphs
+replay it.
 
 Partial states: the state of pair j = t H + h from program p lies in slot p + j. Slots are unique: a program that
 reaches pair j ends at or after j's first step, so the next program starts after it and cannot touch an earlier
@@ -34,7 +35,7 @@ KEYS_PER_STEP = 16   # the unit of the line: one ring step of the Gluon kernels 
 # Steps a program attends at least (128 keys): a batch too small to give every slot that many leaves slots idle
 # rather than cutting pairs into pieces whose query loads and partial states cost more than their keys
 MIN_STEPS = 8
-SCAN_BLOCK = 128     # tokens a vector pass over the lengths reads at once
+SCAN_BLOCK = 256     # tokens a vector pass over the lengths reads at once
 # Partial states the reduce merges at once: 4 where the batch has a pair for every two programs or more (a pair then
 # has 1-3 at equal lengths), else 16 (fewer pairs, more pieces each)
 REDUCE_SLOTS = (4, 16)
