@@ -46,7 +46,7 @@ from .conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_OFFSET_ASM, NIBBLE_KE
                           SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
                           SIX_BIT_SPREAD_ASM)
 from .decode_io import launch_grid, program_coords
-from .stream_k import MIN_STEPS, next_pair, reduce_stream, segment, stream_chunk, stream_states
+from .stream_k import MIN_STEPS, next_segment, reduce_stream, stream_chunk, stream_states
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -645,9 +645,8 @@ def decode_tq_kernel(
         HEADS: gl.constexpr = NUM_Q_HEADS // GROUP
         g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_seqs, HEADS, MIN_STEPS)
         while g < g_end:
-            t, a, s = next_pair(g, t, a, s, seq_lens_ptr, HEADS)
-            kv_head, kv_lo, kv_hi, slot, g = segment(g, g_end, t, a, s, gl.load(seq_lens_ptr + t), gl.program_id(0),
-                                                     HEADS)
+            t, a, s, kv_head, kv_lo, kv_hi, slot, g = next_segment(g, g_end, t, a, s, seq_lens_ptr, gl.program_id(0),
+                                                                   HEADS)
             tq_attend_range(part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr,
                             block_table_ptr + t.to(gl.int64) * stride_bt, t, kv_head, kv_lo, kv_hi,
                             slot.to(gl.int64) * GROUP, 1, stride_qt, stride_qh, k_strides, ks_strides, v_strides,
@@ -986,9 +985,8 @@ def decode_q4_kernel(
         HEADS: gl.constexpr = NUM_Q_HEADS // GROUP
         g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_seqs, HEADS, MIN_STEPS)
         while g < g_end:
-            t, a, s = next_pair(g, t, a, s, seq_lens_ptr, HEADS)
-            kv_head, kv_lo, kv_hi, slot, g = segment(g, g_end, t, a, s, gl.load(seq_lens_ptr + t), gl.program_id(0),
-                                                     HEADS)
+            t, a, s, kv_head, kv_lo, kv_hi, slot, g = next_segment(g, g_end, t, a, s, seq_lens_ptr, gl.program_id(0),
+                                                                   HEADS)
             q4_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr,
                             block_table_ptr + t.to(gl.int64) * stride_bt, t, kv_head, kv_lo, kv_hi,
                             slot.to(gl.int64) * GROUP, 1, stride_qt, stride_qh, stride_ot, stride_oh, k_strides,

@@ -92,24 +92,19 @@ def stream_chunk(total, num_programs, MIN_STEPS: tl.constexpr):
 
 
 @triton.jit
-def next_pair(g, t, a, s, seq_lens_ptr, HEADS: tl.constexpr):
-    """(t, a, s) moved on from token t (its pairs starting at step a, s steps each) to the token whose pairs hold
-    step g, which lies in a later token's or t's (scalar work: the Gluon kernels call it too)."""
+def next_segment(g, g_end, t, a, s, seq_lens_ptr, program, HEADS: tl.constexpr):
+    """The segment from step g of a program whose piece ends at g_end, token t's pairs (s steps each) starting at
+    step a, g in them or in a later token's (scalar work: the Gluon kernels call it too). Returns (t, a, s) moved on
+    to the token whose pairs hold g, then the segment: (kv_head, kv_lo, kv_hi, slot, the step after it)."""
     while g >= a + HEADS * s:
         a += HEADS * s
         t += 1
         s = tl.cdiv(tl.load(seq_lens_ptr + t), 16)
-    return t, a, s
-
-
-@triton.jit
-def segment(g, g_end, t, a, s, seq_len, program, HEADS: tl.constexpr):
-    """The segment from step g of a program whose piece ends at g_end, in token t's pairs (from `next_pair`; seq_len
-    its keys): (kv_head, kv_lo, kv_hi, slot, the step after the segment)."""
     h = (g - a) // s
     lo = a + h * s
     end = tl.minimum(g_end, lo + s)
-    return h, (g - lo) * 16, tl.minimum(seq_len, (end - lo) * 16), program + t * HEADS + h, end
+    kv_hi = tl.minimum(tl.load(seq_lens_ptr + t), (end - lo) * 16)
+    return t, a, s, h, (g - lo) * 16, kv_hi, program + t * HEADS + h, end
 
 
 @triton.jit
@@ -159,8 +154,7 @@ def plan_kernel(out_ptr, seq_lens_ptr, num_tokens, HEADS: tl.constexpr, MAX_SEGM
     k = 0
     row = out_ptr + p * MAX_SEGMENTS * 5
     while g < g_end:
-        t, a, s = next_pair(g, t, a, s, seq_lens_ptr, HEADS)
-        h, kv_lo, kv_hi, slot, g = segment(g, g_end, t, a, s, tl.load(seq_lens_ptr + t), p, HEADS)
+        t, a, s, h, kv_lo, kv_hi, slot, g = next_segment(g, g_end, t, a, s, seq_lens_ptr, p, HEADS)
         if k < MAX_SEGMENTS:
             tl.store(row + 5 * k, t)
             tl.store(row + 5 * k + 1, h)
