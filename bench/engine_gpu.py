@@ -510,7 +510,7 @@ def add_layer_options(p: argparse.ArgumentParser) -> None:
                    help="each step planned and queued before the tokens of the one in flight are read (default: "
                         "`EngineConfig`'s, on for CUDA)")
     p.add_argument("--stream-k", choices=("on", "off", "both"), default=None,
-                   help="decode batches over q4/q6 and TurboQuant pages stream-K (`ops/triton/stream_k.py`) or split; "
+                   help="decode batches over q8, q4/q6 and TurboQuant pages stream-K (`ops/triton/stream_k.py`) or split; "
                         "both (same-memory runs): each such format twice, split then stream-K; default: "
                         "`decode_gluon.STREAM_K`")
 
@@ -518,7 +518,7 @@ def add_layer_options(p: argparse.ArgumentParser) -> None:
 ASYNC_SCHEDULING: bool | None = None   # EngineConfig.async_scheduling of the engines built here (--async-scheduling)
 
 
-STREAM_KERNELS = ("q4", "turboquant")   # the Gluon kernels with a stream-K variant (`decode_gluon.STREAM_K`)
+STREAM_KERNELS = ("q8", "q4", "turboquant")   # the Gluon kernels with a stream-K variant (`decode_gluon.STREAM_K`)
 
 
 @contextlib.contextmanager
@@ -536,7 +536,7 @@ def stream_k(on: bool):
 
 def stream_modes(args: argparse.Namespace, fmt: str) -> list[bool | None]:
     """The stream-K settings a format runs under (--stream-k both: split, then stream-K, where it has a kernel)."""
-    has_kernel = fmt.split(":")[0] in ("q4", "q6", "turboquant")
+    has_kernel = fmt.split(":")[0] in ("q8", "q4", "q6", "turboquant")
     return [False, True] if args.stream_k == "both" and has_kernel else [None]
 
 

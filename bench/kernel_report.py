@@ -387,7 +387,8 @@ def main() -> None:
                              "TurboQuant and q4 with a dense recent window)")
     parser.add_argument("--gluon-stream", action="store_true",
                         help="print (JSON) the same for the stream-K variants (`stream_k`: TurboQuant q8_0/q3_0 and "
-                             "q4_0/q4_0, q4, q6; bfloat16), each after its split kernel; loop opcodes of the key loop")
+                             "q4_0/q4_0, q4, q6, q8 at head_dim 128 and 64; bfloat16), each after its split kernel; "
+                             "loop opcodes of the key loop")
     parser.add_argument("--ordered", action="store_true",
                         help="with --gluon: the kernels launched longest sequence first (`ordered=True`, `launch_grid`)")
     parser.add_argument("--dependent-launch", action="store_true",
@@ -407,9 +408,10 @@ def main() -> None:
         print(json.dumps(gluon_prefill_report(128, torch.bfloat16, block_size=64)), flush=True)
         return
     if args.gluon_stream:
-        for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0", "q4", "q6"):
+        for spec, head_dim in (("turboquant", 128), ("turboquant:k=q4_0,v=q4_0", 128), ("q4", 128), ("q6", 128),
+                               ("q8", 128), ("q8", 64)):
             for stream in (False, True):
-                print(json.dumps(gluon_report(128, torch.bfloat16, 4, spec, stream=stream)), flush=True)
+                print(json.dumps(gluon_report(head_dim, torch.bfloat16, 4, spec, stream=stream)), flush=True)
         return
     if args.gluon:
         order = {"ordered": True} if args.ordered else {}

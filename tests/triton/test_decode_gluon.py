@@ -256,15 +256,16 @@ STREAM_CTX = [0, 15, 16, 30, 300, 1000, 46, 2, 2047]
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("programs", [True, 7, 64, 1000], ids=lambda p: "resident" if p is True else f"{p}programs")
-@pytest.mark.parametrize("spec,shape", [(spec, shape) for spec in ("q4", "q6", *TQ_SPECS) for shape in TQ_SHAPES],
+@pytest.mark.parametrize("spec,shape", [(spec, shape) for spec in ("q4", "q6", *TQ_SPECS) for shape in TQ_SHAPES]
+                         + [("q8", shape) for shape in SHAPES],
                          ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
 def test_stream_k_decode_matches_reference(spec, shape, programs, dtype):
-    """The q4 / q6 and TurboQuant kernels stream-K (`stream_k`): the batch's key steps divided evenly over the
+    """The q8, q4 / q6 and TurboQuant kernels stream-K (`stream_k`): the batch's key steps divided evenly over the
     resident slots or a given number of programs (7: pairs cut in many segments; 1,000: most programs idle), the
     partial states merged by the stream reduce."""
     from pagedkv.ops.triton import decode_gluon
 
-    launch = decode_gluon.KERNELS["turboquant" if spec.startswith("turboquant") else "q4"][1]
+    launch = decode_gluon.KERNELS["turboquant" if spec.startswith("turboquant") else spec][1]
     hq, hkv, d, bs = shape
     case = build_case(hash((spec, shape, "stream")) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                       block_size=bs, ctx_lens=STREAM_CTX, new_lens=[1] * len(STREAM_CTX), dtype=dtype)
@@ -277,7 +278,7 @@ def test_stream_k_decode_matches_reference(spec, shape, programs, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("spec", ["q4", "turboquant"])
+@pytest.mark.parametrize("spec", ["q8", "q4", "turboquant"])
 def test_stream_k_decode_is_captured_in_a_cuda_graph_and_follows_new_lengths(spec):
     """The stream-K grid is the same whatever the lengths (every program finds its piece on the device): a decode
     captured at one set of lengths replays right at another."""
@@ -285,7 +286,7 @@ def test_stream_k_decode_is_captured_in_a_cuda_graph_and_follows_new_lengths(spe
 
     from pagedkv.ops.triton import decode_gluon
 
-    launch = decode_gluon.KERNELS["turboquant" if spec.startswith("turboquant") else "q4"][1]
+    launch = decode_gluon.KERNELS["turboquant" if spec.startswith("turboquant") else spec][1]
     hq, hkv, d, bs = TQ_SHAPES[3]
     case = build_case(5, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                       ctx_lens=STREAM_CTX, new_lens=[1] * len(STREAM_CTX), dtype=torch.bfloat16)
@@ -317,8 +318,9 @@ def test_only_decode_batches_without_a_window_stream(monkeypatch):
     decode = SimpleNamespace(block_table=torch.zeros(4, 3), query_start_loc_cpu=[0, 1, 2, 3, 4])
     mixed = SimpleNamespace(block_table=torch.zeros(4, 3), query_start_loc_cpu=[0, 0, 2, 3, 4])
     fmt = {spec: make_format(KVFormat.parse(spec), 2, 128, torch.bfloat16, "cpu")
-           for spec in ("q4", "turboquant", "turboquant:k=q4_0,v=q4_0")}
+           for spec in ("q8", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0")}
     slots = 132   # multiprocessors assumed off a GPU
+    assert decode_gluon.stream_programs(True, "q8", fmt["q8"], query, decode, None) == 16 * slots
     assert decode_gluon.stream_programs(True, "q4", fmt["q4"], query, decode, None) == 16 * slots
     assert decode_gluon.stream_programs(True, "turboquant", fmt["turboquant"], query, decode, None) == 16 * slots
     assert decode_gluon.stream_programs(True, "turboquant", fmt["turboquant:k=q4_0,v=q4_0"], query, decode,

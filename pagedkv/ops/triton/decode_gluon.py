@@ -23,7 +23,9 @@ step i + 1 are in flight while step i computes (`STAGES`), holding no register.
 
 One warp per program, programs over (query token, KV head, split) like the other decode kernels (dense pages: four
 KV heads a program by default, a warp each, `decode_dense_kernel`); partial states in
-`split_k.partial_states`' layout. Four kernels: q8 (head_dim 64 and 128), q4 and q6 (one kernel, head_dim
+`split_k.partial_states`' layout. The quantized kernels also run stream-K (STREAM, `stream_k`): a grid of the
+resident programs, each walking its even share of a decode batch's keys pair by pair (`*_attend_range` is the work
+of one key range either way). Four kernels: q8 (head_dim 64 and 128), q4 and q6 (one kernel, head_dim
 128), TurboQuant (q8_0 or q4_0 keys, q3_0 or q4_0 values; head_dim 128), dense pages (`off`, 64 and 128: `ldmatrix`
 from the ring, nothing to convert), none with soft-capping or a sliding window. With a dense recent window (q8, q4,
 q6, TurboQuant) the page splits stop where each sequence's window begins and the window is one more split
@@ -96,7 +98,7 @@ MAX_SPLITS = 128
 STREAM_K: tuple[str, ...] = ()
 # Resident programs per multiprocessor a stream-K grid fills, as registers allow (65,536 a multiprocessor, 32 lanes a
 # program: 128 registers a lane fit 16, TurboQuant K q4_0 / V q4_0's 168 fit 12; `bench/kernel_report.py --gluon`)
-STREAM_PROGRAMS_PER_SM = {"q4": 16, "turboquant": 16, ("turboquant", "q4_0", "q4_0"): 12}
+STREAM_PROGRAMS_PER_SM = {"q8": 16, "q4": 16, "turboquant": 16, ("turboquant", "q4_0", "q4_0"): 12}
 # Batches that stream by default have at least one (token, KV head) pair per STREAM_MAX_PIECES programs (at equal
 # lengths each pair is cut in at most that many pieces, whose partial states the reduce merges): batch 17 and more
 # with 8 KV heads on an H200; fewer, longer sequences keep the splits
@@ -104,7 +106,7 @@ STREAM_MAX_PIECES = 16
 # Register caps of the stream-K variants, whose walk over pairs takes more than the split kernels' (compiled for
 # sm_90, `bench/kernel_report.py --gluon`): q4 and q6 use 154 uncapped (12 programs a multiprocessor), 121 and 124
 # capped at 128, no spills; TurboQuant K q4_0 / V q4_0 216 uncapped, 160 capped without spills (168 spills 12 bytes)
-STREAM_REGISTERS = {"q4": 128, ("turboquant", "q4_0", "q4_0"): 160}
+STREAM_REGISTERS = {"q8": 128, "q4": 128, ("turboquant", "q4_0", "q4_0"): 160}
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
@@ -324,19 +326,54 @@ def decode_q8_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr = 2,
     PDL: gl.constexpr = False,
-    WINDOW: gl.constexpr = False, ORDERED: gl.constexpr = False,
+    WINDOW: gl.constexpr = False, ORDERED: gl.constexpr = False, STREAM: gl.constexpr = False,
+    MIN_STEPS: gl.constexpr = 8,
 ):
+    """STREAM: a stream-K decode (partial states in `stream_k`'s slots, as `decode_tq_kernel`'s), else one (query
+    token, KV head, split) a program."""
     launch_dependents(PDL)
-    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
-    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], KEY_RING)
+    v_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], KEY_RING)
+    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
+    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
+    if STREAM:
+        HEADS: gl.constexpr = NUM_Q_HEADS // GROUP
+        g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_seqs, HEADS, MIN_STEPS)
+        while g < g_end:
+            t, a, s, kv_head, kv_lo, kv_hi, slot, g = next_segment(g, g_end, t, a, s, seq_lens_ptr, gl.program_id(0),
+                                                                   HEADS)
+            q8_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                            block_table_ptr + t.to(gl.int64) * stride_bt, t, kv_head, kv_lo, kv_hi,
+                            slot.to(gl.int64) * GROUP, 1, stride_qt, stride_qh, stride_ot, stride_oh, k_strides,
+                            v_strides, ks_strides, vs_strides, qk_scale, k_ring, v_ring, ks_ring, vs_ring, GROUP,
+                            HEAD_DIM, BLOCK_SIZE, True, K_LOAD, V_LOAD, STAGES)
+    else:
+        token, kv_head, split = program_coords(token_order_ptr, ORDERED)
+        seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
+        kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
+        q8_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                        block_table_ptr + seq.to(gl.int64) * stride_bt, token, kv_head, kv_lo, kv_hi,
+                        (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP) * num_slots + split, num_slots,
+                        stride_qt, stride_qh, stride_ot, stride_oh, k_strides, v_strides, ks_strides, vs_strides,
+                        qk_scale, k_ring, v_ring, ks_ring, vs_ring, GROUP, HEAD_DIM, BLOCK_SIZE, SPLIT, K_LOAD,
+                        V_LOAD, STAGES)
 
-    kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
+
+@gluon.jit
+def q8_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row,
+                    token, kv_head, kv_lo, kv_hi, state0, state_stride, stride_qt, stride_qh, stride_ot, stride_oh,
+                    k_strides, v_strides, ks_strides, vs_strides, qk_scale, k_ring, v_ring, ks_ring, vs_ring,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
+                    K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr):
+    """`decode_q8_kernel`'s work for the keys [kv_lo, kv_hi) of KV head `kv_head` of query token `token` (block
+    table row bt_row): with SPLIT the partial states of the group's query head i at state0 + i * state_stride,
+    else the output."""
     head_off = kv_head.to(gl.int64)
     k_ptr += head_off * k_strides[2]
     v_ptr += head_off * v_strides[2]
     ks_ptr += head_off * ks_strides[2]
     vs_ptr += head_off * vs_strides[2]
-    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
 
     kr = gl.arange(0, 16, layout=gl.SliceLayout(1, K_LOAD))
     kc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, K_LOAD))
@@ -344,11 +381,6 @@ def decode_q8_kernel(
     vc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, V_LOAD))
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     NJ: gl.constexpr = HEAD_DIM // 16
-    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], KEY_RING)
-    v_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], KEY_RING)
-    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
-    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
     for st in gl.static_range(STAGES - 1):
         copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, kr, kc, vr, vc, sr, k_strides,
                   v_strides, ks_strides, vs_strides, k_ring.index(st), v_ring.index(st), ks_ring.index(st),
@@ -393,7 +425,7 @@ def decode_q8_kernel(
     head = kv_head * GROUP + oh
     chans = value_channel(oc, HEAD_DIM)[:, None]
     if SPLIT:
-        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_slots + split
+        state = state0 + oh * state_stride
         gl.store(part_m_ptr + state, m_i, mask=h_ok)
         gl.store(part_l_ptr + state, l_i, mask=h_ok)
         gl.store(part_out_ptr + state[None, :] * HEAD_DIM + chans, acc, mask=h_ok[None, :])
@@ -1194,9 +1226,11 @@ def supports_tq(fmt, query: torch.Tensor, block_size: int, *, softcap=None, slid
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
-                    num_splits: int = 1, stages: int = STAGES, window=None, ordered: bool | None = None) -> torch.Tensor:
+                    num_splits: int = 1, stages: int = STAGES, window=None, ordered: bool | None = None,
+                    stream: int | bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports` accepts; `window`: a dense recent window
-    (`window_splits`); `ordered`: the launch order (`launch_grid`)."""
+    (`window_splits`); `ordered`: the launch order (`launch_grid`); `stream`: a stream-K decode
+    (`stream_programs`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -1207,8 +1241,13 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
-    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    programs = stream_programs(stream, "q8", fmt, query, meta, window)
+    if programs:
+        parts, num_slots, window_first = stream_states(query, view.num_kv_heads, programs), 0, meta.seq_lens
+        grid, order, ordered = (programs,), meta.seq_lens, False
+    else:
+        parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
+        grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_q8_kernel[grid](
         out, *(parts or (out, out, out)), query, view.k, view.v, view.k_scale, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
@@ -1218,8 +1257,12 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=parts is not None, K_LOAD=key_load_layout(head_dim),
         V_LOAD=value_load_layout(head_dim), STAGES=stages, WINDOW=window is not None,
-        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, num_warps=1)
-    reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
+        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, STREAM=bool(programs),
+        MIN_STEPS=MIN_STEPS, num_warps=1, **({"maxnreg": STREAM_REGISTERS["q8"]} if programs else {}))
+    if programs:
+        reduce_stream(out, parts, view, meta, programs)
+    else:
+        reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
 
