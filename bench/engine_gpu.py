@@ -518,16 +518,13 @@ def add_layer_options(p: argparse.ArgumentParser) -> None:
 ASYNC_SCHEDULING: bool | None = None   # EngineConfig.async_scheduling of the engines built here (--async-scheduling)
 
 
-STREAM_KERNELS = ("q8", "q4", "turboquant")   # the Gluon kernels with a stream-K variant (`decode_gluon.STREAM_K`)
-
-
 @contextlib.contextmanager
 def stream_k(on: bool):
     """Decode batches stream-K (on) or split in the engines built inside."""
     from pagedkv.ops.triton import decode_gluon
 
     saved = decode_gluon.STREAM_K
-    decode_gluon.STREAM_K = STREAM_KERNELS if on else ()
+    decode_gluon.STREAM_K = decode_gluon.STREAM_CAPABLE if on else ()
     try:
         yield
     finally:
@@ -546,7 +543,7 @@ def use_layer_options(args: argparse.Namespace) -> None:
     if args.stream_k in ("on", "off"):
         from pagedkv.ops.triton import decode_gluon
 
-        decode_gluon.STREAM_K = STREAM_KERNELS if args.stream_k == "on" else ()
+        decode_gluon.STREAM_K = decode_gluon.STREAM_CAPABLE if args.stream_k == "on" else ()
     if args.launch_order:
         from pagedkv.ops import metadata
 

@@ -34,7 +34,8 @@
 #                                                  # its pages (bench/page_read_probe.py), at (32, 4096)
 #   OUT=/some/dir bash bench/h200_run.sh ncu-source  # stall reasons and wasted shared / L2 traffic per SASS
 #                                                    # instruction (bench/ncu_summary.py), NCU_FORMATS="q4 q6 ...",
-#                                                    # NCU_SHAPE=100x1536 (batch x context; default 64x8192)
+#                                                    # NCU_SHAPE=100x1536 (batch x context; default 64x8192),
+#                                                    # NCU_STREAM=1 (stream-K on)
 #
 # PYTEST_WORKERS=8 runs the GPU tests on 8 processes (they are bound by compiling kernels) when pytest-xdist is
 # there: `make gpu-wheels` here, then carry .venv-gpuwheels; it is installed from those wheels.
@@ -55,10 +56,11 @@ run() {  # run LIMIT_SECONDS COMMAND...
     echo "== $(( $(date +%s) - start ))s"
 }
 ncu_decode() {  # ncu_decode FORMAT NCU_OPTIONS...: Nsight Compute on one decode call at batch 64 and 8,192 tokens
-                # (NCU_SHAPE=100x1536: another batch x context)
+                # (NCU_SHAPE=100x1536: another batch x context; NCU_STREAM=1: stream-K on, `--stream-k`)
     local fmt=$1; shift
     run 200 ncu --clock-control none --kernel-name regex:"decode_(q8|q4|tq|dense)_kernel" --launch-skip 2 \
-        --launch-count 1 "$@" python bench/profile_decode.py --formats "$fmt" --shapes "${NCU_SHAPE:-64x8192}" --plain
+        --launch-count 1 "$@" python bench/profile_decode.py --formats "$fmt" --shapes "${NCU_SHAPE:-64x8192}" --plain \
+        ${NCU_STREAM:+--stream-k}
 }
 case "${1:-kernels}" in
 kernels)
@@ -258,7 +260,7 @@ ncu-off)   # the dense decode kernel beside a kernel that only reads the same pa
     ;;
 ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sampled); NCU_FORMATS picks the formats
     for fmt in ${NCU_FORMATS:-turboquant turboquant:k=q4_0,v=q4_0}; do
-        name="ncu_src_${fmt//[:=,]/_}${NCU_SHAPE:+_$NCU_SHAPE}"
+        name="ncu_src_${fmt//[:=,]/_}${NCU_SHAPE:+_$NCU_SHAPE}${NCU_STREAM:+_stream}"
         ncu_decode "$fmt" --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis_Tables \
             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -f -o "$OUT/$name"
         ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1

@@ -96,6 +96,7 @@ MAX_SPLITS = 128
 # divided evenly over them) instead of splitting every (token, KV head) pair alike: none until timed faster on an
 # H200 (`bench/gluon_probe.py` variant "stream", `bench/engine_gpu.py --stream-k`)
 STREAM_K: tuple[str, ...] = ()
+STREAM_CAPABLE = ("q8", "q4", "turboquant")   # the kernels with a stream-K variant (q6 runs the q4 kernel)
 # Resident programs per multiprocessor a stream-K grid fills, as registers allow (65,536 a multiprocessor, 32 lanes a
 # program: 128 registers a lane fit 16, TurboQuant K q4_0 / V q4_0's 168 fit 12; `bench/kernel_report.py --gluon`)
 STREAM_PROGRAMS_PER_SM = {"q8": 16, "q4": 16, "turboquant": 16, ("turboquant", "q4_0", "q4_0"): 12}
