@@ -28,6 +28,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh stream    # stream-K decode: GPU tests, probes beside the splits (SPREAD=0.5:
 #                                                  # ragged lengths)
 #   OUT=/some/dir bash bench/h200_run.sh stream-memory  # the same-memory run, split and stream-K side by side
+#   OUT=/some/dir bash bench/h200_run.sh stream-table  # the kernel table, served order, stream-K on
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -212,6 +213,12 @@ stream-memory)   # the same-memory run, TurboQuant and q4 split then stream-K, s
         --formats off turboquant q4 --stream-k both --out "$OUT/memory_stream"
     run 30 python bench/engine_steps.py "$OUT/memory_stream/engine_memory.json"
     ;;
+stream-table)   # the kernel table in the served order with stream-K on for every kernel that has it (by default only
+                # batches with a (token, KV head) pair per 16 programs stream: (64, 8192) and (32, 4096), not one
+                # sequence)
+    run 200 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
+        --skip prefill,write --stream-k --out "$OUT/kernels_stream"
+    ;;
 memory-kernels)   # the same-memory run under torch.profiler: the GPU time of each kernel over the whole run (the
                   # profiler slows it: its tokens/s are not the run's; the calls say whether graph replays were seen)
     run 420 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
@@ -269,7 +276,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|stream|stream-memory|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|stream|stream-memory|stream-table|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac
