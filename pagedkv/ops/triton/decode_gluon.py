@@ -98,15 +98,16 @@ MAX_SPLITS = 128
 STREAM_K: tuple[str, ...] = ()
 STREAM_CAPABLE = ("q8", "q4", "turboquant")   # the kernels with a stream-K variant (q6 runs the q4 kernel)
 # Resident programs per multiprocessor a stream-K grid fills, as registers allow (65,536 a multiprocessor, 32 lanes a
-# program: 128 registers a lane fit 16, TurboQuant K q4_0 / V q4_0's 168 fit 12; `bench/kernel_report.py --gluon`)
+# program: 128 registers a lane fit 16, TurboQuant K q4_0 / V q4_0's 160 fit 12; STREAM_REGISTERS)
 STREAM_PROGRAMS_PER_SM = {"q8": 16, "q4": 16, "turboquant": 16, ("turboquant", "q4_0", "q4_0"): 12}
 # Batches that stream by default have at least one (token, KV head) pair per STREAM_MAX_PIECES programs (at equal
 # lengths each pair is cut in at most that many pieces, whose partial states the reduce merges): batch 17 and more
 # with 8 KV heads on an H200; fewer, longer sequences keep the splits
 STREAM_MAX_PIECES = 16
 # Register caps of the stream-K variants, whose walk over pairs takes more than the split kernels' (compiled for
-# sm_90, `bench/kernel_report.py --gluon`): q4 and q6 use 154 uncapped (12 programs a multiprocessor), 121 and 124
-# capped at 128, no spills; TurboQuant K q4_0 / V q4_0 216 uncapped, 160 capped without spills (168 spills 12 bytes)
+# sm_90, `bench/kernel_report.py --gluon-stream`): q4 and q6 use 154 uncapped (12 programs a multiprocessor), 120 and
+# 124 capped at 128, no spills; q8 127 (head_dim 128) and 114 (64); TurboQuant K q8_0 / V q3_0 keeps its cap of 128
+# (TQ_TUNING), K q4_0 / V q4_0 uses 216 uncapped, 160 capped without spills (168 spills 12 bytes)
 STREAM_REGISTERS = {"q8": 128, "q4": 128, ("turboquant", "q4_0", "q4_0"): 160}
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
