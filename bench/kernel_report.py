@@ -143,9 +143,11 @@ def decode_batch(batch: int, context: int, window: bool, head_dim: int, dtype: t
     return meta, rings
 
 
-def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192, window: bool = False):
+def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192, window: bool = False,
+                       stream: bool = False):
     """The warp-split decode kernel (`ops/triton/decode.py`) with DecodeTiles `tiles`, compiled for sm_90; with
-    `window`, the variant that reads a dense recent window (recent_tokens=128) beside the pages."""
+    `window`, the variant that reads a dense recent window (recent_tokens=128) beside the pages; with `stream`, its
+    stream-K variant (`stream_k`)."""
     from pagedkv.ops.triton import decode
 
     fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
@@ -153,7 +155,7 @@ def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192, w
     meta, rings = decode_batch(batch, context, window, HEAD_DIM, torch.bfloat16)
     q = torch.empty(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     with _CompileOnly() as launches:
-        decode.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles, window=rings)
+        decode.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles, window=rings, stream=stream or None)
     return launches.compiled[0]
 
 
@@ -412,6 +414,13 @@ def main() -> None:
                                ("q8", 128), ("q8", 64)):
             for stream in (False, True):
                 print(json.dumps(gluon_report(head_dim, torch.bfloat16, 4, spec, stream=stream)), flush=True)
+        from pagedkv.ops.triton.tuning import warp_split_tiles
+
+        for spec in ("q4", "turboquant"):   # the tile-language kernel's variant (`decode.paged_attention(stream=)`)
+            tiles = warp_split_tiles(make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu"))
+            info, _ = assemble(compile_warp_split(spec, tiles, stream=True))
+            print(json.dumps({"format": spec, "kernel": "decode_kernel_transposed", "stream": True,
+                              **ptxas_usage(info)}), flush=True)
         return
     if args.gluon:
         order = {"ordered": True} if args.ordered else {}

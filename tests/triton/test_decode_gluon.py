@@ -263,13 +263,13 @@ def test_stream_k_decode_matches_reference(spec, shape, programs, dtype):
     """The q8, q4 / q6 and TurboQuant kernels stream-K (`stream_k`): the batch's key steps divided evenly over the
     resident slots or a given number of programs (7: pairs cut in many segments; 1,000: most programs idle), the
     partial states merged by the stream reduce."""
-    from pagedkv.ops.triton import decode_gluon
+    from pagedkv.ops.triton import decode_gluon, stream_k
 
     launch = decode_gluon.KERNELS["turboquant" if spec.startswith("turboquant") else spec][1]
     hq, hkv, d, bs = shape
     case = build_case(hash((spec, shape, "stream")) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                       block_size=bs, ctx_lens=STREAM_CTX, new_lens=[1] * len(STREAM_CTX), dtype=dtype)
-    assert decode_gluon.one_token_each(case.meta, case.query.shape[0])
+    assert stream_k.one_token_each(case.meta, case.query.shape[0])
     scale = d ** -0.5
     ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
     out = launch(case.query, case.pages, case.fmt, case.meta, scale=scale, stream=programs)

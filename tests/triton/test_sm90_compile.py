@@ -160,6 +160,11 @@ def test_the_stream_k_gluon_decodes_keep_the_split_kernels_key_loop_and_fit_thei
     r = kernel_report("--gluon-stream")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    # the tile-language decode kernel's stream-K variant compiles too (registers capped at 128 as its split one)
+    transposed = [row for row in rows if row.get("kernel") == "decode_kernel_transposed"]
+    assert [row["format"] for row in transposed] == ["q4", "turboquant"]
+    assert all(row["registers"] <= 128 for row in transposed), transposed
+    rows = [row for row in rows if "kernel" not in row]
     assert [(row["format"], row["head_dim"], row["stream"]) for row in rows] == [
         (spec, d, stream) for spec, d in (("turboquant", 128), ("turboquant:k=q4_0,v=q4_0", 128), ("q4", 128),
                                           ("q6", 128), ("q8", 128), ("q8", 64)) for stream in (False, True)]

@@ -107,3 +107,39 @@ def test_the_reduce_merges_each_pairs_partial_states_into_its_attention(d, heads
                 continue
             want = torch.softmax(qg @ keys[t][:, h].T * scale, -1) @ values[t][:, h]
             assert torch.allclose(out[t, h * group:(h + 1) * group], want, atol=1e-4, rtol=1e-4), (t, h)
+
+
+# (format, (num_q_heads, num_kv_heads, head_dim, block_size)): every format the transposed decode kernel reads; GQA
+# 4 and 8 and head_dim 64 where the format has them
+DECODE_CASES = ([(spec, (8, 2, 128, 16)) for spec in ("off", "q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0")]
+                + [(spec, (2, 2, 64, 16)) for spec in ("off", "q8")]
+                + [(spec, (8, 1, 128, 32)) for spec in ("q4", "turboquant")])
+
+
+@pytest.mark.parametrize("programs", [3, 50])   # pairs cut in many segments; most programs idle
+@pytest.mark.parametrize("spec,shape", DECODE_CASES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
+def test_the_transposed_decode_kernel_streams_to_the_reference(spec, shape, programs):
+    """`decode.paged_attention(..., stream=N)`: the tile-language kernel walks the same plan as the Gluon ones (the
+    same `next_segment`), writes its partial states in `stream_states`' slots, and `reduce_stream` merges them."""
+    from pagedkv.ops import reference
+    from pagedkv.ops.triton import decode
+    from triton_cases import build_case, rel_err
+
+    hq, hkv, d, bs = shape
+    ctx = [0, 15, 16, 30, 100, 46, 2]   # one new token each: a decode batch
+    case = build_case(len(spec) + d, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                      ctx_lens=ctx, new_lens=[1] * len(ctx), dtype=torch.float16)
+    assert stream_k.streams(case.query, case.meta, None)
+    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=d ** -0.5)
+    out = decode.paged_attention(case.query, case.pages, case.fmt, case.meta, scale=d ** -0.5, stream=programs)
+    assert rel_err(out, ref) < 2e-3
+
+
+def test_only_decode_batches_without_a_window_stream_at_power_of_two_head_dims():
+    query = torch.empty(3, 4, 128)
+    decode = SimpleNamespace(block_table=torch.zeros(3, 2), query_start_loc_cpu=[0, 1, 2, 3])
+    assert stream_k.streams(query, decode, None)
+    assert not stream_k.streams(query, decode, (query, query))                        # a dense recent window
+    assert not stream_k.streams(query, SimpleNamespace(block_table=torch.zeros(3, 2), query_start_loc_cpu=[0, 0, 2, 3]),
+                                None)                                                  # a sequence with two
+    assert not stream_k.streams(torch.empty(3, 4, 96), decode, None)                  # head_dim 96

@@ -48,7 +48,7 @@ from .conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_OFFSET_ASM, NIBBLE_KE
                           SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
                           SIX_BIT_SPREAD_ASM)
 from .decode_io import launch_grid, program_coords
-from .stream_k import MIN_STEPS, next_segment, reduce_stream, stream_chunk, stream_states
+from .stream_k import MIN_STEPS, next_segment, reduce_stream, resident_programs, stream_chunk, stream_states, streams
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -822,31 +822,17 @@ def stream_programs(stream, kernel: str, fmt, query: torch.Tensor, meta, window)
     asked = stream is not None
     if stream is None:
         stream = kernel in STREAM_K
-    if not stream or window is not None or not one_token_each(meta, query.shape[0]):
+    if not stream or not streams(query, meta, window):
         return 0
     if stream is not True:
         return int(stream)
     per_sm = STREAM_PROGRAMS_PER_SM[kernel]
     if kernel == "turboquant":
         per_sm = STREAM_PROGRAMS_PER_SM.get((kernel, fmt.spec.k_quant, fmt.spec.v_quant), per_sm)
-    programs = per_sm * _multiprocessors(query.device)
+    programs = resident_programs(per_sm, query.device)
     if not asked and query.shape[0] * fmt.num_kv_heads * STREAM_MAX_PIECES < programs:
         return 0   # few pairs, each cut in many pieces: the splits (one sequence: 128 of them)
     return programs
-
-
-def one_token_each(meta, num_tokens: int) -> bool:
-    """Whether the batch is a decode: query token t is sequence t's one."""
-    return num_tokens == meta.block_table.shape[0] and meta.query_start_loc_cpu == list(range(num_tokens + 1))
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device; off one (the compile-only reports), an H200's 132."""
-    if device.type != "cuda":
-        return 132
-    from .tuning import multiprocessor_count
-
-    return multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,

@@ -35,7 +35,7 @@ KEYS_PER_STEP = 16   # the unit of the line: one ring step of the Gluon kernels 
 # Steps a program attends at least (128 keys): a batch too small to give every slot that many leaves slots idle
 # rather than cutting pairs into pieces whose query loads and partial states cost more than their keys
 MIN_STEPS = 8
-SCAN_BLOCK = 256     # tokens a vector pass over the lengths reads at once
+SCAN_BLOCK = tl.constexpr(256)   # tokens a vector pass over the lengths reads at once (kernels read it as a global)
 # Partial states the reduce merges at once: 4 where the batch has a pair for every two programs or more (a pair then
 # has 1-3 at equal lengths), else 16 (fewer pairs, more pieces each)
 REDUCE_SLOTS = (4, 16)
@@ -66,6 +66,28 @@ def segments(seq_lens, num_kv_heads: int, num_programs: int, min_steps: int = MI
             g = end
         plan.append(out)
     return plan
+
+
+def one_token_each(meta, num_tokens: int) -> bool:
+    """Whether the batch is a decode: query token t is sequence t's one."""
+    return num_tokens == meta.block_table.shape[0] and meta.query_start_loc_cpu == list(range(num_tokens + 1))
+
+
+def streams(query: torch.Tensor, meta, window) -> bool:
+    """Whether a stream-K decode reads this batch: a decode (`one_token_each`) without a dense recent window, at a
+    power-of-two head_dim (the reduce's rotation back and partial states assume one)."""
+    head_dim = query.shape[-1]
+    return (window is None and head_dim == 1 << (head_dim.bit_length() - 1)
+            and one_token_each(meta, query.shape[0]))
+
+
+def resident_programs(per_sm: int, device: torch.device) -> int:
+    """per_sm programs on each multiprocessor of a CUDA device; off one (compile-only reports), an H200's 132."""
+    if device.type != "cuda":
+        return per_sm * 132
+    from .tuning import multiprocessor_count
+
+    return per_sm * multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def num_slots(num_tokens: int, num_kv_heads: int, num_programs: int) -> int:
@@ -169,7 +191,7 @@ def device_segments(seq_lens: torch.Tensor, num_kv_heads: int, num_programs: int
     """`segments` as the kernels' own functions compute them on `seq_lens`' device (tests, tools)."""
     out = torch.full((num_programs, max_segments, 5), -1, dtype=torch.int32, device=seq_lens.device)
     plan_kernel[(num_programs,)](out, seq_lens, seq_lens.shape[0], HEADS=num_kv_heads, MAX_SEGMENTS=max_segments,
-                                 MIN_STEPS=min_steps, BLOCK=SCAN_BLOCK)
+                                 MIN_STEPS=min_steps, BLOCK=SCAN_BLOCK.value)
     return [[tuple(int(x) for x in row) for row in rows if row[0] >= 0] for rows in out.cpu().tolist()]
 
 
@@ -236,4 +258,4 @@ def reduce_stream(out: torch.Tensor, parts, view, meta, num_programs: int, min_s
         out.stride(0), out.stride(1), num_tokens, num_programs,
         HEADS=view.num_kv_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim, ROTATE_OUT=rotate,
         LOG2_HEAD_DIM=head_dim.bit_length() - 1, SQRT_HEAD_DIM=math.sqrt(head_dim), MIN_STEPS=min_steps,
-        SLOTS=slots, BLOCK=SCAN_BLOCK, num_warps=1 if slots * head_dim <= 2048 else 4, **dependent_options(out.device))
+        SLOTS=slots, BLOCK=SCAN_BLOCK.value, num_warps=1 if slots * head_dim <= 2048 else 4, **dependent_options(out.device))
