@@ -1,7 +1,9 @@
 """`stream_k`: a decode batch's key steps divided evenly over a fixed grid of programs. The plan covers every
 (token, KV head) pair's keys once, in slots no two segments share; the kernels' own device functions walk the
-same plan; and the reduce finds each pair's partial states from the lengths alone and merges them (rotating back
-where the values accumulate rotated) into the attention PyTorch computes."""
+same plan; the reduce finds each pair's partial states from the lengths alone and merges them (rotating back
+where the values accumulate rotated) into the attention PyTorch computes; and the tile-language decode kernel runs
+the whole path, every format it reads, to the reference's output (the Gluon kernels' are GPU tests,
+`test_decode_gluon.py`)."""
 
 import math
 import random
