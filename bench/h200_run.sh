@@ -208,9 +208,12 @@ stream)   # stream-K decode (ops/triton/stream_k.py): the probes beside the spli
         SPLITS='{"100": [2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
     run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "stream"
     ;;
-stream-memory)   # the same-memory run, TurboQuant and q4 split then stream-K, side by side in one process
-    run 420 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 --stream-k both --out "$OUT/memory_stream"
+stream-memory)   # the same-memory run, TurboQuant and q4 split then stream-K, side by side in one process; twice
+                 # (about 130 s each: session 33's three runs took 81 s with the model's build)
+    for run_name in memory_stream memory_stream_again; do
+        run 270 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+            --formats off turboquant q4 --stream-k both --out "$OUT/$run_name"
+    done
     run 30 python bench/engine_steps.py "$OUT/memory_stream/engine_memory.json"
     ;;
 stream-table)   # the kernel table in the served order with stream-K on for every kernel that has it (by default only
