@@ -17,8 +17,11 @@ pair. A pair's slots are contiguous, from its first program (a_j // chunk) to it
 so the reduce (`reduce_stream_kernel`, one program per query token and head) finds them from the lengths alone.
 Buffers: (P + num_tokens H) slots of GROUP query heads each (`stream_states`).
 
-Decode batches only (one query token per sequence, token t of sequence t), no dense recent window: the kernels keep
-their splits for the rest (`decode_gluon.stream_batch`). `segments` is the plan in Python, for tests and tools.
+Decode batches only (one query token per sequence, token t of sequence t), no dense recent window, power-of-two
+head_dim (`streams`): the kernels keep their splits for the rest. The Gluon kernels (`decode_gluon.stream_programs`:
+q8, q4 / q6, TurboQuant) and the tile-language one (`decode.paged_attention(stream=...)`, `decode_transposed.py`)
+walk the line with the same functions (`next_segment`, `stream_chunk`). `segments` is the plan in Python, for tests
+and tools.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import triton.language as tl
 
 from .codecs import fwht
 
-KEYS_PER_STEP = 16   # the unit of the line: one ring step of the Gluon kernels (their 32-key loops take two)
+KEYS_PER_STEP = 16   # the unit of the line (the kernels' functions write it out): one ring step of the Gluon kernels
 # Steps a program attends at least (128 keys): a batch too small to give every slot that many leaves slots idle
 # rather than cutting pairs into pieces whose query loads and partial states cost more than their keys
 MIN_STEPS = 8
