@@ -25,7 +25,7 @@ from .conversions import (code_nibbles_to_f16, int8_pairs_to_f16, int8_to_f16, n
                           nibble_quads_to_f16, sign_nibble_pairs_to_f16, six_bit_quads_to_f16)
 from .decode_io import (attend_ring, load_rows, program_coords, ring_accumulators, softmax_step_t,
                         token_sequence, value_channels)
-from .stream_k import SCAN_BLOCK, first_pair, next_segment, steps_before, stream_chunk
+from .stream_k import SCAN_BLOCK, next_segment, stream_piece
 
 
 @triton.jit
@@ -222,13 +222,7 @@ def decode_kernel_transposed(
     if STREAM:
         HEADS: tl.constexpr = NUM_Q_HEADS // GROUP
         p = tl.program_id(0)
-        total, _ = steps_before(seq_lens_ptr, num_seqs, 0, SCAN_BLOCK)
-        total *= HEADS
-        chunk = stream_chunk(total, tl.num_programs(0), MIN_STEPS)
-        g = p * chunk
-        g_end = tl.minimum(g + chunk, total)
-        t, a = first_pair(seq_lens_ptr, num_seqs, g, HEADS, SCAN_BLOCK)
-        s = tl.cdiv(tl.load(seq_lens_ptr + tl.minimum(t, num_seqs - 1)), 16)   # t == num_seqs: an idle program
+        g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_seqs, HEADS, MIN_STEPS, SCAN_BLOCK)
         while g < g_end:
             t, a, s, kv_head, kv_lo, kv_hi, slot, g = next_segment(g, g_end, t, a, s, seq_lens_ptr, p, HEADS)
             attend_range_t(

@@ -163,19 +163,27 @@ def first_pair(seq_lens_ptr, num_tokens, g, HEADS: tl.constexpr, BLOCK: tl.const
     return t, a * HEADS
 
 
+@triton.jit
+def stream_piece(seq_lens_ptr, num_tokens, HEADS: tl.constexpr, MIN_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's piece of the line (`decode_gluon.stream_piece` in the tile language): (g, g_end, t, a, s), the
+    steps [g, g_end) it attends, the token t whose pairs hold step g (when g < g_end), the step a they start at and
+    s, its steps a pair."""
+    total, _ = steps_before(seq_lens_ptr, num_tokens, 0, BLOCK)
+    total *= HEADS
+    chunk = stream_chunk(total, tl.num_programs(0), MIN_STEPS)
+    g = tl.program_id(0) * chunk
+    t, a = first_pair(seq_lens_ptr, num_tokens, g, HEADS, BLOCK)
+    s = tl.cdiv(tl.load(seq_lens_ptr + tl.minimum(t, num_tokens - 1)), 16)   # t == num_tokens: an idle program
+    return g, tl.minimum(g + chunk, total), t, a, s
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def plan_kernel(out_ptr, seq_lens_ptr, num_tokens, HEADS: tl.constexpr, MAX_SEGMENTS: tl.constexpr,
                 MIN_STEPS: tl.constexpr, BLOCK: tl.constexpr):
     """Each program's segments as the kernels walk them (the same functions), written to out [programs,
     MAX_SEGMENTS, 5] as (token, kv_head, kv_lo, kv_hi, slot) rows, -1 past the last: `device_segments`."""
     p = tl.program_id(0)
-    total, _ = steps_before(seq_lens_ptr, num_tokens, 0, BLOCK)
-    total *= HEADS
-    chunk = stream_chunk(total, tl.num_programs(0), MIN_STEPS)
-    g = p * chunk
-    g_end = tl.minimum(g + chunk, total)
-    t, a = first_pair(seq_lens_ptr, num_tokens, g, HEADS, BLOCK)
-    s = tl.cdiv(tl.load(seq_lens_ptr + tl.minimum(t, num_tokens - 1)), 16)   # t == num_tokens: an idle program
+    g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_tokens, HEADS, MIN_STEPS, BLOCK)
     k = 0
     row = out_ptr + p * MAX_SEGMENTS * 5
     while g < g_end:
