@@ -815,6 +815,28 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
     return parts, num_slots, window_first
 
 
+def launch_plan(query: torch.Tensor, meta, view, num_splits: int, window, split: bool, ordered, programs: int):
+    """(partial states or None, slots a (token, head), each sequence's first window block, grid, token order,
+    ORDERED) of a quantized Gluon decode: stream-K over `programs` programs (`stream_programs`), else
+    `num_splits` splits (`window_splits`, `launch_grid`); the placeholders are arguments the kernel does not read."""
+    if programs:
+        return stream_states(query, view.num_kv_heads, programs), 0, meta.seq_lens, (programs,), meta.seq_lens, False
+    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, split)
+    return (parts, num_slots, window_first, *launch_grid(query, meta, view.num_kv_heads, num_splits, ordered))
+
+
+def merge_partials(out: torch.Tensor, parts, query: torch.Tensor, view, meta, window, scale: float, programs: int):
+    """The end of a quantized Gluon decode planned by `launch_plan`: the stream-K reduce, or the window and the split
+    reduce (`split_k.reduce_with_window`; nothing when the kernel wrote out itself)."""
+    from .attention import dot_precision
+    from .split_k import reduce_with_window
+
+    if programs:
+        reduce_stream(out, parts, view, meta, programs)
+    else:
+        reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
+
+
 def stream_programs(stream, kernel: str, fmt, query: torch.Tensor, meta, window) -> int:
     """Programs of a stream-K decode (`stream_k`) of this batch, or 0 for a split one: `stream` None asks STREAM_K
     (the kernels' default), True the resident slots (STREAM_PROGRAMS_PER_SM of `kernel` per multiprocessor), a number
@@ -844,9 +866,9 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
     `ordered`: the launch order (`launch_grid`); `stream`: a stream-K decode instead of `num_splits` splits
     (`stream_programs`: None as STREAM_K says, True its resident slots, a number that many programs)."""
-    from .attention import check_inputs, dot_precision
+    from .attention import check_inputs
     from .page_view import page_view, stride3
-    from .split_k import dependent_launch, reduce_with_window
+    from .split_k import dependent_launch
 
     from .decode import check_scale_words
 
@@ -867,12 +889,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
             max_registers = STREAM_REGISTERS.get(("turboquant", fmt.spec.k_quant, fmt.spec.v_quant), max_registers)
     if pairs is None:
         pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
-    if programs:
-        parts, num_slots, window_first = stream_states(query, view.num_kv_heads, programs), 0, meta.seq_lens
-        grid, order, ordered = (programs,), meta.seq_lens, False
-    else:
-        parts, num_slots, window_first = window_splits(query, meta, num_splits, window, True)
-        grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    parts, num_slots, window_first, grid, order, ordered = launch_plan(query, meta, view, num_splits, window,
+                                                                       True, ordered, programs)
     decode_tq_kernel[grid](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
@@ -883,10 +901,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
         PDL=dependent_launch(query.device), ORDERED=ordered, STREAM=bool(programs), MIN_STEPS=MIN_STEPS,
         num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
-    if programs:
-        reduce_stream(out, parts, view, meta, programs)
-    else:
-        reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
+    merge_partials(out, parts, query, view, meta, window, scale, programs)
     return out
 
 
@@ -1154,9 +1169,9 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed,
     `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`); `stream`: a stream-K decode
     (`stream_programs`)."""
-    from .attention import check_inputs, dot_precision
+    from .attention import check_inputs
     from .page_view import page_view, stride3
-    from .split_k import dependent_launch, reduce_with_window
+    from .split_k import dependent_launch
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -1169,12 +1184,8 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     programs = stream_programs(stream, "q4", fmt, query, meta, window)
     if programs and max_registers is None:
         max_registers = STREAM_REGISTERS["q4"]
-    if programs:
-        parts, num_slots, window_first = stream_states(query, view.num_kv_heads, programs), 0, meta.seq_lens
-        grid, order, ordered = (programs,), meta.seq_lens, False
-    else:
-        parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
-        grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    parts, num_slots, window_first, grid, order, ordered = launch_plan(query, meta, view, num_splits, window,
+                                                                       num_splits > 1, ordered, programs)
     decode_q4_kernel[grid](
         out, *(parts or (out, out, out)), query, view.k, view.k_scale, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
@@ -1185,10 +1196,7 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, PAIRS=pairs,
         PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, STREAM=bool(programs),
         MIN_STEPS=MIN_STEPS, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
-    if programs:
-        reduce_stream(out, parts, view, meta, programs)
-    else:
-        reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
+    merge_partials(out, parts, query, view, meta, window, scale, programs)
     return out
 
 
@@ -1219,9 +1227,9 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     """`reference.paged_attention`'s contract for the decodes `supports` accepts; `window`: a dense recent window
     (`window_splits`); `ordered`: the launch order (`launch_grid`); `stream`: a stream-K decode
     (`stream_programs`)."""
-    from .attention import check_inputs, dot_precision
+    from .attention import check_inputs
     from .page_view import page_view, stride3
-    from .split_k import dependent_launch, reduce_with_window
+    from .split_k import dependent_launch
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -1230,12 +1238,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     if num_tokens == 0:
         return out
     programs = stream_programs(stream, "q8", fmt, query, meta, window)
-    if programs:
-        parts, num_slots, window_first = stream_states(query, view.num_kv_heads, programs), 0, meta.seq_lens
-        grid, order, ordered = (programs,), meta.seq_lens, False
-    else:
-        parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
-        grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    parts, num_slots, window_first, grid, order, ordered = launch_plan(query, meta, view, num_splits, window,
+                                                                       num_splits > 1, ordered, programs)
     decode_q8_kernel[grid](
         out, *(parts or (out, out, out)), query, view.k, view.v, view.k_scale, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
@@ -1247,10 +1251,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         V_LOAD=value_load_layout(head_dim), STAGES=stages, WINDOW=window is not None,
         PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, STREAM=bool(programs),
         MIN_STEPS=MIN_STEPS, num_warps=1, **({"maxnreg": STREAM_REGISTERS["q8"]} if programs else {}))
-    if programs:
-        reduce_stream(out, parts, view, meta, programs)
-    else:
-        reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
+    merge_partials(out, parts, query, view, meta, window, scale, programs)
     return out
 
 
