@@ -29,6 +29,9 @@
 #                                                  # ragged lengths)
 #   OUT=/some/dir bash bench/h200_run.sh stream-memory  # the same-memory run, split and stream-K side by side
 #   OUT=/some/dir bash bench/h200_run.sh stream-table  # the kernel table, served order, stream-K on
+#   OUT=/some/dir bash bench/h200_run.sh split-counts  # K q4_0 / V q4_0 at the split counts 8, 12 and 16 programs a
+#                                                  # multiprocessor give; stream-K beside the splits at the same-memory
+#                                                  # run's batches (TurboQuant, q4)
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -216,6 +219,19 @@ stream-memory)   # the same-memory run, TurboQuant and q4 split then stream-K, s
     done
     run 30 python bench/engine_steps.py "$OUT/memory_stream/engine_memory.json"
     ;;
+split-counts)   # which programs per multiprocessor TQ_TUNING should give K q4_0 / V q4_0 (16 now; 162 registers fit
+                # 12): the table's shapes and the same-memory batch at the split counts 8, 12 and 16 give, longest
+                # first; then stream-K beside the served splits where the same-memory run's batches are, TurboQuant
+                # K q8_0 / V q3_0 and q4 (slower than the splits at every shape on an H100, session 35)
+    run 110 env FORMAT="turboquant:k=q4_0,v=q4_0" SHAPES='[[64, 8192], [32, 4096], [100, 1536], [128, 2048]]' \
+        SPLITS='{"64": [2, 3, 4], "32": [4, 6, 8], "100": [2, 3], "128": [2, 3]}' \
+        VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    variants='{"lf": {"ordered": true}, "stream": {"stream": true}}'
+    run 60 env FORMAT=turboquant SHAPES='[[100, 1536], [64, 8192]]' SPLITS='{"100": [2, 3], "64": [4]}' \
+        VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
+    run 50 env FORMAT=q4 SHAPES='[[144, 1536], [100, 1536]]' SPLITS='{"144": [1, 2], "100": [1, 2]}' \
+        VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
+    ;;
 stream-table)   # the kernel table in the served order with stream-K on for every kernel that has it (by default only
                 # batches with a (token, KV head) pair per 16 programs stream: (64, 8192) and (32, 4096), not one
                 # sequence)
@@ -279,7 +295,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|stream|stream-memory|stream-table|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|stream|stream-memory|stream-table|split-counts|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac
