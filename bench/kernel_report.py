@@ -4,6 +4,7 @@
     python bench/kernel_report.py --compile-all [--formats ...]
     python bench/kernel_report.py --count-variants [--formats ...]
     python bench/kernel_report.py --warp-split [--formats q4,turboquant]   # the warp-split decode kernel
+    python bench/kernel_report.py --sass-digest > before.txt   # a hash of each decode kernel's SASS
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
 `paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
@@ -16,6 +17,11 @@ cost model for comparing kernel variants when no GPU is at hand. Time on a GPU i
 attention for decode and prefill tiles, split-K and its reduce) for each format, query dtype and
 head_dim, launching nothing: the Triton interpreter the CPU tests use never lowers a kernel, so this
 is what catches a kernel that would not compile for the GPU. Exits 1 if any fails.
+
+`--sass-digest` prints one line per decode launch (Gluon and tile-language kernels, every format, both 16-bit
+dtypes, head_dim 64 and 128, one and four splits, grid and longest-first order, with and without a dense recent
+window) and a hash of the SASS of each kernel it compiled: a change meant to leave the served kernels as they are
+(a refactor, a variant removed) diffs two such listings instead of timing them.
 
 `--count-variants` runs the decode and split-K kernels over batches of several sizes and block-table
 widths and prints how many kernels each compiled: 1 each, or a server compiles again mid-stream.
@@ -207,6 +213,45 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
             "shared_bytes": kernel.metadata.shared, "loop_ops": dict(ops)}
 
 
+def sass_digest(kernels) -> str:
+    """A short hash of the compiled kernels' SASS instructions (names and line info left out)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for kernel in kernels:
+        h.update("\n".join(text for _, text in sass_instructions(assemble(kernel)[1])).encode())
+    return h.hexdigest()[:16]
+
+
+def sass_digests():
+    """(launch description, SASS hash) of the decode kernels as served: `--sass-digest`."""
+    from pagedkv.ops.triton import decode, decode_gluon
+    from pagedkv.ops.triton.tuning import warp_split_tiles
+
+    for spec in ("q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "off"):
+        for head_dim in (64, 128):
+            for dtype in (torch.bfloat16, torch.float16):
+                fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, head_dim, dtype, "cpu")
+                q = torch.empty(64, NUM_Q_HEADS, head_dim, dtype=dtype)
+                for window in (False, True):
+                    meta, rings = decode_batch(64, 8192, window, head_dim, dtype)
+                    gluon = decode_gluon.launcher(fmt, q, BLOCK_SIZE, kernels=decode_gluon.KERNELS, window=rings)
+                    for num_splits in (1, 4):
+                        for ordered in (False, True):
+                            name = f"{spec} d{head_dim} {str(dtype)[6:]} window={window} splits={num_splits} " \
+                                   f"ordered={ordered}"
+                            options = dict(num_splits=num_splits, ordered=ordered, window=rings)
+                            if gluon is not None:
+                                with _CompileOnly() as launches:
+                                    gluon[0](q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, **options)
+                                yield f"gluon {name}", sass_digest(launches.compiled)
+                            if decode.is_supported(fmt, transposed=True):
+                                with _CompileOnly() as launches:
+                                    decode.paged_attention(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1,
+                                                           tiles=warp_split_tiles(fmt), **options)
+                                yield f"decode.py {name}", sass_digest(launches.compiled)
+
+
 def gluon_prefill_report(head_dim: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> dict:
     """The Gluon prefill kernel (`ops/triton/prefill_gluon.py`, dense pages) compiled for sm_90 for a 2,048-token
     chunk: registers, spills, shared memory and the opcodes of the whole kernel (its barrier waits branch back into
@@ -391,6 +436,9 @@ def main() -> None:
                         help="print (JSON) the same for the stream-K variants (`stream_k`: TurboQuant q8_0/q3_0 and "
                              "q4_0/q4_0, q4, q6, q8 at head_dim 128 and 64; bfloat16), each after its split kernel; "
                              "loop opcodes of the key loop")
+    parser.add_argument("--sass-digest", action="store_true",
+                        help="print a hash of each decode kernel's SASS per launch (formats, dtypes, head_dims, "
+                             "splits, orders, window): diff two runs to see that a change left the kernels as they are")
     parser.add_argument("--ordered", action="store_true",
                         help="with --gluon: the kernels launched longest sequence first (`ordered=True`, `launch_grid`)")
     parser.add_argument("--dependent-launch", action="store_true",
@@ -402,6 +450,10 @@ def main() -> None:
     driver.set_active(_Sm90Target())
     if args.dependent_launch:
         print(json.dumps(dependent_launch_report()), flush=True)
+        return
+    if args.sass_digest:
+        for name, digest in sass_digests():
+            print(f"{name}: {digest}", flush=True)
         return
     if args.gluon_prefill:
         for head_dim in (64, 128):
