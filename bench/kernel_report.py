@@ -240,7 +240,8 @@ def sass_digests():
                         for ordered in (False, True):
                             name = f"{spec} d{head_dim} {str(dtype)[6:]} window={window} splits={num_splits} " \
                                    f"ordered={ordered}"
-                            options = dict(num_splits=num_splits, ordered=ordered, window=rings)
+                            options = dict(num_splits=num_splits, ordered=ordered,
+                                           **({"window": rings} if window else {}))
                             if gluon is not None:
                                 with _CompileOnly() as launches:
                                     gluon[0](q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, **options)
