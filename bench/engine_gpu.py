@@ -509,41 +509,14 @@ def add_layer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="each step planned and queued before the tokens of the one in flight are read (default: "
                         "`EngineConfig`'s, on for CUDA)")
-    p.add_argument("--stream-k", choices=("on", "off", "both"), default=None,
-                   help="decode batches over q8, q4/q6 and TurboQuant pages stream-K (`ops/triton/stream_k.py`) or split; "
-                        "both (same-memory runs): each such format twice, split then stream-K; default: "
-                        "`decode_gluon.STREAM_K`")
 
 
 ASYNC_SCHEDULING: bool | None = None   # EngineConfig.async_scheduling of the engines built here (--async-scheduling)
 
 
-@contextlib.contextmanager
-def stream_k(on: bool):
-    """Decode batches stream-K (on) or split in the engines built inside."""
-    from pagedkv.ops.triton import decode_gluon
-
-    saved = decode_gluon.STREAM_K
-    decode_gluon.STREAM_K = decode_gluon.STREAM_CAPABLE if on else ()
-    try:
-        yield
-    finally:
-        decode_gluon.STREAM_K = saved
-
-
-def stream_modes(args: argparse.Namespace, fmt: str) -> list[bool | None]:
-    """The stream-K settings a format runs under (--stream-k both: split, then stream-K, where it has a kernel)."""
-    has_kernel = fmt.split(":")[0] in ("q8", "q4", "q6", "turboquant")
-    return [False, True] if args.stream_k == "both" and has_kernel else [None]
-
-
 def use_layer_options(args: argparse.Namespace) -> None:
     global ASYNC_SCHEDULING
     ASYNC_SCHEDULING = args.async_scheduling
-    if args.stream_k in ("on", "off"):
-        from pagedkv.ops.triton import decode_gluon
-
-        decode_gluon.STREAM_K = decode_gluon.STREAM_CAPABLE if args.stream_k == "on" else ()
     if args.launch_order:
         from pagedkv.ops import metadata
 
@@ -711,26 +684,20 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
     lookaheads, modes = args.admission_lookahead_tokens, args.preemption
     for fmt in args.formats:
         for lookahead in lookaheads:  # several: side by side, each run named "format, lookahead N[, swap]"
-            for mode, free, stream in [(m, f, st) for m in modes
-                                       for f in ((False, True) if fmt in args.free_attention else (False,))
-                                       for st in stream_modes(args, fmt)]:
-                with contextlib.ExitStack() as stack:
-                    if free:
-                        stack.enter_context(attention_free())
-                    if stream is not None:
-                        stack.enter_context(stream_k(stream))
-                    r = same_memory_run(model, fmt, budget, prompts, new_tokens, args.max_num_batched_tokens,
-                                        lookahead, swap=mode == "swap", compile_layers=args.compile_layers,
-                                        graph_batch_sizes=args.graph_batch_sizes,
-                                        profile_kernels=args.profile_kernels)
-                name = (fmt + (f", lookahead {lookahead}" if len(lookaheads) > 1 else "")
-                        + (f", {mode}" if len(modes) > 1 else "") + (", attention free" if free else "")
-                        + (", stream-K" if stream else ""))
-                results["same_memory"][name] = r
-                print(f"pagedkv {name}, {args.same_memory} GiB of pages, admission lookahead {lookahead}, preemption "
-                      f"by {mode}: {({k: v for k, v in r.items() if k not in ('timeline', 'kernels')})}", flush=True)
-                if "kernels" in r:
-                    print_kernels(name, r)
+            for mode in modes:
+                for free in (False, True) if fmt in args.free_attention else (False,):
+                    with attention_free() if free else contextlib.nullcontext():
+                        r = same_memory_run(model, fmt, budget, prompts, new_tokens, args.max_num_batched_tokens,
+                                            lookahead, swap=mode == "swap", compile_layers=args.compile_layers,
+                                            graph_batch_sizes=args.graph_batch_sizes,
+                                            profile_kernels=args.profile_kernels)
+                    name = (fmt + (f", lookahead {lookahead}" if len(lookaheads) > 1 else "")
+                            + (f", {mode}" if len(modes) > 1 else "") + (", attention free" if free else ""))
+                    results["same_memory"][name] = r
+                    print(f"pagedkv {name}, {args.same_memory} GiB of pages, admission lookahead {lookahead}, preemption "
+                          f"by {mode}: {({k: v for k, v in r.items() if k not in ('timeline', 'kernels')})}", flush=True)
+                    if "kernels" in r:
+                        print_kernels(name, r)
     results["seconds"] = time.perf_counter() - t_start
     print(f"\n{results['gpu']}: the same {args.same_memory} GiB of pages, {args.requests} requests x "
           f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens (EOS ignored), {args.layers} layers")

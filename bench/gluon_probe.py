@@ -5,10 +5,6 @@ same pages, at each of a few split counts and VARIANTS (JSON: name -> keyword ar
     FORMAT=q4 SHAPES='[[128, 4096]]' ORDERED=1 python bench/gluon_probe.py   # other shapes; blocks in order
     FORMAT=turboquant VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
     FORMAT=off SPLITS='{"32": [2, 4], "64": [1, 2]}' python bench/gluon_probe.py   # these split counts there
-    FORMAT=turboquant VARIANTS='{"lf": {"ordered": true}, "stream": {"stream": true}}' python bench/gluon_probe.py
-
-A variant with "stream" runs stream-K (`ops/triton/stream_k.py`: true fills the resident slots, a number gives the
-programs), timed once as split count 0 (it has none).
 
 SPREAD=f (0 < f < 1) gives the sequences of a shape different lengths, as an engine's batch has them: spread evenly
 from (1 - f) x context to context, in shuffled order (SPREAD=0.5 at context 2,048: 1,024-2,048 tokens); the time
@@ -98,7 +94,7 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
            "mean_length": sum(lens) / num_seqs, "page_bytes": sum(lens) * layers[0][0].bytes_per_token()}
     row["default_us"] = kb.time_per_call(calls(lambda q, p, f, m: triton_ops.paged_attention(q, p, f, m, scale=kb.SCALE))) * 1e3
     for name, opts in VARIANTS.items():
-        for sp in [0] if opts.get("stream") else splits_for(num_seqs):   # stream-K: one grid, no split count
+        for sp in splits_for(num_seqs):
             o = launch(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE, num_splits=sp, **opts)
             row[f"gluon_{name}_split{sp}_err"] = kb.rel_err(o, ref)
             row[f"gluon_{name}_split{sp}_us"] = kb.time_per_call(calls(

@@ -25,21 +25,15 @@
 #   OUT=/some/dir bash bench/h200_run.sh memory-kernels  # the same-memory run's GPU time by kernel (torch.profiler)
 #   OUT=/some/dir bash bench/h200_run.sh engine-shapes  # decode steps by kernel and the decode kernels' split counts at
 #                                                  # the same-memory run's batches (1,536 tokens)
-#   OUT=/some/dir bash bench/h200_run.sh stream    # stream-K decode: GPU tests, probes beside the splits (SPREAD=0.5:
-#                                                  # ragged lengths)
-#   OUT=/some/dir bash bench/h200_run.sh stream-memory  # the same-memory run, split and stream-K side by side
-#   OUT=/some/dir bash bench/h200_run.sh stream-table  # the kernel table, served order, stream-K on
 #   OUT=/some/dir bash bench/h200_run.sh split-counts  # K q4_0 / V q4_0 at the split counts 8, 12 and 16 programs a
-#                                                  # multiprocessor give; stream-K beside the splits at the same-memory
-#                                                  # run's batches (TurboQuant, q4)
+#                                                  # multiprocessor give (the kernel table's shapes, batch 100)
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
 #                                                  # its pages (bench/page_read_probe.py), at (32, 4096)
 #   OUT=/some/dir bash bench/h200_run.sh ncu-source  # stall reasons and wasted shared / L2 traffic per SASS
 #                                                    # instruction (bench/ncu_summary.py), NCU_FORMATS="q4 q6 ...",
-#                                                    # NCU_SHAPE=100x1536 (batch x context; default 64x8192),
-#                                                    # NCU_STREAM=1 (stream-K on)
+#                                                    # NCU_SHAPE=100x1536 (batch x context; default 64x8192)
 #
 # PYTEST_WORKERS=8 runs the GPU tests on 8 processes (they are bound by compiling kernels) when pytest-xdist is
 # there: `make gpu-wheels` here, then carry .venv-gpuwheels; it is installed from those wheels.
@@ -60,11 +54,10 @@ run() {  # run LIMIT_SECONDS COMMAND...
     echo "== $(( $(date +%s) - start ))s"
 }
 ncu_decode() {  # ncu_decode FORMAT NCU_OPTIONS...: Nsight Compute on one decode call at batch 64 and 8,192 tokens
-                # (NCU_SHAPE=100x1536: another batch x context; NCU_STREAM=1: stream-K on, `--stream-k`)
+                # (NCU_SHAPE=100x1536: another batch x context)
     local fmt=$1; shift
     run 200 ncu --clock-control none --kernel-name regex:"decode_(q8|q4|tq|dense)_kernel" --launch-skip 2 \
-        --launch-count 1 "$@" python bench/profile_decode.py --formats "$fmt" --shapes "${NCU_SHAPE:-64x8192}" --plain \
-        ${NCU_STREAM:+--stream-k}
+        --launch-count 1 "$@" python bench/profile_decode.py --formats "$fmt" --shapes "${NCU_SHAPE:-64x8192}" --plain
 }
 case "${1:-kernels}" in
 kernels)
@@ -195,48 +188,12 @@ engine-shapes)   # the decode kernels at the batches and lengths of the same-mem
     run 80 env FORMAT=off SHAPES='[[40, 1536]]' SPLITS='{"40": [2, 3, 4, 6, 8]}' \
         VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
-stream)   # stream-K decode (ops/triton/stream_k.py): the probes beside the splits, longest first, at the same-memory
-          # run's batches and the kernel table's shapes (TurboQuant, its q4_0 pair, q4; each variant's error printed;
-          # TurboQuant also with a third ring stage, and over twice the resident slots, 4,224 programs on 132
-          # multiprocessors), then its GPU tests
-    variants='{"lf": {"ordered": true}, "stream": {"stream": true}}'
-    run 150 env FORMAT=turboquant SHAPES='[[100, 1536], [64, 1536], [128, 2048], [64, 8192], [32, 4096], [1, 32768]]' \
-        SPLITS='{"100": [2, 3], "64": [2, 4], "128": [1, 2], "32": [4, 8], "1": [128]}' SPREAD=${SPREAD:-0} \
-        VARIANTS="${variants%\}}, \"stream3\": {\"stream\": true, \"stages\": 3}, \"stream2x\": {\"stream\": 4224}}" \
-        OUT="$OUT" python bench/gluon_probe.py
-    run 120 env FORMAT=q4 SHAPES='[[144, 1536], [100, 1536], [64, 8192], [32, 4096], [1, 32768]]' \
-        SPLITS='{"144": [1, 2], "100": [1, 2], "64": [2, 4], "32": [4, 8], "1": [128]}' SPREAD=${SPREAD:-0} \
-        VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
-    run 100 env FORMAT="turboquant:k=q4_0,v=q4_0" SHAPES='[[100, 1536], [64, 8192], [32, 4096]]' \
-        SPLITS='{"100": [2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
-    run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "stream"
-    ;;
-stream-memory)   # the same-memory run, TurboQuant and q4 split then stream-K, side by side in one process; twice
-                 # (about 130 s each: session 33's three runs took 81 s with the model's build)
-    for run_name in memory_stream memory_stream_again; do
-        run 270 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-            --formats off turboquant q4 --stream-k both --out "$OUT/$run_name"
-    done
-    run 30 python bench/engine_steps.py "$OUT/memory_stream/engine_memory.json"
-    ;;
-split-counts)   # which programs per multiprocessor TQ_TUNING should give K q4_0 / V q4_0 (16 now; 162 registers fit
-                # 12): the table's shapes and the same-memory batch at the split counts 8, 12 and 16 give, longest
-                # first; then stream-K beside the served splits where the same-memory run's batches are, TurboQuant
-                # K q8_0 / V q3_0 and q4 (slower than the splits at every shape on an H100, session 35)
+split-counts)   # which programs per multiprocessor TQ_TUNING should give K q4_0 / V q4_0 (16 now; its 162 registers
+                # fit 12): the table's shapes and the same-memory run's batch at the split counts 8, 12 and 16 give,
+                # longest first (on an H100, session 35: half the served splits 8-15% faster)
     run 110 env FORMAT="turboquant:k=q4_0,v=q4_0" SHAPES='[[64, 8192], [32, 4096], [100, 1536], [128, 2048]]' \
         SPLITS='{"64": [2, 3, 4], "32": [4, 6, 8], "100": [2, 3], "128": [2, 3]}' \
         VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
-    variants='{"lf": {"ordered": true}, "stream": {"stream": true}}'
-    run 60 env FORMAT=turboquant SHAPES='[[100, 1536], [64, 8192]]' SPLITS='{"100": [2, 3], "64": [4]}' \
-        VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
-    run 50 env FORMAT=q4 SHAPES='[[144, 1536], [100, 1536]]' SPLITS='{"144": [1, 2], "100": [1, 2]}' \
-        VARIANTS="$variants" OUT="$OUT" python bench/gluon_probe.py
-    ;;
-stream-table)   # the kernel table in the served order with stream-K on for every kernel that has it (by default only
-                # batches with a (token, KV head) pair per 16 programs stream: (64, 8192) and (32, 4096), not one
-                # sequence)
-    run 200 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
-        --skip prefill,write --stream-k --out "$OUT/kernels_stream"
     ;;
 memory-kernels)   # the same-memory run under torch.profiler: the GPU time of each kernel over the whole run (the
                   # profiler slows it: its tokens/s are not the run's; the calls say whether graph replays were seen)
@@ -286,7 +243,7 @@ ncu-off)   # the dense decode kernel beside a kernel that only reads the same pa
     ;;
 ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sampled); NCU_FORMATS picks the formats
     for fmt in ${NCU_FORMATS:-turboquant turboquant:k=q4_0,v=q4_0}; do
-        name="ncu_src_${fmt//[:=,]/_}${NCU_SHAPE:+_$NCU_SHAPE}${NCU_STREAM:+_stream}"
+        name="ncu_src_${fmt//[:=,]/_}${NCU_SHAPE:+_$NCU_SHAPE}"
         ncu_decode "$fmt" --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis_Tables \
             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -f -o "$OUT/$name"
         ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1
@@ -295,7 +252,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|stream|stream-memory|stream-table|split-counts|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac

@@ -552,13 +552,7 @@ def main() -> None:
                         help="decode every format with a dense recent window through the Gluon kernels, at any batch "
                              "(by default: decode_gluon.WINDOW_KERNELS from WINDOW_MIN_TOKENS)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode,prefill,write")
-    parser.add_argument("--stream-k", action="store_true",
-                        help="decode as served with stream-K on for every kernel that has it (`decode_gluon.STREAM_K`)")
     args = parser.parse_args()
-    if args.stream_k:
-        from pagedkv.ops.triton import decode_gluon
-
-        decode_gluon.STREAM_K = decode_gluon.STREAM_CAPABLE
     if args.gluon_window:
         from pagedkv.ops.triton import decode_gluon
 

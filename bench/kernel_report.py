@@ -149,11 +149,9 @@ def decode_batch(batch: int, context: int, window: bool, head_dim: int, dtype: t
     return meta, rings
 
 
-def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192, window: bool = False,
-                       stream: bool = False):
+def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192, window: bool = False):
     """The warp-split decode kernel (`ops/triton/decode.py`) with DecodeTiles `tiles`, compiled for sm_90; with
-    `window`, the variant that reads a dense recent window (recent_tokens=128) beside the pages; with `stream`, its
-    stream-K variant (`stream_k`)."""
+    `window`, the variant that reads a dense recent window (recent_tokens=128) beside the pages."""
     from pagedkv.ops.triton import decode
 
     fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
@@ -161,7 +159,7 @@ def compile_warp_split(spec: str, tiles, batch: int = 64, context: int = 8192, w
     meta, rings = decode_batch(batch, context, window, HEAD_DIM, torch.bfloat16)
     q = torch.empty(batch, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     with _CompileOnly() as launches:
-        decode.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles, window=rings, stream=stream or None)
+        decode.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles, window=rings)
     return launches.compiled[0]
 
 
@@ -202,12 +200,8 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
         launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=num_splits, **options)
     kernel = launches.compiled[0]
     info, sass = assemble(kernel)
-    loops = sass_loops(sass)
-    if launches.options[0].get("STREAM", False):   # the walk over pairs holds the key loop: the shortest with products
-        loops = sorted((loop for loop in loops if loop_ops(loop).get("HMMA")), key=len)
-    ops = loop_ops(loops[0])
+    ops = loop_ops(sass_loops(sass)[0])
     return {"format": spec, "head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits, "window": window,
-            "stream": launches.options[0].get("STREAM", False),
             "keys_per_step": 32 if launches.options[0].get("PAIRS", False) else 16,
             "kv_heads_per_program": launches.options[0].get("HEADS", 1), **ptxas_usage(info),
             "shared_bytes": kernel.metadata.shared, "loop_ops": dict(ops)}
@@ -433,10 +427,6 @@ def main() -> None:
                         help="print (JSON) the Gluon decode kernels' registers, spills and loop opcodes (q8 per head_dim, "
                              "dtype and split; TurboQuant q8_0/q3_0 and q4_0/q4_0, q4, q6 and off, per dtype; q8, "
                              "TurboQuant and q4 with a dense recent window)")
-    parser.add_argument("--gluon-stream", action="store_true",
-                        help="print (JSON) the same for the stream-K variants (`stream_k`: TurboQuant q8_0/q3_0 and "
-                             "q4_0/q4_0, q4, q6, q8 at head_dim 128 and 64; bfloat16), each after its split kernel; "
-                             "loop opcodes of the key loop")
     parser.add_argument("--sass-digest", action="store_true",
                         help="print a hash of each decode kernel's SASS per launch (formats, dtypes, head_dims, "
                              "splits, orders, window): diff two runs to see that a change left the kernels as they are")
@@ -461,19 +451,6 @@ def main() -> None:
             for dtype in (torch.bfloat16, torch.float16):
                 print(json.dumps(gluon_prefill_report(head_dim, dtype)), flush=True)
         print(json.dumps(gluon_prefill_report(128, torch.bfloat16, block_size=64)), flush=True)
-        return
-    if args.gluon_stream:
-        for spec, head_dim in (("turboquant", 128), ("turboquant:k=q4_0,v=q4_0", 128), ("q4", 128), ("q6", 128),
-                               ("q8", 128), ("q8", 64)):
-            for stream in (False, True):
-                print(json.dumps(gluon_report(head_dim, torch.bfloat16, 4, spec, stream=stream)), flush=True)
-        from pagedkv.ops.triton.tuning import warp_split_tiles
-
-        for spec in ("q4", "turboquant"):   # the tile-language kernel's variant (`decode.paged_attention(stream=)`)
-            tiles = warp_split_tiles(make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu"))
-            info, _ = assemble(compile_warp_split(spec, tiles, stream=True))
-            print(json.dumps({"format": spec, "kernel": "decode_kernel_transposed", "stream": True,
-                              **ptxas_usage(info)}), flush=True)
         return
     if args.gluon:
         order = {"ordered": True} if args.ordered else {}

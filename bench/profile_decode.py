@@ -59,13 +59,7 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="the calls only, no torch.profiler (for ncu)")
     p.add_argument("--recent-tokens", type=int, default=0,
                    help="quantized formats read their last tokens from a dense recent window this long")
-    p.add_argument("--stream-k", action="store_true",
-                   help="decode as served with stream-K on for every kernel that has it (`decode_gluon.STREAM_K`)")
     args = p.parse_args()
-    if args.stream_k:
-        from pagedkv.ops.triton import decode_gluon
-
-        decode_gluon.STREAM_K = decode_gluon.STREAM_CAPABLE
     gen = torch.Generator().manual_seed(0)
     rows = []
     for num_seqs, seq_len in (tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")):

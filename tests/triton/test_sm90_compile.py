@@ -149,29 +149,3 @@ def test_a_split_decode_launches_its_window_and_reduce_kernels_as_dependents():
                                                  "after_stores": True}
     for name in (tq + "reduce_splits_kernel", "off/reduce_splits_kernel"):
         assert found[name] == {"lines": ["griddepcontrol.wait"], "launch_pdl": True, "after_stores": False}, found
-
-
-def test_the_stream_k_gluon_decodes_keep_the_split_kernels_key_loop_and_fit_their_slots():
-    """`decode_gluon`'s stream-K variants (`stream_k`: q8, q4, q6, TurboQuant) for sm_90: the walk over (token, KV head) pairs wraps the same
-    key loop (the same matrix products, transposes and copies a step, nothing stored to shared memory), within the
-    register caps that let STREAM_PROGRAMS_PER_SM programs fit a multiprocessor, without spills."""
-    from pagedkv.ops.triton.decode_gluon import STREAM_PROGRAMS_PER_SM
-
-    r = kernel_report("--gluon-stream")
-    assert r.returncode == 0, r.stdout + r.stderr
-    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
-    # the tile-language decode kernel's stream-K variant compiles too (registers capped at 128 as its split one)
-    transposed = [row for row in rows if row.get("kernel") == "decode_kernel_transposed"]
-    assert [row["format"] for row in transposed] == ["q4", "turboquant"]
-    assert all(row["registers"] <= 128 for row in transposed), transposed
-    rows = [row for row in rows if "kernel" not in row]
-    assert [(row["format"], row["head_dim"], row["stream"]) for row in rows] == [
-        (spec, d, stream) for spec, d in (("turboquant", 128), ("turboquant:k=q4_0,v=q4_0", 128), ("q4", 128),
-                                          ("q6", 128), ("q8", 128), ("q8", 64)) for stream in (False, True)]
-    for split, stream in zip(rows[::2], rows[1::2]):
-        kernel = "turboquant" if split["format"].startswith("turboquant") else {"q8": "q8"}.get(split["format"], "q4")
-        per_sm = STREAM_PROGRAMS_PER_SM.get((kernel, "q4_0", "q4_0") if split["format"].endswith("q4_0") else kernel)
-        assert stream["spill_bytes"] == 0 and stream["registers"] * 32 * per_sm <= 65536, stream
-        for op in ("HMMA", "MOVM", "LDGSTS", "LDSM"):
-            assert stream["loop_ops"].get(op) == split["loop_ops"].get(op), (op, stream)
-        assert "STS" not in stream["loop_ops"], stream

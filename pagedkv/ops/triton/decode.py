@@ -353,8 +353,7 @@ def ring_args(query: torch.Tensor, view, meta: AttentionMetadata,
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: PageFormat, meta: AttentionMetadata,
                     *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
                     num_splits: int = 1, tiles: DecodeTiles | None = None,
-                    window: tuple[torch.Tensor, torch.Tensor] | None = None, ordered: bool | None = None,
-                    stream: int | bool | None = None) -> torch.Tensor:
+                    window: tuple[torch.Tensor, torch.Tensor] | None = None, ordered: bool | None = None) -> torch.Tensor:
     """Same contract as `reference.paged_attention`, for formats `is_supported` accepts: one program per
     (query token, KV head, split), `tiles.num_warps` warps of `tiles.tile_n` keys each per step, in either
     orientation (default: the format's measured `tuning.warp_split_tiles`).
@@ -363,11 +362,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     num_ring_blocks, block_size, num_kv_heads, head_dim] (any float dtype), planned in `meta.window`: each
     sequence's blocks from `meta.window.first_block` on are read from its ring row `meta.window.rows`, exact,
     the ones before from the pages, in the same pass (a split may cover both). `ordered`: the launch order
-    (`decode_io.launch_grid`: by default `meta.token_order`'s when it has one). `stream`: a stream-K decode
-    (`stream_k`; the transposed kernel, decode batches without a window, `stream_k.streams`) over that many
-    programs, or True: the tiles' resident programs on every multiprocessor; None / False: `num_splits` splits."""
+    (`decode_io.launch_grid`: by default `meta.token_order`'s when it has one)."""
     from .split_k import partial_states, reduce_splits
-    from .stream_k import MIN_STEPS, reduce_stream, resident_programs, stream_states, streams
 
     tiles = tiles or warp_split_tiles(fmt)
     assert is_supported(fmt, tiles.transposed), \
@@ -381,14 +377,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    programs = 0
-    if stream and tiles.transposed and streams(query, meta, window):
-        programs = resident_programs(tiles.programs_per_sm, query.device) if stream is True else int(stream)
-    split = num_splits > 1 or programs > 0
-    if programs:
-        parts = stream_states(query, view.num_kv_heads, programs)
-    else:
-        parts = partial_states(query, num_splits, head_dim_pad) if split else (out, out, out)
+    split = num_splits > 1
+    parts = partial_states(query, num_splits, head_dim_pad) if split else (out, out, out)
     precision = dot_precision(query.dtype)
     fast_cvt = compiled()   # inline PTX conversions, except under the interpreter
     extra = {}
@@ -404,11 +394,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     q = query
     if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R), R orthogonal
         q = (query.float() @ view.q_rotation).to(torch.float32 if query.dtype == torch.float32 else torch.float16)
-    if programs:
-        grid, order, ordered = (programs,), meta.seq_lens, False
-        extra.update(STREAM=True, MIN_STEPS=MIN_STEPS)
-    else:
-        grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
+    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     kernel[grid](
         out, *parts, q, view.k, view.v, view.k_scale, view.k_zero, view.v_scale,
         value_codebook(view, query.dtype), view.aux("out_rotation"),
@@ -423,8 +409,6 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         FAST_CVT=fast_cvt, DOT_PRECISION=precision, ORDERED=ordered,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **registers, **ring_constants, **extra,
     )
-    if programs:
-        reduce_stream(out, parts, view, meta, programs)
-    elif split:
+    if split:
         reduce_splits(out, parts, view)
     return out

@@ -23,9 +23,7 @@ step i + 1 are in flight while step i computes (`STAGES`), holding no register.
 
 One warp per program, programs over (query token, KV head, split) like the other decode kernels (dense pages: four
 KV heads a program by default, a warp each, `decode_dense_kernel`); partial states in
-`split_k.partial_states`' layout. The quantized kernels also run stream-K (STREAM, `stream_k`): a grid of the
-resident programs, each walking its even share of a decode batch's keys pair by pair (`*_attend_range` is the work
-of one key range either way). Four kernels: q8 (head_dim 64 and 128), q4 and q6 (one kernel, head_dim
+`split_k.partial_states`' layout. Four kernels: q8 (head_dim 64 and 128), q4 and q6 (one kernel, head_dim
 128), TurboQuant (q8_0 or q4_0 keys, q3_0 or q4_0 values; head_dim 128), dense pages (`off`, 64 and 128: `ldmatrix`
 from the ring, nothing to convert), none with soft-capping or a sliding window. With a dense recent window (q8, q4,
 q6, TurboQuant) the page splits stop where each sequence's window begins and the window is one more split
@@ -48,7 +46,6 @@ from .conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_OFFSET_ASM, NIBBLE_KE
                           SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
                           SIX_BIT_SPREAD_ASM)
 from .decode_io import launch_grid, program_coords
-from .stream_k import MIN_STEPS, next_segment, reduce_stream, resident_programs, stream_chunk, stream_states, streams
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # steps of the shared ring in flight per program. Measured on an H200 (`bench/gluon_probe.py`, 2026-12-02): 2
@@ -92,23 +89,6 @@ DENSE_HEADS = 4
 # split counts at most: a batch of one 32,768-token sequence split 256 ways took 1.0-1.1x the time of 128 ways
 # for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
 MAX_SPLITS = 128
-# The kernels that serve decode batches stream-K (`stream_k`: the grid is the resident slots, the batch's key steps
-# divided evenly over them) instead of splitting every (token, KV head) pair alike: none until timed faster on an
-# H200 (`bench/gluon_probe.py` variant "stream", `bench/engine_gpu.py --stream-k`)
-STREAM_K: tuple[str, ...] = ()
-STREAM_CAPABLE = ("q8", "q4", "turboquant")   # the kernels with a stream-K variant (q6 runs the q4 kernel)
-# Resident programs per multiprocessor a stream-K grid fills, as registers allow (65,536 a multiprocessor, 32 lanes a
-# program: 128 registers a lane fit 16, TurboQuant K q4_0 / V q4_0's 160 fit 12; STREAM_REGISTERS)
-STREAM_PROGRAMS_PER_SM = {"q8": 16, "q4": 16, "turboquant": 16, ("turboquant", "q4_0", "q4_0"): 12}
-# Batches that stream by default have at least one (token, KV head) pair per STREAM_MAX_PIECES programs (at equal
-# lengths each pair is cut in at most that many pieces, whose partial states the reduce merges): batch 17 and more
-# with 8 KV heads on an H200; fewer, longer sequences keep the splits
-STREAM_MAX_PIECES = 16
-# Register caps of the stream-K variants, whose walk over pairs takes more than the split kernels' (compiled for
-# sm_90, `bench/kernel_report.py --gluon-stream`): q4 and q6 use 154 uncapped (12 programs a multiprocessor), 120 and
-# 124 capped at 128, no spills; q8 127 (head_dim 128) and 114 (64); TurboQuant K q8_0 / V q3_0 keeps its cap of 128
-# (TQ_TUNING), K q4_0 / V q4_0 uses 216 uncapped, 160 capped without spills (168 spills 12 bytes)
-STREAM_REGISTERS = {"q8": 128, "q4": 128, ("turboquant", "q4_0", "q4_0"): 160}
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
@@ -222,43 +202,6 @@ def query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs):
     return seq, seq_len - (q_end - q_start) + (token - q_start)
 
 
-SCAN = gl.constexpr(gl.BlockedLayout([8], [32], [1], [0]))   # 256 tokens' lengths at once, one warp
-
-
-@gluon.jit
-def add(a, b):
-    return a + b
-
-
-@gluon.jit
-def stream_piece(seq_lens_ptr, num_tokens, HEADS: gl.constexpr, MIN_STEPS: gl.constexpr):
-    """This program's piece of a stream-K decode (`stream_k`: `steps_before` and `first_pair` in Gluon): (g, g_end,
-    t, a, s), the 16-key steps [g, g_end) of the batch's line it attends, the token t whose pairs hold step g (when
-    g < g_end), the step a they start at and s, its steps a pair. A batch of up to 256 tokens is one load of
-    lengths, kept for both passes."""
-    offs = gl.arange(0, 256, layout=SCAN)
-    s0 = gl.cdiv(gl.load(seq_lens_ptr + offs, mask=offs < num_tokens, other=0), 16)
-    total = gl.sum(s0, axis=0)
-    for base in range(256, num_tokens, 256):
-        total += gl.sum(gl.cdiv(gl.load(seq_lens_ptr + base + offs, mask=base + offs < num_tokens, other=0), 16),
-                        axis=0)
-    total = total * HEADS
-    chunk = stream_chunk(total, gl.num_programs(0), MIN_STEPS)
-    g = gl.program_id(0) * chunk
-    done = gl.associative_scan(s0, 0, add) * HEADS <= g   # the tokens whose pairs all end at or before step g
-    t = gl.sum(done.to(gl.int32), axis=0)
-    a = gl.sum(gl.where(done, s0, 0), axis=0)
-    run = gl.sum(s0, axis=0)
-    for base in range(256, num_tokens, 256):
-        s = gl.cdiv(gl.load(seq_lens_ptr + base + offs, mask=base + offs < num_tokens, other=0), 16)
-        done = (run + gl.associative_scan(s, 0, add)) * HEADS <= g
-        t += gl.sum(done.to(gl.int32), axis=0)
-        a += gl.sum(gl.where(done, s, 0), axis=0)
-        run += gl.sum(s, axis=0)
-    s = gl.cdiv(gl.load(seq_lens_ptr + gl.minimum(t, num_tokens - 1)), 16)   # t == num_tokens: an idle program
-    return g, gl.minimum(g + chunk, total), t, a * HEADS, s
-
-
 @gluon.jit
 def split_range(end, split, num_splits):
     """The keys [kv_lo, kv_hi) of [0, end) split `split` attends, in whole 16-key steps but the last."""
@@ -328,54 +271,19 @@ def decode_q8_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr = 2,
     PDL: gl.constexpr = False,
-    WINDOW: gl.constexpr = False, ORDERED: gl.constexpr = False, STREAM: gl.constexpr = False,
-    MIN_STEPS: gl.constexpr = 8,
+    WINDOW: gl.constexpr = False, ORDERED: gl.constexpr = False,
 ):
-    """STREAM: a stream-K decode (partial states in `stream_k`'s slots, as `decode_tq_kernel`'s), else one (query
-    token, KV head, split) a program."""
     launch_dependents(PDL)
-    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], KEY_RING)
-    v_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], KEY_RING)
-    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
-    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
-    if STREAM:
-        HEADS: gl.constexpr = NUM_Q_HEADS // GROUP
-        g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_seqs, HEADS, MIN_STEPS)
-        while g < g_end:
-            t, a, s, kv_head, kv_lo, kv_hi, slot, g = next_segment(g, g_end, t, a, s, seq_lens_ptr, gl.program_id(0),
-                                                                   HEADS)
-            q8_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                            block_table_ptr + t.to(gl.int64) * stride_bt, t, kv_head, kv_lo, kv_hi,
-                            slot.to(gl.int64) * GROUP, 1, stride_qt, stride_qh, stride_ot, stride_oh, k_strides,
-                            v_strides, ks_strides, vs_strides, qk_scale, k_ring, v_ring, ks_ring, vs_ring, GROUP,
-                            HEAD_DIM, BLOCK_SIZE, True, K_LOAD, V_LOAD, STAGES)
-    else:
-        token, kv_head, split = program_coords(token_order_ptr, ORDERED)
-        seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
-        kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
-        q8_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                        block_table_ptr + seq.to(gl.int64) * stride_bt, token, kv_head, kv_lo, kv_hi,
-                        (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP) * num_slots + split, num_slots,
-                        stride_qt, stride_qh, stride_ot, stride_oh, k_strides, v_strides, ks_strides, vs_strides,
-                        qk_scale, k_ring, v_ring, ks_ring, vs_ring, GROUP, HEAD_DIM, BLOCK_SIZE, SPLIT, K_LOAD,
-                        V_LOAD, STAGES)
+    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
+    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
 
-
-@gluon.jit
-def q8_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row,
-                    token, kv_head, kv_lo, kv_hi, state0, state_stride, stride_qt, stride_qh, stride_ot, stride_oh,
-                    k_strides, v_strides, ks_strides, vs_strides, qk_scale, k_ring, v_ring, ks_ring, vs_ring,
-                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
-                    K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr):
-    """`decode_q8_kernel`'s work for the keys [kv_lo, kv_hi) of KV head `kv_head` of query token `token` (block
-    table row bt_row): with SPLIT the partial states of the group's query head i at state0 + i * state_stride,
-    else the output."""
+    kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
     head_off = kv_head.to(gl.int64)
     k_ptr += head_off * k_strides[2]
     v_ptr += head_off * v_strides[2]
     ks_ptr += head_off * ks_strides[2]
     vs_ptr += head_off * vs_strides[2]
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
 
     kr = gl.arange(0, 16, layout=gl.SliceLayout(1, K_LOAD))
     kc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, K_LOAD))
@@ -383,6 +291,11 @@ def q8_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr,
     vc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, V_LOAD))
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     NJ: gl.constexpr = HEAD_DIM // 16
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], KEY_RING)
+    v_ring = gl.allocate_shared_memory(gl.int8, [STAGES, 16, HEAD_DIM], KEY_RING)
+    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
+    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 16], FLAT)
     for st in gl.static_range(STAGES - 1):
         copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, kr, kc, vr, vc, sr, k_strides,
                   v_strides, ks_strides, vs_strides, k_ring.index(st), v_ring.index(st), ks_ring.index(st),
@@ -427,7 +340,7 @@ def q8_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr,
     head = kv_head * GROUP + oh
     chans = value_channel(oc, HEAD_DIM)[:, None]
     if SPLIT:
-        state = state0 + oh * state_stride
+        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_slots + split
         gl.store(part_m_ptr + state, m_i, mask=h_ok)
         gl.store(part_l_ptr + state, l_i, mask=h_ok)
         gl.store(part_out_ptr + state[None, :] * HEAD_DIM + chans, acc, mask=h_ok[None, :])
@@ -656,16 +569,26 @@ def decode_tq_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
-    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, STREAM: gl.constexpr = False,
-    MIN_STEPS: gl.constexpr = 8,
+    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
-    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. STREAM: a stream-K
-    decode (`stream_k`: the grid is the resident slots, each program its share of the batch's key steps, pair by
-    pair; decode batches without a window), else one (query token, KV head, split) a program."""
+    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s."""
     launch_dependents(PDL)
+    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
+    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
+
+    kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
+    head_off = kv_head.to(gl.int64)
+    k_ptr += head_off * k_strides[2]
+    ks_ptr += head_off * ks_strides[2]
+    kz_ptr += head_off * ks_strides[2]
+    v_ptr += head_off * v_strides[2]
+    vs_ptr += head_off * vs_strides[2]
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     RING: gl.constexpr = 4 if PAIRS else STAGES
+    AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     k_ring = gl.allocate_shared_memory(gl.int8 if K_BITS == 8 else gl.uint8, [RING, 16, 128 * K_BITS // 8],
                                        KEY_RING if K_BITS == 8 else HALF_KEY_RING)
     s_ring = gl.allocate_shared_memory(gl.int64, [RING, 4, 16], FLAT)
@@ -675,43 +598,6 @@ def decode_tq_kernel(
     else:
         m_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], WORD_RING)
         n_ring = m_ring
-    if STREAM:
-        HEADS: gl.constexpr = NUM_Q_HEADS // GROUP
-        g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_seqs, HEADS, MIN_STEPS)
-        while g < g_end:
-            t, a, s, kv_head, kv_lo, kv_hi, slot, g = next_segment(g, g_end, t, a, s, seq_lens_ptr, gl.program_id(0),
-                                                                   HEADS)
-            tq_attend_range(part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr,
-                            block_table_ptr + t.to(gl.int64) * stride_bt, t, kv_head, kv_lo, kv_hi,
-                            slot.to(gl.int64) * GROUP, 1, stride_qt, stride_qh, k_strides, ks_strides, v_strides,
-                            vs_strides, qk_scale, k_ring, s_ring, m_ring, n_ring, GROUP, BLOCK_SIZE, K_BITS, V_BITS,
-                            STAGES, PAIRS)
-    else:
-        token, kv_head, split = program_coords(token_order_ptr, ORDERED)
-        seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
-        kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
-        tq_attend_range(part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr,
-                        block_table_ptr + seq.to(gl.int64) * stride_bt, token, kv_head, kv_lo, kv_hi,
-                        (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP) * num_slots + split, num_slots,
-                        stride_qt, stride_qh, k_strides, ks_strides, v_strides, vs_strides, qk_scale, k_ring, s_ring,
-                        m_ring, n_ring, GROUP, BLOCK_SIZE, K_BITS, V_BITS, STAGES, PAIRS)
-
-
-@gluon.jit
-def tq_attend_range(part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row,
-                    token, kv_head, kv_lo, kv_hi, state0, state_stride, stride_qt, stride_qh, k_strides, ks_strides,
-                    v_strides, vs_strides, qk_scale, k_ring, s_ring, m_ring, n_ring, GROUP: gl.constexpr,
-                    BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr, V_BITS: gl.constexpr, STAGES: gl.constexpr,
-                    PAIRS: gl.constexpr):
-    """`decode_tq_kernel`'s work for the keys [kv_lo, kv_hi) of KV head `kv_head` of query token `token` (block
-    table row bt_row): the partial states of the group's query head i at state0 + i * state_stride."""
-    head_off = kv_head.to(gl.int64)
-    k_ptr += head_off * k_strides[2]
-    ks_ptr += head_off * ks_strides[2]
-    kz_ptr += head_off * ks_strides[2]
-    v_ptr += head_off * v_strides[2]
-    vs_ptr += head_off * vs_strides[2]
-    AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     for st in gl.static_range(AHEAD):
         copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
                      v_strides, vs_strides, k_ring.index(st), s_ring.index(st),
@@ -779,7 +665,7 @@ def tq_attend_range(part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, 
 
     oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     h_ok = oh < GROUP
-    state = state0 + oh * state_stride
+    state = (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP + oh) * num_slots + split
     gl.store(part_m_ptr + state, m_i, mask=h_ok)
     gl.store(part_l_ptr + state, l_i, mask=h_ok)
     o_at = part_out_ptr + state[None, :] * 128
@@ -815,60 +701,16 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
     return parts, num_slots, window_first
 
 
-def launch_plan(query: torch.Tensor, meta, view, num_splits: int, window, split: bool, ordered, programs: int):
-    """(partial states or None, slots a (token, head), each sequence's first window block, grid, token order,
-    ORDERED) of a quantized Gluon decode: stream-K over `programs` programs (`stream_programs`), else
-    `num_splits` splits (`window_splits`, `launch_grid`); the placeholders are arguments the kernel does not read."""
-    if programs:
-        return stream_states(query, view.num_kv_heads, programs), 0, meta.seq_lens, (programs,), meta.seq_lens, False
-    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, split)
-    return (parts, num_slots, window_first, *launch_grid(query, meta, view.num_kv_heads, num_splits, ordered))
-
-
-def merge_partials(out: torch.Tensor, parts, query: torch.Tensor, view, meta, window, scale: float, programs: int):
-    """The end of a quantized Gluon decode planned by `launch_plan`: the stream-K reduce, or the window and the split
-    reduce (`split_k.reduce_with_window`; nothing when the kernel wrote out itself)."""
-    from .attention import dot_precision
-    from .split_k import reduce_with_window
-
-    if programs:
-        reduce_stream(out, parts, view, meta, programs)
-    else:
-        reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
-
-
-def stream_programs(stream, kernel: str, fmt, query: torch.Tensor, meta, window) -> int:
-    """Programs of a stream-K decode (`stream_k`) of this batch, or 0 for a split one: `stream` None asks STREAM_K
-    (the kernels' default), True the resident slots (STREAM_PROGRAMS_PER_SM of `kernel` per multiprocessor), a number
-    that many; only decode batches (one query token per sequence) without a dense recent window stream."""
-    asked = stream is not None
-    if stream is None:
-        stream = kernel in STREAM_K
-    if not stream or not streams(query, meta, window):
-        return 0
-    if stream is not True:
-        return int(stream)
-    per_sm = STREAM_PROGRAMS_PER_SM[kernel]
-    if kernel == "turboquant":
-        per_sm = STREAM_PROGRAMS_PER_SM.get((kernel, fmt.spec.k_quant, fmt.spec.v_quant), per_sm)
-    programs = resident_programs(per_sm, query.device)
-    if not asked and query.shape[0] * fmt.num_kv_heads * STREAM_MAX_PIECES < programs:
-        return 0   # few pairs, each cut in many pieces: the splits (one sequence: 128 of them)
-    return programs
-
-
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None, pairs: bool | None = None, ordered: bool | None = None,
-                       stream: int | bool | None = None) -> torch.Tensor:
+                       window=None, pairs: bool | None = None, ordered: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
-    `ordered`: the launch order (`launch_grid`); `stream`: a stream-K decode instead of `num_splits` splits
-    (`stream_programs`: None as STREAM_K says, True its resident slots, a number that many programs)."""
-    from .attention import check_inputs
+    `ordered`: the launch order (`launch_grid`)."""
+    from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import dependent_launch
+    from .split_k import dependent_launch, reduce_with_window
 
     from .decode import check_scale_words
 
@@ -882,15 +724,12 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     q = query
     if view.rotate_keys:   # keys stored rotated (k R): the scores are (q R) . (k R)
         q = (query.float() @ view.q_rotation).to(torch.float16)
-    programs = stream_programs(stream, "turboquant", fmt, query, meta, window)
+    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, True)
     if max_registers is None:
         max_registers = tq_tuning(fmt.spec)[0]
-        if programs:
-            max_registers = STREAM_REGISTERS.get(("turboquant", fmt.spec.k_quant, fmt.spec.v_quant), max_registers)
     if pairs is None:
         pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
-    parts, num_slots, window_first, grid, order, ordered = launch_plan(query, meta, view, num_splits, window,
-                                                                       True, ordered, programs)
+    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_tq_kernel[grid](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
@@ -899,9 +738,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
-        PDL=dependent_launch(query.device), ORDERED=ordered, STREAM=bool(programs), MIN_STEPS=MIN_STEPS,
-        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
-    merge_partials(out, parts, query, view, meta, window, scale, programs)
+        PDL=dependent_launch(query.device), ORDERED=ordered, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+    reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
 
@@ -996,16 +834,26 @@ def decode_q4_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
-    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, STREAM: gl.constexpr = False,
-    MIN_STEPS: gl.constexpr = 8,
+    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
 ):
     """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
-    then has 4 stages), else 16 keys a step with STAGES - 1 ahead. STREAM: a stream-K decode (partial states in
-    `stream_k`'s slots, as `decode_tq_kernel`'s), else one (query token, KV head, split) a program."""
+    then has 4 stages), else 16 keys a step with STAGES - 1 ahead."""
     launch_dependents(PDL)
+    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
+    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
+
+    kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
+    head_off = kv_head.to(gl.int64)
+    k_ptr += head_off * k_strides[2]
+    ks_ptr += head_off * ks_strides[2]
+    v_ptr += head_off * v_strides[2]
+    vs_ptr += head_off * vs_strides[2]
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     RING: gl.constexpr = 4 if PAIRS else STAGES
+    AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     k_ring = gl.allocate_shared_memory(gl.uint8, [RING, 16, 64], gl.SwizzledSharedLayout(16, 1, 4, [1, 0]))
     w_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], WORD_RING)
     ks_ring = gl.allocate_shared_memory(gl.float32, [RING, 16], WORDS)
@@ -1016,44 +864,6 @@ def decode_q4_kernel(
     else:
         kp_ring = k_ring
         vp_ring = k_ring
-    if STREAM:
-        HEADS: gl.constexpr = NUM_Q_HEADS // GROUP
-        g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_seqs, HEADS, MIN_STEPS)
-        while g < g_end:
-            t, a, s, kv_head, kv_lo, kv_hi, slot, g = next_segment(g, g_end, t, a, s, seq_lens_ptr, gl.program_id(0),
-                                                                   HEADS)
-            q4_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr,
-                            block_table_ptr + t.to(gl.int64) * stride_bt, t, kv_head, kv_lo, kv_hi,
-                            slot.to(gl.int64) * GROUP, 1, stride_qt, stride_qh, stride_ot, stride_oh, k_strides,
-                            ks_strides, v_strides, vs_strides, qk_scale, k_ring, w_ring, ks_ring, vs_ring, kp_ring,
-                            vp_ring, GROUP, BLOCK_SIZE, True, STAGES, BITS, PAIRS)
-    else:
-        token, kv_head, split = program_coords(token_order_ptr, ORDERED)
-        seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
-        kv_lo, kv_hi = split_range(pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE, WINDOW), split, num_splits)
-        q4_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr,
-                        block_table_ptr + seq.to(gl.int64) * stride_bt, token, kv_head, kv_lo, kv_hi,
-                        (token.to(gl.int64) * NUM_Q_HEADS + kv_head * GROUP) * num_slots + split, num_slots,
-                        stride_qt, stride_qh, stride_ot, stride_oh, k_strides, ks_strides, v_strides, vs_strides,
-                        qk_scale, k_ring, w_ring, ks_ring, vs_ring, kp_ring, vp_ring, GROUP, BLOCK_SIZE, SPLIT,
-                        STAGES, BITS, PAIRS)
-
-
-@gluon.jit
-def q4_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row,
-                    token, kv_head, kv_lo, kv_hi, state0, state_stride, stride_qt, stride_qh, stride_ot, stride_oh,
-                    k_strides, ks_strides, v_strides, vs_strides, qk_scale, k_ring, w_ring, ks_ring, vs_ring,
-                    kp_ring, vp_ring, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
-                    STAGES: gl.constexpr, BITS: gl.constexpr, PAIRS: gl.constexpr):
-    """`decode_q4_kernel`'s work for the keys [kv_lo, kv_hi) of KV head `kv_head` of query token `token` (block
-    table row bt_row): with SPLIT the partial states of the group's query head i at state0 + i * state_stride,
-    else the output."""
-    head_off = kv_head.to(gl.int64)
-    k_ptr += head_off * k_strides[2]
-    ks_ptr += head_off * ks_strides[2]
-    v_ptr += head_off * v_strides[2]
-    vs_ptr += head_off * vs_strides[2]
-    AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     for st in gl.static_range(AHEAD):
         copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides, v_strides,
                      vs_strides, k_ring.index(st), ks_ring.index(st), w_ring.index(st), vs_ring.index(st),
@@ -1124,7 +934,7 @@ def q4_attend_range(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr,
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     rows = (16 * (r & 7) + 8 * (r >> 3))[:, None]   # row g + 8a of tile n: channel 8 (2g + a) + (0, 2, 1, 3, ..)[n]
     if SPLIT:
-        state = state0 + oh * state_stride
+        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_slots + split
         gl.store(part_m_ptr + state, m_i, mask=h_ok)
         gl.store(part_l_ptr + state, l_i, mask=h_ok)
         o_at = part_out_ptr + state[None, :] * 128 + rows
@@ -1163,15 +973,13 @@ def _reads_q46(fmt, query, block_size, softcap, sliding_window) -> bool:
 
 def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None, pairs: bool | None = None, ordered: bool | None = None,
-                       stream: int | bool | None = None) -> torch.Tensor:
+                       window=None, pairs: bool | None = None, ordered: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
     dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed,
-    `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`); `stream`: a stream-K decode
-    (`stream_programs`)."""
-    from .attention import check_inputs
+    `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`)."""
+    from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import dependent_launch
+    from .split_k import dependent_launch, reduce_with_window
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -1179,13 +987,10 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
+    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
     if pairs is None:
         pairs = view.k_bits in Q4_PAIRS_BITS
-    programs = stream_programs(stream, "q4", fmt, query, meta, window)
-    if programs and max_registers is None:
-        max_registers = STREAM_REGISTERS["q4"]
-    parts, num_slots, window_first, grid, order, ordered = launch_plan(query, meta, view, num_splits, window,
-                                                                       num_splits > 1, ordered, programs)
+    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_q4_kernel[grid](
         out, *(parts or (out, out, out)), query, view.k, view.k_scale, view.v, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
@@ -1194,9 +999,9 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, PAIRS=pairs,
-        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, STREAM=bool(programs),
-        MIN_STEPS=MIN_STEPS, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
-    merge_partials(out, parts, query, view, meta, window, scale, programs)
+        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, num_warps=1,
+        **({"maxnreg": max_registers} if max_registers else {}))
+    reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
 
@@ -1222,14 +1027,12 @@ def supports_tq(fmt, query: torch.Tensor, block_size: int, *, softcap=None, slid
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
-                    num_splits: int = 1, stages: int = STAGES, window=None, ordered: bool | None = None,
-                    stream: int | bool | None = None) -> torch.Tensor:
+                    num_splits: int = 1, stages: int = STAGES, window=None, ordered: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports` accepts; `window`: a dense recent window
-    (`window_splits`); `ordered`: the launch order (`launch_grid`); `stream`: a stream-K decode
-    (`stream_programs`)."""
-    from .attention import check_inputs
+    (`window_splits`); `ordered`: the launch order (`launch_grid`)."""
+    from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
-    from .split_k import dependent_launch
+    from .split_k import dependent_launch, reduce_with_window
 
     view = page_view(fmt, pages)
     check_inputs(query, view, meta)
@@ -1237,9 +1040,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    programs = stream_programs(stream, "q8", fmt, query, meta, window)
-    parts, num_slots, window_first, grid, order, ordered = launch_plan(query, meta, view, num_splits, window,
-                                                                       num_splits > 1, ordered, programs)
+    parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
+    grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_q8_kernel[grid](
         out, *(parts or (out, out, out)), query, view.k, view.v, view.k_scale, view.v_scale,
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
@@ -1249,9 +1051,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=parts is not None, K_LOAD=key_load_layout(head_dim),
         V_LOAD=value_load_layout(head_dim), STAGES=stages, WINDOW=window is not None,
-        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, STREAM=bool(programs),
-        MIN_STEPS=MIN_STEPS, num_warps=1, **({"maxnreg": STREAM_REGISTERS["q8"]} if programs else {}))
-    merge_partials(out, parts, query, view, meta, window, scale, programs)
+        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, num_warps=1)
+    reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
 

@@ -25,7 +25,6 @@ from .conversions import (code_nibbles_to_f16, int8_pairs_to_f16, int8_to_f16, n
                           nibble_quads_to_f16, sign_nibble_pairs_to_f16, six_bit_quads_to_f16)
 from .decode_io import (attend_ring, load_rows, program_coords, ring_accumulators, softmax_step_t,
                         token_sequence, value_channels)
-from .stream_k import SCAN_BLOCK, next_segment, stream_piece
 
 
 @triton.jit
@@ -213,63 +212,14 @@ def decode_kernel_transposed(
     WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
     FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
-    V_BITS: tl.constexpr = 3, ORDERED: tl.constexpr = False, STREAM: tl.constexpr = False,
-    MIN_STEPS: tl.constexpr = 8,
+    V_BITS: tl.constexpr = 3, ORDERED: tl.constexpr = False,
 ):
-    """STREAM: a stream-K decode (`stream_k`: the grid is a fixed number of programs, each walking its even share of
-    a decode batch's key steps pair by pair, partial states in `stream_states`' slots; no dense recent window),
-    else one (query token, KV head, split) a program."""
-    if STREAM:
-        HEADS: tl.constexpr = NUM_Q_HEADS // GROUP
-        p = tl.program_id(0)
-        g, g_end, t, a, s = stream_piece(seq_lens_ptr, num_seqs, HEADS, MIN_STEPS, SCAN_BLOCK)
-        while g < g_end:
-            t, a, s, kv_head, kv_lo, kv_hi, slot, g = next_segment(g, g_end, t, a, s, seq_lens_ptr, p, HEADS)
-            attend_range_t(
-                out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr,
-                codebook_ptr, rotation_ptr, block_table_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                k_strides, v_strides, ks_strides, vs_strides, rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr,
-                stride_rqt, stride_rqh, r_strides, qk_scale, softcap, sliding_window,
-                t, t, tl.load(seq_lens_ptr + t) - 1, kv_head, kv_lo, kv_hi,
-                slot.to(tl.int64) * GROUP, 1,
-                GROUP, ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, WARPS, TILE_N, True, USE_SOFTCAP, USE_WINDOW, KIND,
-                K_BITS, FAST_CVT, DOT_PRECISION, False, NUM_RING_BLOCKS, V_BITS)
-    else:
-        token, kv_head, split = program_coords(token_order_ptr, ORDERED)
-        seq = token_sequence(token, query_start_loc_ptr, num_seqs)
-        q_start = tl.load(query_start_loc_ptr + seq)
-        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-        q_pos = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
-        STEP: tl.constexpr = WARPS * TILE_N
-        chunk = tl.cdiv(tl.cdiv(q_pos + 1, num_splits), STEP) * STEP
-        kv_lo = split * chunk
-        attend_range_t(
-            out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr,
-            codebook_ptr, rotation_ptr, block_table_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-            k_strides, v_strides, ks_strides, vs_strides, rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr,
-            stride_rqt, stride_rqh, r_strides, qk_scale, softcap, sliding_window,
-            token, seq, q_pos, kv_head, kv_lo, tl.minimum(kv_lo + chunk, q_pos + 1),
-            (token.to(tl.int64) * NUM_Q_HEADS + kv_head * GROUP) * num_splits + split, num_splits,
-            GROUP, ROWS, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, WARPS, TILE_N, SPLIT, USE_SOFTCAP, USE_WINDOW, KIND,
-            K_BITS, FAST_CVT, DOT_PRECISION, RING, NUM_RING_BLOCKS, V_BITS)
+    token, kv_head, split = program_coords(token_order_ptr, ORDERED)
+    seq = token_sequence(token, query_start_loc_ptr, num_seqs)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_pos = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start)
 
-
-@triton.jit
-def attend_range_t(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, codebook_ptr,
-    rotation_ptr, block_table_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    k_strides, v_strides, ks_strides, vs_strides, rq_ptr, rk_ptr, rv_ptr, ring_rows_ptr, ring_first_ptr,
-    stride_rqt, stride_rqh, r_strides, qk_scale, softcap, sliding_window,
-    token, seq, q_pos, kv_head, kv_lo, kv_hi, state0, state_stride,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, WARPS: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, KIND: tl.constexpr, K_BITS: tl.constexpr,
-    FAST_CVT: tl.constexpr, DOT_PRECISION: tl.constexpr, RING: tl.constexpr, NUM_RING_BLOCKS: tl.constexpr,
-    V_BITS: tl.constexpr,
-):
-    """`decode_kernel_transposed`'s work for the keys [kv_lo, kv_hi) (from a multiple of 16) of KV head `kv_head`
-    for packed query token `token` of sequence `seq` at position q_pos: with SPLIT the partial states of the group's
-    query head i at state0 + i * state_stride, else the output."""
     offs_h = tl.arange(0, ROWS)                   # ROWS: the group's heads, padded (the N dimension)
     h_ok = offs_h < GROUP
     head = kv_head * GROUP + offs_h
@@ -318,6 +268,9 @@ def attend_range_t(
         V_ASM: tl.constexpr = FAST_CVT and CDTYPE == tl.float16
 
     STEP: tl.constexpr = WARPS * TILE_N
+    chunk = tl.cdiv(tl.cdiv(q_pos + 1, num_splits), STEP) * STEP
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, q_pos + 1)
     first = kv_lo
     if USE_WINDOW:
         first = tl.maximum(kv_lo, q_pos - sliding_window + 1)
@@ -446,7 +399,7 @@ def attend_range_t(
     f = tl.math.exp2(m_i - m_safe[None, :])                                   # [WARPS, ROWS]
     l = tl.sum(l_i * f, axis=0)
     if SPLIT:
-        state = state0 + offs_h * state_stride
+        state = (token.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + split
         tl.store(part_m_ptr + state, m, mask=h_ok)
         tl.store(part_l_ptr + state, l, mask=h_ok)
         o_row_t = part_out_ptr + state[None, :] * HEAD_DIM_PAD
