@@ -27,6 +27,8 @@
 #                                                  # the same-memory run's batches (1,536 tokens)
 #   OUT=/some/dir bash bench/h200_run.sh split-counts  # K q4_0 / V q4_0 at the split counts 8, 12 and 16 programs a
 #                                                  # multiprocessor give (the kernel table's shapes, batch 100)
+#   OUT=/some/dir bash bench/h200_run.sh offsets32  # every Gluon decode kernel with page offsets in 32 bits beside 64
+#                                                  # (decode_gluon.OFFSETS32), then their GPU test
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -195,6 +197,17 @@ split-counts)   # which programs per multiprocessor TQ_TUNING should give K q4_0
         SPLITS='{"64": [2, 3, 4], "32": [4, 6, 8], "100": [2, 3], "128": [2, 3]}' \
         VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
+offsets32)   # page offsets in 32 bits (`decode_gluon.offsets_in_32_bits`: 3-5% fewer loop instructions, compiled for
+             # sm_90) beside the int64 ones, every Gluon decode kernel at the table's shapes and the same-memory run's
+             # TurboQuant batch, longest first, at the split counts the rules give; each variant's error printed
+    for fmt in turboquant q4 "turboquant:k=q4_0,v=q4_0" q8 q6 off; do
+        run 100 env FORMAT="$fmt" SHAPES='[[64, 8192], [32, 4096], [1, 32768], [128, 2048], [100, 1536]]' \
+            SPLITS='{"64": [2, 4], "32": [4, 8], "1": [128], "128": [2], "100": [2, 3]}' \
+            VARIANTS='{"lf": {"ordered": true}, "lf32": {"ordered": true, "offsets32": true}}' OUT="$OUT" \
+            python bench/gluon_probe.py
+    done
+    run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "offsets"
+    ;;
 memory-kernels)   # the same-memory run under torch.profiler: the GPU time of each kernel over the whole run (the
                   # profiler slows it: its tokens/s are not the run's; the calls say whether graph replays were seen)
     run 420 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
@@ -252,7 +265,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac

@@ -51,6 +51,45 @@ def test_gluon_decode_matches_reference(spec, kernel, shape, num_splits, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("spec,kernel,shape", CASES,
+                         ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
+def test_gluon_decode_with_page_offsets_in_32_bits_matches_reference(spec, kernel, shape, num_splits):
+    from pagedkv.ops.triton import decode_gluon
+
+    reads, launch = decode_gluon.KERNELS[kernel]
+    hq, hkv, d, bs = shape
+    case = build_case(hash((spec, shape, 32)) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                      block_size=bs, ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=torch.bfloat16)
+    assert reads(case.fmt, case.query, bs)
+    scale = d ** -0.5
+    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
+    out = launch(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits, offsets32=True)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_page_offsets_are_32_bits_only_where_asked_and_every_page_tensor_fits():
+    """`offsets_in_32_bits`: as asked (None: the module's OFFSETS32), and never when a page tensor has 2^31
+    elements or more, where a block's offset could overflow int32 (tensors on the meta device: no memory)."""
+    from types import SimpleNamespace
+
+    from pagedkv.ops.triton import decode_gluon
+
+    def view(blocks):
+        k = torch.empty(blocks, 16, 8, 128, dtype=torch.int8, device="meta")
+        s = torch.empty(blocks, 16, 8, 4, dtype=torch.float16, device="meta")
+        return SimpleNamespace(k=k, v=torch.empty(blocks, 16, 8, 48, dtype=torch.int8, device="meta"), k_scale=s,
+                               k_zero=s, v_scale=s)
+
+    small, large = view(131071), view(131072)   # keys of 16 x 8 x 128 bytes a block: 2^31 elements at 131,072
+    assert decode_gluon.offsets_in_32_bits(True, small)
+    assert not decode_gluon.offsets_in_32_bits(True, large)
+    assert not decode_gluon.offsets_in_32_bits(False, small)
+    assert decode_gluon.offsets_in_32_bits(None, small) == decode_gluon.OFFSETS32
+
+
 # (format, kernel, shape, with a dense recent window): each kernel over its pages, and with a window where it has
 # one (dense pages have none)
 ORDER_CASES = [(*case, window) for case in CASES if case[2] in ((2, 2, 64, 16), (8, 2, 128, 16)) and case[0] in (

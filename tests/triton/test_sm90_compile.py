@@ -116,6 +116,23 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
         assert ops.get("LDSM", 0) == ldsm and "LDS" in ops, row
 
 
+def test_page_offsets_in_32_bits_shorten_every_gluon_decode_loop_without_spills():
+    """`decode_gluon.offsets_in_32_bits`: a block's offset as an int32 product (pages of fewer than 2^31 elements)
+    takes fewer instructions a loop step than the int64 one in every Gluon decode kernel, with no spills and no
+    fewer programs a multiprocessor by their registers (65,536 a multiprocessor, in steps of 8 a lane)."""
+    r = kernel_report("--gluon-offsets")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [(row["format"], row["offsets32"]) for row in rows] == [
+        (spec, o) for spec in ("q8", "q4", "q6", "turboquant", "turboquant:k=q4_0,v=q4_0", "off") for o in (False, True)]
+    for wide, narrow in zip(rows[::2], rows[1::2]):
+        assert narrow["spill_bytes"] == 0, narrow
+        programs = [65536 // (-(-row["registers"] // 8) * 8 * 32) for row in (wide, narrow)]
+        assert programs[1] >= programs[0], (wide, narrow)
+        assert sum(narrow["loop_ops"].values()) < sum(wide["loop_ops"].values()), (wide, narrow)
+        assert narrow["loop_ops"].get("HMMA") == wide["loop_ops"].get("HMMA"), (wide, narrow)
+
+
 def test_the_gluon_prefill_kernel_compiles_to_wgmma_and_tma_without_spills():
     """`prefill_gluon.py` for sm_90 (head_dim 64 and 128, both 16-bit dtypes, blocks of 16 and 64): both products on
     `wgmma` (HGMMA, never the older HMMA), page blocks copied by TMA (UTMALDG, no per-lane cp.async), the query rows

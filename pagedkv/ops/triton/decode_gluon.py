@@ -90,6 +90,16 @@ DENSE_HEADS = 4
 # for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
 MAX_SPLITS = 128
 
+# Page offsets in 32 bits: a block's offset (block id x block stride) computed in int32 instead of int64, where every
+# page tensor has fewer than 2^31 elements (`offsets_in_32_bits`). Compiled for sm_90 (bench/kernel_report.py
+# --gluon, bfloat16, 4 splits, longest first), the key loop's SASS instructions, int64 -> int32: q8 435 -> 415
+# (head_dim 64: 305 -> 291), q4 659 -> 633, q6 539 -> 521, TurboQuant K q8_0 / V q3_0 556 -> 539, K q4_0 / V q4_0
+# 1,031 -> 1,002, `off` 215 -> 206; no more registers (q4_0 / q4_0 160 -> 163, 12 programs a multiprocessor
+# either way). Off until timed on an H200 (`bench/gluon_probe.py` variant {"offsets32": true}).
+OFFSETS32 = False
+INT32_ELEMENTS = 2**31
+
+
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(0, MMA.value, 2))
 B_OP = gl.constexpr(gl.DotOperandLayout(1, MMA.value, 2))
@@ -137,6 +147,24 @@ def value_channel(c, HEAD_DIM: gl.constexpr):
     """The stored channel of value operand row c: row 16i + 8a + g (lane g's rows of the V^T fragment) is
     byte HEAD_DIM / 8 * g + 2i + a."""
     return HEAD_DIM // 8 * (c & 7) + 2 * (c >> 4) + ((c >> 3) & 1)
+
+
+def offsets_in_32_bits(asked: bool | None, view) -> bool:
+    """Whether a decode computes its page offsets in int32: as asked (None: OFFSETS32) and only where every page
+    tensor of `view` has fewer than 2^31 elements, so that no offset inside one overflows."""
+    asked = OFFSETS32 if asked is None else asked
+    tensors = (view.k, view.v, view.k_scale, view.k_zero, view.v_scale)
+    return bool(asked) and all(t is None or t.numel() < INT32_ELEMENTS for t in tensors)
+
+
+@gluon.jit
+def block_of(bt_row, start, kv_hi, BLOCK_SIZE: gl.constexpr, OFFSETS32: gl.constexpr):
+    """The page block of key `start` from the sequence's block table row (0 at or past kv_hi), int32 where the
+    pages' offsets fit in 32 bits (OFFSETS32), else int64."""
+    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0)
+    if not OFFSETS32:
+        block = block.to(gl.int64)
+    return block
 
 
 @gluon.jit
@@ -246,11 +274,12 @@ def softmax_pair(sa, sb, m_i, l_i):
 
 @gluon.jit
 def copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc, sr, k_strides, v_strides,
-              ks_strides, vs_strides, k_sm, v_sm, ks_sm, vs_sm, BLOCK_SIZE: gl.constexpr):
+              ks_strides, vs_strides, k_sm, v_sm, ks_sm, vs_sm, BLOCK_SIZE: gl.constexpr,
+                 OFFSETS32: gl.constexpr = False):
     """Ask for the 16 keys from `start` into one stage of the shared ring (cp.async: no register holds them in
     flight), each lane the bytes it will read back: codes unmasked from the step's block (block 0 past the
     split's end), scales masked (zero)."""
-    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
+    block = block_of(bt_row, start, kv_hi, BLOCK_SIZE, OFFSETS32)
     slot = start % BLOCK_SIZE
     async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
                                            + kc[None, :])
@@ -271,7 +300,7 @@ def decode_q8_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     SPLIT: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, STAGES: gl.constexpr = 2,
     PDL: gl.constexpr = False,
-    WINDOW: gl.constexpr = False, ORDERED: gl.constexpr = False,
+    WINDOW: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
 ):
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
@@ -299,7 +328,7 @@ def decode_q8_kernel(
     for st in gl.static_range(STAGES - 1):
         copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, kr, kc, vr, vc, sr, k_strides,
                   v_strides, ks_strides, vs_strides, k_ring.index(st), v_ring.index(st), ks_ring.index(st),
-                  vs_ring.index(st), BLOCK_SIZE)
+                  vs_ring.index(st), BLOCK_SIZE, OFFSETS32=OFFSETS32)
 
     qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, PLAIN))
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
@@ -316,7 +345,7 @@ def decode_q8_kernel(
         ahead = (stage + STAGES - 1) % STAGES
         copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, kr, kc, vr, vc, sr,
                   k_strides, v_strides, ks_strides, vs_strides, k_ring.index(ahead), v_ring.index(ahead),
-                  ks_ring.index(ahead), vs_ring.index(ahead), BLOCK_SIZE)
+                  ks_ring.index(ahead), vs_ring.index(ahead), BLOCK_SIZE, OFFSETS32=OFFSETS32)
         async_copy.wait_group(STAGES - 1)
         k8 = k_ring.index(stage).load(K_LOAD)
         v8 = v_ring.index(stage).load(V_LOAD)
@@ -456,12 +485,12 @@ def value_tile(f):
 @gluon.jit
 def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, ks_strides, v_strides,
                  vs_strides, k_sm, s_sm, m_sm, n_sm, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
-                 V_BITS: gl.constexpr):
+                 V_BITS: gl.constexpr, OFFSETS32: gl.constexpr = False):
     """Ask for the 16 TurboQuant keys from `start` into one stage of the ring (cp.async): key codes (each lane its
     own runs), the four group scales and zero points of keys and the four scales of values as rows 0, 1, 2 of the
     stage's scale words (masked: zero), the values (3-bit: the units' M words and N bytes, rows of 32 and 16 bytes;
     4-bit: the units' words, rows of 64 bytes)."""
-    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
+    block = block_of(bt_row, start, kv_hi, BLOCK_SIZE, OFFSETS32)
     slot = start % BLOCK_SIZE
     if K_BITS == 8:
         kr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_ROWS))
@@ -569,7 +598,7 @@ def decode_tq_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
-    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
+    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s."""
@@ -601,7 +630,7 @@ def decode_tq_kernel(
     for st in gl.static_range(AHEAD):
         copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
                      v_strides, vs_strides, k_ring.index(st), s_ring.index(st),
-                     m_ring.index(st), n_ring.index(st), BLOCK_SIZE, K_BITS, V_BITS)
+                     m_ring.index(st), n_ring.index(st), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32)
 
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
     q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
@@ -630,7 +659,7 @@ def decode_tq_kernel(
                 ahead = (stage + 2 + st) % 4
                 copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 32 + 16 * st, kv_hi, k_strides,
                              ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
-                             m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS)
+                             m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32)
             async_copy.wait_group(2)
             nxt = stage + 1
             sa = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
@@ -651,7 +680,7 @@ def decode_tq_kernel(
             ahead = (stage + STAGES - 1) % STAGES
             copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides,
                          ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
-                         m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS)
+                         m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32)
             async_copy.wait_group(STAGES - 1)
             s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
                            K_BITS)
@@ -703,11 +732,12 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
 
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None, pairs: bool | None = None, ordered: bool | None = None) -> torch.Tensor:
+                       window=None, pairs: bool | None = None, ordered: bool | None = None,
+                       offsets32: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
-    `ordered`: the launch order (`launch_grid`)."""
+    `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -738,7 +768,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
-        PDL=dependent_launch(query.device), ORDERED=ordered, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
+        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
@@ -755,11 +786,12 @@ Q6_KEY_PLANE = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
 
 @gluon.jit
 def copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, ks_strides, v_strides, vs_strides,
-                 k_sm, ks_sm, w_sm, vs_sm, kp_sm, vp_sm, BLOCK_SIZE: gl.constexpr, BITS: gl.constexpr):
+                 k_sm, ks_sm, w_sm, vs_sm, kp_sm, vp_sm, BLOCK_SIZE: gl.constexpr, BITS: gl.constexpr,
+                 OFFSETS32: gl.constexpr = False):
     """Ask for the 16 q4 (q6) keys from `start` into one stage of the ring (cp.async, each lane its own runs): key
     nibble bytes, value nibble words, q6's key plane bytes and value plane halfwords, the key and value scales
     (masked: zero)."""
-    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
+    block = block_of(bt_row, start, kv_hi, BLOCK_SIZE, OFFSETS32)
     slot = start % BLOCK_SIZE
     kr = gl.arange(0, 16, layout=gl.SliceLayout(1, Q4_KEYS))
     kc = gl.arange(0, 64, layout=gl.SliceLayout(0, Q4_KEYS))
@@ -834,7 +866,7 @@ def decode_q4_kernel(
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
-    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
+    PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
 ):
     """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
     then has 4 stages), else 16 keys a step with STAGES - 1 ahead."""
@@ -867,7 +899,7 @@ def decode_q4_kernel(
     for st in gl.static_range(AHEAD):
         copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides, v_strides,
                      vs_strides, k_ring.index(st), ks_ring.index(st), w_ring.index(st), vs_ring.index(st),
-                     kp_ring.index(st), vp_ring.index(st), BLOCK_SIZE, BITS)
+                     kp_ring.index(st), vp_ring.index(st), BLOCK_SIZE, BITS, OFFSETS32=OFFSETS32)
 
     c = gl.arange(0, 128, layout=gl.SliceLayout(1, PLAIN))
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
@@ -897,7 +929,7 @@ def decode_q4_kernel(
                 copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start + 32 + 16 * st, kv_hi, k_strides,
                              ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
                              w_ring.index(ahead), vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead),
-                             BLOCK_SIZE, BITS)
+                             BLOCK_SIZE, BITS, OFFSETS32=OFFSETS32)
             async_copy.wait_group(2)
             nxt = stage + 1
             sa = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS)
@@ -917,7 +949,7 @@ def decode_q4_kernel(
             copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides,
                          ks_strides, v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead),
                          w_ring.index(ahead), vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead),
-                         BLOCK_SIZE, BITS)
+                         BLOCK_SIZE, BITS, OFFSETS32=OFFSETS32)
             async_copy.wait_group(STAGES - 1)
             s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS)
             s = gl.where((start + sr < kv_hi)[:, None], s, float("-inf"))
@@ -973,10 +1005,12 @@ def _reads_q46(fmt, query, block_size, softcap, sliding_window) -> bool:
 
 def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
-                       window=None, pairs: bool | None = None, ordered: bool | None = None) -> torch.Tensor:
+                       window=None, pairs: bool | None = None, ordered: bool | None = None,
+                       offsets32: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
     dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed,
-    `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`)."""
+    `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits
+    (`offsets_in_32_bits`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -999,7 +1033,8 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         meta.block_table.shape[0], num_splits, num_slots, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, PAIRS=pairs,
-        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, num_warps=1,
+        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered,
+        OFFSETS32=offsets_in_32_bits(offsets32, view), num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
@@ -1027,9 +1062,11 @@ def supports_tq(fmt, query: torch.Tensor, block_size: int, *, softcap=None, slid
 
 
 def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
-                    num_splits: int = 1, stages: int = STAGES, window=None, ordered: bool | None = None) -> torch.Tensor:
+                    num_splits: int = 1, stages: int = STAGES, window=None, ordered: bool | None = None,
+                    offsets32: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports` accepts; `window`: a dense recent window
-    (`window_splits`); `ordered`: the launch order (`launch_grid`)."""
+    (`window_splits`); `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits
+    (`offsets_in_32_bits`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -1051,7 +1088,8 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, me
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=parts is not None, K_LOAD=key_load_layout(head_dim),
         V_LOAD=value_load_layout(head_dim), STAGES=stages, WINDOW=window is not None,
-        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered, num_warps=1)
+        PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered,
+        OFFSETS32=offsets_in_32_bits(offsets32, view), num_warps=1)
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
@@ -1085,10 +1123,11 @@ def transpose_p_heads(p, B_W: gl.constexpr):
 
 @gluon.jit
 def copy_dense_step(k_ptr, v_ptr, bt_row, start, kv_hi, k_strides, v_strides, k_sm, v_sm, HEAD_DIM: gl.constexpr,
-                    BLOCK_SIZE: gl.constexpr, HEADS: gl.constexpr, COPY_W: gl.constexpr):
+                    BLOCK_SIZE: gl.constexpr, HEADS: gl.constexpr, COPY_W: gl.constexpr,
+                    OFFSETS32: gl.constexpr = False):
     """Ask for HEADS heads' rows of the 16 keys from `start` into one stage of the ring, warp h head h's (cp.async,
     16-byte runs; rows past the sequence's end are masked zero: a slot never written may hold NaN)."""
-    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < kv_hi, other=0).to(gl.int64)
+    block = block_of(bt_row, start, kv_hi, BLOCK_SIZE, OFFSETS32)
     slot = start % BLOCK_SIZE
     h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_W)))
     r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_W)))
@@ -1112,6 +1151,7 @@ def decode_dense_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     SPLIT: gl.constexpr, HEADS: gl.constexpr, MMA_W: gl.constexpr, COPY_W: gl.constexpr, PLAIN_W: gl.constexpr,
     STAGES: gl.constexpr = 2, PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
+    OFFSETS32: gl.constexpr = False,
 ):
     launch_dependents(PDL)
     token, head_group, split = program_coords(token_order_ptr, ORDERED)
@@ -1131,7 +1171,7 @@ def decode_dense_kernel(
     v_ring = gl.allocate_shared_memory(DT, [STAGES, HEADS, 16, HEAD_DIM], RING)
     for st in gl.static_range(STAGES - 1):
         copy_dense_step(k_ptr, v_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, v_strides, k_ring.index(st),
-                        v_ring.index(st), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
+                        v_ring.index(st), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W, OFFSETS32=OFFSETS32)
 
     qw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, PLAIN_W)))
     qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, PLAIN_W)))
@@ -1151,7 +1191,8 @@ def decode_dense_kernel(
     for start in range(kv_lo, kv_hi, 16):
         ahead = (stage + STAGES - 1) % STAGES
         copy_dense_step(k_ptr, v_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
-                        k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
+                        k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W,
+                        OFFSETS32=OFFSETS32)
         async_copy.wait_group(STAGES - 1)
         s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([HEADS, 16, 8], 0.0, gl.float32, MMA_W))
         s = gl.where((start + sr < kv_hi)[None, :, None], s * scale, float("-inf"))
@@ -1197,10 +1238,10 @@ def dense_heads(num_kv_heads: int) -> int:
 
 def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                           num_splits: int = 1, stages: int = STAGES, heads: int | None = None,
-                          ordered: bool | None = None) -> torch.Tensor:
+                          ordered: bool | None = None, offsets32: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
     dtype). `heads`: KV heads a program reads, a warp each (by default `dense_heads`); `ordered`: the launch order
-    (`launch_grid`)."""
+    (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`)."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, partial_states, reduce_splits
@@ -1226,7 +1267,8 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
         stride3(view.k), stride3(view.v), meta.block_table.shape[0], num_splits, float(scale),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=split, HEADS=heads, **dense_head_layouts(heads), STAGES=stages,
-        PDL=split and dependent_launch(query.device), ORDERED=ordered, num_warps=heads)
+        PDL=split and dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
+        num_warps=heads)
     if split:
         reduce_splits(out, parts, view)
     return out
