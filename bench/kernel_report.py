@@ -220,32 +220,29 @@ def sass_digest(kernels) -> str:
 
 def sass_digests():
     """(launch description, SASS hash) of the decode kernels as served: `--sass-digest`."""
+    from functools import partial
+    from itertools import product
+
     from pagedkv.ops.triton import decode, decode_gluon
     from pagedkv.ops.triton.tuning import warp_split_tiles
 
-    for spec in ("q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "off"):
-        for head_dim in (64, 128):
-            for dtype in (torch.bfloat16, torch.float16):
-                fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, head_dim, dtype, "cpu")
-                q = torch.empty(64, NUM_Q_HEADS, head_dim, dtype=dtype)
-                for window in (False, True):
-                    meta, rings = decode_batch(64, 8192, window, head_dim, dtype)
-                    gluon = decode_gluon.launcher(fmt, q, BLOCK_SIZE, kernels=decode_gluon.KERNELS, window=rings)
-                    for num_splits in (1, 4):
-                        for ordered in (False, True):
-                            name = f"{spec} d{head_dim} {str(dtype)[6:]} window={window} splits={num_splits} " \
-                                   f"ordered={ordered}"
-                            options = dict(num_splits=num_splits, ordered=ordered,
-                                           **({"window": rings} if window else {}))
-                            if gluon is not None:
-                                with _CompileOnly() as launches:
-                                    gluon[0](q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, **options)
-                                yield f"gluon {name}", sass_digest(launches.compiled)
-                            if decode.is_supported(fmt, transposed=True):
-                                with _CompileOnly() as launches:
-                                    decode.paged_attention(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1,
-                                                           tiles=warp_split_tiles(fmt), **options)
-                                yield f"decode.py {name}", sass_digest(launches.compiled)
+    specs = ("q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0", "off")
+    for spec, head_dim, dtype, window, num_splits, ordered in product(
+            specs, (64, 128), (torch.bfloat16, torch.float16), (False, True), (1, 4), (False, True)):
+        fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, head_dim, dtype, "cpu")
+        q = torch.empty(64, NUM_Q_HEADS, head_dim, dtype=dtype)
+        meta, rings = decode_batch(64, 8192, window, head_dim, dtype)
+        gluon = decode_gluon.launcher(fmt, q, BLOCK_SIZE, kernels=decode_gluon.KERNELS, window=rings)
+        families = {"gluon": gluon and gluon[0],
+                    "decode.py": decode.is_supported(fmt, transposed=True)
+                    and partial(decode.paged_attention, tiles=warp_split_tiles(fmt))}
+        name = f"{spec} d{head_dim} {str(dtype)[6:]} window={window} splits={num_splits} ordered={ordered}"
+        for family, launch in families.items():
+            if launch:
+                with _CompileOnly() as launches:
+                    launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=num_splits,
+                           ordered=ordered, **({"window": rings} if window else {}))
+                yield f"{family} {name}", sass_digest(launches.compiled)
 
 
 def gluon_prefill_report(head_dim: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> dict:

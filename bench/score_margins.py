@@ -91,11 +91,12 @@ def main() -> None:
     def hook(module, inputs, output):
         layer = len(per_layer)
         found = layer_margins(output[1][0], queries, group, args.reference)
+        over8 = {n: (d > 8).float().mean().item() for n, d in found.items()}
         for n, d in found.items():
             margins[n].append(d)
-        per_layer.append({"layer": layer, **{f"splits{n}_over8": (d > 8).float().mean().item() for n, d in found.items()}})
+        per_layer.append({"layer": layer, **{f"splits{n}_over8": share for n, share in over8.items()}})
         print(f"  layer {layer:2d}: programs over a margin of 8, by split count: "
-              + ", ".join(f"{n}: {100 * (d > 8).float().mean().item():.2f}%" for n, d in found.items()), flush=True)
+              + ", ".join(f"{n}: {100 * share:.2f}%" for n, share in over8.items()), flush=True)
 
     handles = [layer.self_attn.register_forward_hook(hook) for layer in model.model.layers]
     print(f"{tokens} tokens, {len(queries)} decode positions ({queries[0]}-{queries[-1]}), "

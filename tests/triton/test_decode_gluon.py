@@ -37,16 +37,22 @@ CASES = ([("q8", "q8", shape) for shape in SHAPES] + [("off", "off", shape) for 
 @pytest.mark.parametrize("spec,kernel,shape", CASES,
                          ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
 def test_gluon_decode_matches_reference(spec, kernel, shape, num_splits, dtype):
+    check_against_reference(hash((spec, shape)) % 1000, spec, kernel, shape, dtype, num_splits=num_splits)
+
+
+def check_against_reference(seed, spec, kernel, shape, dtype, **options):
+    """Kernel `kernel` of decode_gluon.KERNELS (launched with `options`) against the reference path on a batch of
+    decodes, a verify-like run and a prefill chunk of format `spec` and (query heads, KV heads, head_dim, block)."""
     from pagedkv.ops.triton import decode_gluon
 
     reads, launch = decode_gluon.KERNELS[kernel]
     hq, hkv, d, bs = shape
-    case = build_case(hash((spec, shape)) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+    case = build_case(seed, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                       ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
     assert reads(case.fmt, case.query, bs)
     scale = d ** -0.5
     ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
-    out = launch(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits)
+    out = launch(case.query, case.pages, case.fmt, case.meta, scale=scale, **options)
     assert out.dtype == dtype
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -57,17 +63,8 @@ def test_gluon_decode_matches_reference(spec, kernel, shape, num_splits, dtype):
 @pytest.mark.parametrize("spec,kernel,shape", CASES,
                          ids=lambda c: "q{}kv{}d{}bs{}".format(*c) if isinstance(c, tuple) else c)
 def test_gluon_decode_with_page_offsets_in_32_bits_matches_reference(spec, kernel, shape, num_splits):
-    from pagedkv.ops.triton import decode_gluon
-
-    reads, launch = decode_gluon.KERNELS[kernel]
-    hq, hkv, d, bs = shape
-    case = build_case(hash((spec, shape, 32)) % 1000, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                      block_size=bs, ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=torch.bfloat16)
-    assert reads(case.fmt, case.query, bs)
-    scale = d ** -0.5
-    ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
-    out = launch(case.query, case.pages, case.fmt, case.meta, scale=scale, num_splits=num_splits, offsets32=True)
-    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    check_against_reference(hash((spec, shape, 32)) % 1000, spec, kernel, shape, torch.bfloat16,
+                            num_splits=num_splits, offsets32=True)
 
 
 def test_page_offsets_are_32_bits_only_where_asked_and_every_page_tensor_fits():

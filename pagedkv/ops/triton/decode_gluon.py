@@ -153,8 +153,8 @@ def offsets_in_32_bits(asked: bool | None, view) -> bool:
     """Whether a decode computes its page offsets in int32: as asked (None: OFFSETS32) and only where every page
     tensor of `view` has fewer than 2^31 elements, so that no offset inside one overflows."""
     asked = OFFSETS32 if asked is None else asked
-    tensors = (view.k, view.v, view.k_scale, view.k_zero, view.v_scale)
-    return bool(asked) and all(t is None or t.numel() < INT32_ELEMENTS for t in tensors)
+    tensors = (view.k, view.v, view.k_scale, view.k_zero, view.v_scale)   # stand-ins are `view.k` itself
+    return bool(asked) and all(t.numel() < INT32_ELEMENTS for t in tensors)
 
 
 @gluon.jit
@@ -275,7 +275,7 @@ def softmax_pair(sa, sb, m_i, l_i):
 @gluon.jit
 def copy_q8_step(k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, kv_hi, kr, kc, vr, vc, sr, k_strides, v_strides,
               ks_strides, vs_strides, k_sm, v_sm, ks_sm, vs_sm, BLOCK_SIZE: gl.constexpr,
-                 OFFSETS32: gl.constexpr = False):
+              OFFSETS32: gl.constexpr = False):
     """Ask for the 16 keys from `start` into one stage of the shared ring (cp.async: no register holds them in
     flight), each lane the bytes it will read back: codes unmasked from the step's block (block 0 past the
     split's end), scales masked (zero)."""
