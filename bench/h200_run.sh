@@ -190,9 +190,9 @@ engine-shapes)   # the decode kernels at the batches and lengths of the same-mem
     run 80 env FORMAT=off SHAPES='[[40, 1536]]' SPLITS='{"40": [2, 3, 4, 6, 8]}' \
         VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
-split-counts)   # which programs per multiprocessor TQ_TUNING should give K q4_0 / V q4_0 (16 now; its 162 registers
-                # fit 12): the table's shapes and the same-memory run's batch at the split counts 8, 12 and 16 give,
-                # longest first (on an H100, session 35: half the served splits 8-15% faster)
+split-counts)   # which programs per multiprocessor TQ_TUNING should give K q4_0 / V q4_0 (12; 16 until session
+                # 37; its 162 registers fit 12): the table's shapes and the same-memory run's batch at the split counts
+                # 8, 12 and 16 give, longest first (on an H100, session 35: half the served splits 8-15% faster)
     run 110 env FORMAT="turboquant:k=q4_0,v=q4_0" SHAPES='[[64, 8192], [32, 4096], [100, 1536], [128, 2048]]' \
         SPLITS='{"64": [2, 3, 4], "32": [4, 6, 8], "100": [2, 3], "128": [2, 3]}' \
         VARIANTS='{"lf": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py

@@ -74,6 +74,19 @@ def test_the_warp_split_decode_kernel_compiles_in_both_orientations_for_every_fo
         (f, t) for f in ("q8", "q6", "q4", "turboquant") for t in (False, True)}
 
 
+def programs_per_sm(spec: str) -> int:
+    """The resident programs a multiprocessor the Gluon decode's split count aims at for format `spec`."""
+    import torch
+
+    from pagedkv.config import KVFormat
+    from pagedkv.formats import make_format
+    from pagedkv.formats.turboquant import TurboQuantFormat
+    from pagedkv.ops.triton import decode_gluon
+
+    fmt = make_format(KVFormat.parse(spec), 8, 128, torch.bfloat16, "cpu")
+    return decode_gluon.tq_tuning(fmt.spec)[1] if isinstance(fmt, TurboQuantFormat) else decode_gluon.PROGRAMS_PER_SM
+
+
 def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conversions():
     """`decode_gluon.py` for sm_90 (q8: head_dim 64 and 128, split and not; TurboQuant, q4, q6, off; q8, TurboQuant
     and q4 with a dense recent window), both 16-bit query dtypes: its loop copies the page rows with cp.async
@@ -114,6 +127,11 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
         # 4-bit keys (a lane's 4 bytes of rows g and g + 8 from swizzled 16-byte units: ldmatrix's own pattern)
         ldsm = {"off": mma_per_step * steps, tq44: 4 * steps}.get(row["format"], 0)
         assert ops.get("LDSM", 0) == ldsm and "LDS" in ops, row
+    # the split counts aim at as many programs a multiprocessor as its registers hold (65,536, in steps of 8 a
+    # lane; one-warp programs): more would leave a tail of programs that start in a second wave
+    for row in rows:
+        if row["format"] != "off":   # four-warp programs, sized by their own rule (`dense_heads`)
+            assert programs_per_sm(row["format"]) <= 65536 // (-(-row["registers"] // 8) * 8 * 32), row
 
 
 def test_page_offsets_in_32_bits_shorten_every_gluon_decode_loop_without_spills():

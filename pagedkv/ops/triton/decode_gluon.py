@@ -60,10 +60,12 @@ PROGRAMS_PER_SM = 8
 # TurboQuant (key, value) quantizers -> (registers per lane capped at, programs per multiprocessor). Measured on an
 # H200 (`bench/gluon_probe.py`, 2026-12-02): K q8_0 / V q3_0 uses 151 registers uncapped (13 programs fit a
 # multiprocessor); capped at 128 (no spills) with twice the splits it is 1.07-1.12x faster than `decode.py`
-# (batch 64 at 8,192 tokens: 383 us at 4 splits against 429 at 2). K q4_0 / V q4_0 (168 registers) runs uncapped
-# (capped at 128: 1.07-1.53x slower), and with 16 programs per multiprocessor 1.02-1.07x faster than with 8 at batch
-# 32, 64 and 128 (430 against 445 us at batch 64 and 8,192 tokens).
-TQ_TUNING = {("q8_0", "q3_0"): (128, 16), ("q4_0", "q4_0"): (None, 16)}
+# (batch 64 at 8,192 tokens: 383 us at 4 splits against 429 at 2). K q4_0 / V q4_0 runs uncapped (capped at 128:
+# 1.07-1.53x slower); its 162-165 registers hold 12 programs a multiprocessor, so its splits aim at 12: in one run of
+# `bench/kernel_bench.py` on an H100 (2026-12-06) against 16, whose second wave of programs ran as a tail, 1.09-1.15x
+# faster at (32, 4096), (64, 8192) and (128, 2048) (67.2 / 237.3 / 130.2 against 77.2 / 259.8 / 138.5 us), the same
+# at one sequence; 8 was faster still at (32, 4096) (64.7) but 1.11x slower than 12 at (128, 2048).
+TQ_TUNING = {("q8_0", "q3_0"): (128, 16), ("q4_0", "q4_0"): (None, 12)}
 # The kernels that read 32 keys a loop step (PAIRS) by default: the q4 / q6 kernel for these bits per code, the
 # TurboQuant kernel for these (key, value) quantizers. Timed on an H200 with head-major pages (`bench/gluon_probe.py`, 2026-12-02):
 # q4 1.05-1.13x faster than 16 keys a step at every shape, K q4_0 / V q4_0 1.00-1.04x; K q8_0 / V q3_0 within 1%
@@ -95,7 +97,9 @@ MAX_SPLITS = 128
 # --gluon, bfloat16, 4 splits, longest first), the key loop's SASS instructions, int64 -> int32: q8 435 -> 415
 # (head_dim 64: 305 -> 291), q4 659 -> 633, q6 539 -> 521, TurboQuant K q8_0 / V q3_0 556 -> 539, K q4_0 / V q4_0
 # 1,031 -> 1,002, `off` 215 -> 206; no more registers (q4_0 / q4_0 160 -> 163, 12 programs a multiprocessor
-# either way). Off until timed on an H200 (`bench/gluon_probe.py` variant {"offsets32": true}).
+# either way). Timed on an H100 (2026-12-06, `bash bench/h200_run.sh offsets32`, longest first at five shapes): no
+# faster -- every kernel within 1% of int64 at most shapes, q6 and q4 up to 2% slower at (128, 2048), K q4_0 / V q4_0
+# 0.5-1.7% faster; the kernels are bound by issue, not by the few instructions saved. Off (not timed on an H200).
 OFFSETS32 = False
 INT32_ELEMENTS = 2**31
 
