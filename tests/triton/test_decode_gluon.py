@@ -199,7 +199,7 @@ def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read()
     assert decode_gluon.launcher(fmt["q8"], query, 32) == (decode_gluon.paged_attention, 8)
     assert decode_gluon.launcher(fmt["q4"], query, 16) == (decode_gluon.paged_attention_q4, 8)
     assert decode_gluon.launcher(fmt["turboquant"], query, 16) == (decode_gluon.paged_attention_tq, 16)
-    assert decode_gluon.launcher(fmt["turboquant:k=q4_0,v=q4_0"], query, 16) == (decode_gluon.paged_attention_tq, 16)
+    assert decode_gluon.launcher(fmt["turboquant:k=q4_0,v=q4_0"], query, 16) == (decode_gluon.paged_attention_tq, 12)
     assert decode_gluon.launcher(fmt["off"], query, 16) == (decode_gluon.paged_attention_dense, 8)
     assert decode_gluon.launcher(fmt["q6"], query, 16) == (decode_gluon.paged_attention_q4, 8)
     assert decode_gluon.launcher(fmt["q8:rotate_keys"], query, 16) is None
