@@ -603,9 +603,11 @@ def decode_tq_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
+    COPIES_ONLY: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
-    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s."""
+    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. COPIES_ONLY (a probe,
+    `bench/gluon_probe.py`): the ring's copies and waits without the step's work, to time the page reads alone."""
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -686,13 +688,14 @@ def decode_tq_kernel(
                          ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
                          m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32)
             async_copy.wait_group(STAGES - 1)
-            s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
-                           K_BITS)
-            s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-            alpha = alpha[None, :]
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
-                p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
+            if not COPIES_ONLY:
+                s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
+                              K_BITS)
+                s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
+                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+                alpha = alpha[None, :]
+                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
+                    p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
@@ -737,11 +740,12 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
-                       offsets32: bool | None = None) -> torch.Tensor:
+                       offsets32: bool | None = None, copies_only: bool = False) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
-    `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`)."""
+    `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`);
+    `copies_only`: a probe that reads the pages without attending to them (its output is not attention)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -763,6 +767,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         max_registers = tq_tuning(fmt.spec)[0]
     if pairs is None:
         pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
+    assert not (copies_only and pairs), "copies_only probes steps of 16 keys: pass pairs=False"
     grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_tq_kernel[grid](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
@@ -773,7 +778,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
-        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        COPIES_ONLY=copies_only, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
