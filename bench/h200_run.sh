@@ -29,6 +29,8 @@
 #                                                  # multiprocessor give (the kernel table's shapes, batch 100)
 #   OUT=/some/dir bash bench/h200_run.sh offsets32  # every Gluon decode kernel with page offsets in 32 bits beside 64
 #                                                  # (decode_gluon.OFFSETS32), then their GPU test
+#   OUT=/some/dir bash bench/h200_run.sh copies-only  # TurboQuant's decode beside its copies-only probe (the reads'
+#                                                  # bound, at the table's shapes and the same-memory run's batch)
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -208,6 +210,17 @@ offsets32)   # page offsets in 32 bits (`decode_gluon.offsets_in_32_bits`: 3-5% 
     done
     run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "offsets"
     ;;
+copies-only)   # TurboQuant's kernels beside their copies-only probe (`paged_attention_tq(copies_only=True)`: the same
+               # programs, copies and waits without a step's work): whether the page reads or the work bound them
+    run 150 env FORMAT=turboquant SHAPES='[[100, 1536], [64, 1536], [64, 8192], [32, 4096], [128, 2048], [1, 32768]]' \
+        SPLITS='{"100": [2, 3], "64": [2, 4], "32": [4, 8], "128": [2], "1": [128]}' \
+        VARIANTS='{"lf": {"ordered": true}, "copies": {"ordered": true, "copies_only": true}}' OUT="$OUT" \
+        python bench/gluon_probe.py
+    run 100 env FORMAT="turboquant:k=q4_0,v=q4_0" SHAPES='[[100, 1536], [64, 8192], [32, 4096]]' \
+        SPLITS='{"100": [2, 3], "64": [2, 3], "32": [4, 6]}' \
+        VARIANTS='{"lf": {"ordered": true}, "copies": {"ordered": true, "copies_only": true, "pairs": false}}' \
+        OUT="$OUT" python bench/gluon_probe.py
+    ;;
 memory-kernels)   # the same-memory run under torch.profiler: the GPU time of each kernel over the whole run (the
                   # profiler slows it: its tokens/s are not the run's; the calls say whether graph replays were seen)
     run 420 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
@@ -265,7 +278,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
     exit 2
     ;;
 esac

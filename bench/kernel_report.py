@@ -6,6 +6,7 @@
     python bench/kernel_report.py --warp-split [--formats q4,turboquant]   # the warp-split decode kernel
     python bench/kernel_report.py --sass-digest > before.txt   # a hash of each decode kernel's SASS
     python bench/kernel_report.py --gluon-offsets   # the Gluon decode kernels, page offsets in 64 and in 32 bits
+    python bench/kernel_report.py --gluon-copies    # TurboQuant's Gluon decode and its copies-only probe
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
 `paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
@@ -429,6 +430,9 @@ def main() -> None:
                         help="print (JSON) the Gluon decode kernels (q8, q4, q6, TurboQuant q8_0/q3_0 and q4_0/q4_0, "
                              "off; bfloat16, head_dim 128, 4 splits, longest first) with page offsets in int64 and in "
                              "int32 (`decode_gluon.offsets_in_32_bits`)")
+    parser.add_argument("--gluon-copies", action="store_true",
+                        help="print (JSON) the TurboQuant Gluon decode kernels (16 keys a step) and their copies-only "
+                             "probes (copies_only=True)")
     parser.add_argument("--sass-digest", action="store_true",
                         help="print a hash of each decode kernel's SASS per launch (formats, dtypes, head_dims, "
                              "splits, orders, window): diff two runs to see that a change left the kernels as they are")
@@ -449,6 +453,12 @@ def main() -> None:
             for offsets32 in (False, True):
                 row = gluon_report(128, torch.bfloat16, 4, spec, ordered=True, offsets32=offsets32)
                 print(json.dumps({**row, "offsets32": offsets32}), flush=True)
+        return
+    if args.gluon_copies:
+        for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0"):
+            for copies_only in (False, True):
+                row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, pairs=False, copies_only=copies_only)
+                print(json.dumps({**row, "copies_only": copies_only}), flush=True)
         return
     if args.sass_digest:
         for name, digest in sass_digests():

@@ -151,6 +151,21 @@ def test_page_offsets_in_32_bits_shorten_every_gluon_decode_loop_without_spills(
         assert narrow["loop_ops"].get("HMMA") == wide["loop_ops"].get("HMMA"), (wide, narrow)
 
 
+def test_the_copies_only_probe_keeps_the_page_copies_and_drops_the_work():
+    """`paged_attention_tq(copies_only=True)` (`bench/gluon_probe.py`'s bound on the page reads): the loop issues the
+    same copies and waits as the kernel it probes, and none of its matrix products, look-ups or softmax."""
+    r = kernel_report("--gluon-copies")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [(row["format"], row["copies_only"]) for row in rows] == [
+        (spec, c) for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0") for c in (False, True)]
+    for kernel, probe in zip(rows[::2], rows[1::2]):
+        for op in ("LDGSTS", "LDGDEPBAR", "DEPBAR"):
+            assert probe["loop_ops"].get(op) == kernel["loop_ops"].get(op), (op, kernel, probe)
+        assert kernel["loop_ops"]["HMMA"] == 16 and not {"HMMA", "PRMT", "MUFU", "SHFL"} & set(probe["loop_ops"]), probe
+        assert sum(probe["loop_ops"].values()) < 0.2 * sum(kernel["loop_ops"].values()), (kernel, probe)
+
+
 def test_the_gluon_prefill_kernel_compiles_to_wgmma_and_tma_without_spills():
     """`prefill_gluon.py` for sm_90 (head_dim 64 and 128, both 16-bit dtypes, blocks of 16 and 64): both products on
     `wgmma` (HGMMA, never the older HMMA), page blocks copied by TMA (UTMALDG, no per-lane cp.async), the query rows
