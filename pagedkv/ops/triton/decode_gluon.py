@@ -58,9 +58,10 @@ STAGES = 2
 # at 2,048: 1); see TQ_TUNING for K q8_0 / V q3_0
 PROGRAMS_PER_SM = 8
 # TurboQuant (key, value) quantizers -> (registers per lane capped at, programs per multiprocessor). Measured on an
-# H200 (`bench/gluon_probe.py`, 2026-12-02): K q8_0 / V q3_0 uses 151 registers uncapped (13 programs fit a
+# H200 (`bench/gluon_probe.py`, 2026-12-02): K q8_0 / V q3_0 then used 151 registers uncapped (13 programs fit a
 # multiprocessor); capped at 128 (no spills) with twice the splits it is 1.07-1.12x faster than `decode.py`
-# (batch 64 at 8,192 tokens: 383 us at 4 splits against 429 at 2). K q4_0 / V q4_0 runs uncapped (capped at 128:
+# (batch 64 at 8,192 tokens: 383 us at 4 splits against 429 at 2). Today's kernel compiles to 128 registers uncapped
+# too (session 37), and times the same either way on an H100. K q4_0 / V q4_0 runs uncapped (capped at 128:
 # 1.07-1.53x slower); its 162-165 registers hold 12 programs a multiprocessor, so its splits aim at 12: in one run of
 # `bench/kernel_bench.py` on an H100 (2026-12-06) against 16, whose second wave of programs ran as a tail, 1.09-1.15x
 # faster at (32, 4096), (64, 8192) and (128, 2048) (67.2 / 237.3 / 130.2 against 77.2 / 259.8 / 138.5 us), the same
