@@ -6,7 +6,7 @@
     python bench/kernel_report.py --warp-split [--formats q4,turboquant]   # the warp-split decode kernel
     python bench/kernel_report.py --sass-digest > before.txt   # a hash of each decode kernel's SASS
     python bench/kernel_report.py --gluon-offsets   # the Gluon decode kernels, page offsets in 64 and in 32 bits
-    python bench/kernel_report.py --gluon-copies    # TurboQuant's Gluon decode and its copies-only probe
+    python bench/kernel_report.py --gluon-copies    # TurboQuant's Gluon decode and its copies-only / work-only probes
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
 `paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
@@ -431,8 +431,8 @@ def main() -> None:
                              "off; bfloat16, head_dim 128, 4 splits, longest first) with page offsets in int64 and in "
                              "int32 (`decode_gluon.offsets_in_32_bits`)")
     parser.add_argument("--gluon-copies", action="store_true",
-                        help="print (JSON) the TurboQuant Gluon decode kernels (16 keys a step) and their copies-only "
-                             "probes (copies_only=True)")
+                        help="print (JSON) the TurboQuant Gluon decode kernels (16 keys a step) and their probes "
+                             "(copies_only=True: the page copies alone; work_only=True: the work alone)")
     parser.add_argument("--sass-digest", action="store_true",
                         help="print a hash of each decode kernel's SASS per launch (formats, dtypes, head_dims, "
                              "splits, orders, window): diff two runs to see that a change left the kernels as they are")
@@ -456,9 +456,10 @@ def main() -> None:
         return
     if args.gluon_copies:
         for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0"):
-            for copies_only in (False, True):
-                row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, pairs=False, copies_only=copies_only)
-                print(json.dumps({**row, "copies_only": copies_only}), flush=True)
+            for probe in ("kernel", "copies_only", "work_only"):
+                options = {} if probe == "kernel" else {probe: True}
+                row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, pairs=False, **options)
+                print(json.dumps({**row, "probe": probe}), flush=True)
         return
     if args.sass_digest:
         for name, digest in sass_digests():

@@ -151,19 +151,24 @@ def test_page_offsets_in_32_bits_shorten_every_gluon_decode_loop_without_spills(
         assert narrow["loop_ops"].get("HMMA") == wide["loop_ops"].get("HMMA"), (wide, narrow)
 
 
-def test_the_copies_only_probe_keeps_the_page_copies_and_drops_the_work():
-    """`paged_attention_tq(copies_only=True)` (`bench/gluon_probe.py`'s bound on the page reads): the loop issues the
-    same copies and waits as the kernel it probes, and none of its matrix products, look-ups or softmax."""
+def test_the_probes_split_a_turboquant_step_into_its_copies_and_its_work():
+    """`paged_attention_tq`'s probes (`bench/gluon_probe.py`): with copies_only the loop issues the same copies and
+    waits as the kernel, and none of its matrix products, look-ups or softmax; with work_only the same matrix
+    products, look-ups and softmax, and no copies or waits."""
     r = kernel_report("--gluon-copies")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
-    assert [(row["format"], row["copies_only"]) for row in rows] == [
-        (spec, c) for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0") for c in (False, True)]
-    for kernel, probe in zip(rows[::2], rows[1::2]):
-        for op in ("LDGSTS", "LDGDEPBAR", "DEPBAR"):
-            assert probe["loop_ops"].get(op) == kernel["loop_ops"].get(op), (op, kernel, probe)
-        assert kernel["loop_ops"]["HMMA"] == 16 and not {"HMMA", "PRMT", "MUFU", "SHFL"} & set(probe["loop_ops"]), probe
-        assert sum(probe["loop_ops"].values()) < 0.2 * sum(kernel["loop_ops"].values()), (kernel, probe)
+    assert [(row["format"], row["probe"]) for row in rows] == [
+        (spec, p) for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0") for p in ("kernel", "copies_only", "work_only")]
+    copying, working = ("LDGSTS", "LDGDEPBAR", "DEPBAR"), ("HMMA", "PRMT", "MUFU", "SHFL")
+    for kernel, copies, work in zip(rows[::3], rows[1::3], rows[2::3]):
+        assert kernel["loop_ops"]["HMMA"] == 16 and all(kernel["loop_ops"].get(op) for op in copying + working), kernel
+        for op in copying:
+            assert copies["loop_ops"].get(op) == kernel["loop_ops"][op] and op not in work["loop_ops"], (op, work)
+        for op in working:
+            assert work["loop_ops"].get(op) == kernel["loop_ops"][op] and op not in copies["loop_ops"], (op, copies)
+        assert sum(copies["loop_ops"].values()) < 0.2 * sum(kernel["loop_ops"].values()), (kernel, copies)
+        assert copies["spill_bytes"] == work["spill_bytes"] == 0, (copies, work)
 
 
 def test_the_gluon_prefill_kernel_compiles_to_wgmma_and_tma_without_spills():

@@ -606,12 +606,13 @@ def decode_tq_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
-    COPIES_ONLY: gl.constexpr = 0,
+    COPIES_ONLY: gl.constexpr = 0, WORK_ONLY: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. COPIES_ONLY (a probe,
     `bench/gluon_probe.py`): 1, the ring's copies and waits without the step's work, to time the page reads alone; 2,
-    the same without the scale rows."""
+    the same without the scale rows. WORK_ONLY (the other probe): a step's work on whatever the ring holds, no
+    copies, to time the work alone."""
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -638,10 +639,11 @@ def decode_tq_kernel(
         m_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], WORD_RING)
         n_ring = m_ring
     for st in gl.static_range(AHEAD):
-        copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
-                     v_strides, vs_strides, k_ring.index(st), s_ring.index(st),
-                     m_ring.index(st), n_ring.index(st), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32,
-                     SCALES=COPIES_ONLY != 2)
+        if not WORK_ONLY:
+            copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
+                         v_strides, vs_strides, k_ring.index(st), s_ring.index(st),
+                         m_ring.index(st), n_ring.index(st), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32,
+                         SCALES=COPIES_ONLY != 2)
 
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
     q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
@@ -689,11 +691,12 @@ def decode_tq_kernel(
     else:
         for start in range(kv_lo, kv_hi, 16):
             ahead = (stage + STAGES - 1) % STAGES
-            copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides,
-                         ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
-                         m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32,
-                         SCALES=COPIES_ONLY != 2)
-            async_copy.wait_group(STAGES - 1)
+            if not WORK_ONLY:
+                copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi,
+                             k_strides, ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
+                             m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS,
+                             OFFSETS32=OFFSETS32, SCALES=COPIES_ONLY != 2)
+                async_copy.wait_group(STAGES - 1)
             if not COPIES_ONLY:
                 s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
                               K_BITS)
@@ -746,13 +749,15 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
-                       offsets32: bool | None = None, copies_only: int = 0) -> torch.Tensor:
+                       offsets32: bool | None = None, copies_only: int = 0,
+                       work_only: bool = False) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
     `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`);
     `copies_only`: a probe that reads the pages without attending to them (its output is not attention): 1 every
-    page tensor, 2 the codes alone (no scale rows)."""
+    page tensor, 2 the codes alone (no scale rows); `work_only`: the other probe, a step's work without its copies
+    (on whatever the ring holds: neither is attention)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -774,7 +779,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         max_registers = tq_tuning(fmt.spec)[0]
     if pairs is None:
         pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
-    assert not (copies_only and pairs), "copies_only probes steps of 16 keys: pass pairs=False"
+    assert not ((copies_only or work_only) and pairs), "the probes take steps of 16 keys: pass pairs=False"
     grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_tq_kernel[grid](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
@@ -785,7 +790,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
-        COPIES_ONLY=int(copies_only), num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        COPIES_ONLY=int(copies_only), WORK_ONLY=work_only, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
