@@ -5,9 +5,9 @@ same pages, at each of a few split counts and VARIANTS (JSON: name -> keyword ar
     FORMAT=q4 SHAPES='[[128, 4096]]' ORDERED=1 python bench/gluon_probe.py   # other shapes; blocks in order
     FORMAT=turboquant VARIANTS='{"keys16": {"pairs": false}, "keys32": {"pairs": true}}' python bench/gluon_probe.py
     FORMAT=off SPLITS='{"32": [2, 4], "64": [1, 2]}' python bench/gluon_probe.py   # these split counts there
-    FORMAT=turboquant VARIANTS='{"lf": {"ordered": true}, "copies": {"ordered": true, "copies_only": 1}}' \
+    FORMAT=turboquant VARIANTS='{"lf": {"ordered": true}, "copies": {"ordered": true, "probe": "copies"}}' \
         python bench/gluon_probe.py   # the kernel beside its page reads alone (their error is not attention's: ~1)
-                                      # ("work_only": true, the step's work without the copies)
+                                      # ("probe": "work": the step's work without the copies)
 
 SPREAD=f (0 < f < 1) gives the sequences of a shape different lengths, as an engine's batch has them: spread evenly
 from (1 - f) x context to context, in shuffled order (SPREAD=0.5 at context 2,048: 1,024-2,048 tokens); the time

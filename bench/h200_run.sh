@@ -210,17 +210,17 @@ offsets32)   # page offsets in 32 bits (`decode_gluon.offsets_in_32_bits`: 3-5% 
     done
     run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "offsets"
     ;;
-copies-only)   # TurboQuant's kernels beside their probes (`paged_attention_tq(copies_only=1)`: the same programs,
-               # copies and waits without a step's work; 2: without the scale rows; work_only: the work without the
-               # copies): whether the page reads or the work bound them
+copies-only)   # TurboQuant's kernels beside their probes (`paged_attention_tq(probe=...)`, `decode_gluon.PROBES`:
+               # "copies", the same programs, copies and waits without a step's work; "codes", without the scale rows;
+               # "work", the work without the copies): whether the page reads or the work bound them
     run 150 env FORMAT=turboquant SHAPES='[[100, 1536], [64, 1536], [64, 8192], [32, 4096], [128, 2048], [1, 32768]]' \
         SPLITS='{"100": [2, 3], "64": [2, 4], "32": [4, 8], "128": [2], "1": [128]}' \
-        VARIANTS='{"lf": {"ordered": true}, "copies": {"ordered": true, "copies_only": 1}, "codes": {"ordered": true,
-        "copies_only": 2}, "work": {"ordered": true, "work_only": true}}' OUT="$OUT" python bench/gluon_probe.py
+        VARIANTS='{"lf": {"ordered": true}, "copies": {"ordered": true, "probe": "copies"}, "codes": {"ordered": true,
+        "probe": "codes"}, "work": {"ordered": true, "probe": "work"}}' OUT="$OUT" python bench/gluon_probe.py
     run 100 env FORMAT="turboquant:k=q4_0,v=q4_0" SHAPES='[[100, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [2, 3], "64": [2, 3], "32": [4, 6]}' \
-        VARIANTS='{"lf": {"ordered": true}, "copies": {"ordered": true, "copies_only": true, "pairs": false},
-        "work": {"ordered": true, "work_only": true, "pairs": false}}' \
+        VARIANTS='{"lf": {"ordered": true}, "copies": {"ordered": true, "probe": "copies", "pairs": false},
+        "work": {"ordered": true, "probe": "work", "pairs": false}}' \
         OUT="$OUT" python bench/gluon_probe.py
     ;;
 memory-kernels)   # the same-memory run under torch.profiler: the GPU time of each kernel over the whole run (the

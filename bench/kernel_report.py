@@ -432,7 +432,7 @@ def main() -> None:
                              "int32 (`decode_gluon.offsets_in_32_bits`)")
     parser.add_argument("--gluon-copies", action="store_true",
                         help="print (JSON) the TurboQuant Gluon decode kernels (16 keys a step) and their probes "
-                             "(copies_only=True: the page copies alone; work_only=True: the work alone)")
+                             "(probe='copies': the page copies alone; probe='work': the work alone)")
     parser.add_argument("--sass-digest", action="store_true",
                         help="print a hash of each decode kernel's SASS per launch (formats, dtypes, head_dims, "
                              "splits, orders, window): diff two runs to see that a change left the kernels as they are")
@@ -456,10 +456,9 @@ def main() -> None:
         return
     if args.gluon_copies:
         for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0"):
-            for probe in ("kernel", "copies_only", "work_only"):
-                options = {} if probe == "kernel" else {probe: True}
-                row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, pairs=False, **options)
-                print(json.dumps({**row, "probe": probe}), flush=True)
+            for probe in (None, "copies", "work"):
+                row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, pairs=False, probe=probe)
+                print(json.dumps({**row, "probe": probe or "kernel"}), flush=True)
         return
     if args.sass_digest:
         for name, digest in sass_digests():

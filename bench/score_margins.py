@@ -41,11 +41,9 @@ STEP = 16
 
 
 def split_ranges(end: int, num_splits: int) -> list[tuple[int, int]]:
-    """The non-empty key ranges of [0, end) the kernels' splits read (`decode_gluon.split_range`)."""
-    def cdiv(a: int, b: int) -> int:
-        return -(-a // b)
-
-    chunk = cdiv(cdiv(end, num_splits), STEP) * STEP
+    """The non-empty key ranges of [0, end) the kernels' splits read (`decode_gluon.split_range`: each split's share
+    of the keys, rounded up to whole steps)."""
+    chunk = -(-end // (num_splits * STEP)) * STEP   # ceil(ceil(end / n) / STEP) = ceil(end / (n STEP))
     return [(lo, min(lo + chunk, end)) for lo in range(0, end, chunk)]
 
 

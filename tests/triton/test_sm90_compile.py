@@ -75,16 +75,22 @@ def test_the_warp_split_decode_kernel_compiles_in_both_orientations_for_every_fo
 
 
 def programs_per_sm(spec: str) -> int:
-    """The resident programs a multiprocessor the Gluon decode's split count aims at for format `spec`."""
+    """The resident programs a multiprocessor the Gluon decode's split count aims at for format `spec` (as
+    `decode_gluon.launcher` gives it with the kernel)."""
     import torch
 
     from pagedkv.config import KVFormat
     from pagedkv.formats import make_format
-    from pagedkv.formats.turboquant import TurboQuantFormat
     from pagedkv.ops.triton import decode_gluon
 
     fmt = make_format(KVFormat.parse(spec), 8, 128, torch.bfloat16, "cpu")
-    return decode_gluon.tq_tuning(fmt.spec)[1] if isinstance(fmt, TurboQuantFormat) else decode_gluon.PROGRAMS_PER_SM
+    query = torch.empty(4, 32, 128, dtype=torch.bfloat16)
+    return decode_gluon.launcher(fmt, query, 16, kernels=decode_gluon.KERNELS)[1]
+
+
+def resident_programs(registers: int) -> int:
+    """One-warp programs a multiprocessor holds by their registers a lane (65,536 a multiprocessor, in steps of 8)."""
+    return 65536 // (-(-registers // 8) * 8 * 32)
 
 
 def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conversions():
@@ -131,7 +137,7 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
     # lane; one-warp programs): more would leave a tail of programs that start in a second wave
     for row in rows:
         if row["format"] != "off":   # four-warp programs, sized by their own rule (`dense_heads`)
-            assert programs_per_sm(row["format"]) <= 65536 // (-(-row["registers"] // 8) * 8 * 32), row
+            assert programs_per_sm(row["format"]) <= resident_programs(row["registers"]), row
 
 
 def test_page_offsets_in_32_bits_shorten_every_gluon_decode_loop_without_spills():
@@ -145,21 +151,20 @@ def test_page_offsets_in_32_bits_shorten_every_gluon_decode_loop_without_spills(
         (spec, o) for spec in ("q8", "q4", "q6", "turboquant", "turboquant:k=q4_0,v=q4_0", "off") for o in (False, True)]
     for wide, narrow in zip(rows[::2], rows[1::2]):
         assert narrow["spill_bytes"] == 0, narrow
-        programs = [65536 // (-(-row["registers"] // 8) * 8 * 32) for row in (wide, narrow)]
-        assert programs[1] >= programs[0], (wide, narrow)
+        assert resident_programs(narrow["registers"]) >= resident_programs(wide["registers"]), (wide, narrow)
         assert sum(narrow["loop_ops"].values()) < sum(wide["loop_ops"].values()), (wide, narrow)
         assert narrow["loop_ops"].get("HMMA") == wide["loop_ops"].get("HMMA"), (wide, narrow)
 
 
 def test_the_probes_split_a_turboquant_step_into_its_copies_and_its_work():
-    """`paged_attention_tq`'s probes (`bench/gluon_probe.py`): with copies_only the loop issues the same copies and
-    waits as the kernel, and none of its matrix products, look-ups or softmax; with work_only the same matrix
+    """`paged_attention_tq`'s probes (`bench/gluon_probe.py`): with probe="copies" the loop issues the same copies and
+    waits as the kernel, and none of its matrix products, look-ups or softmax; with probe="work" the same matrix
     products, look-ups and softmax, and no copies or waits."""
     r = kernel_report("--gluon-copies")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
     assert [(row["format"], row["probe"]) for row in rows] == [
-        (spec, p) for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0") for p in ("kernel", "copies_only", "work_only")]
+        (spec, p) for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0") for p in ("kernel", "copies", "work")]
     copying, working = ("LDGSTS", "LDGDEPBAR", "DEPBAR"), ("HMMA", "PRMT", "MUFU", "SHFL")
     for kernel, copies, work in zip(rows[::3], rows[1::3], rows[2::3]):
         assert kernel["loop_ops"]["HMMA"] == 16 and all(kernel["loop_ops"].get(op) for op in copying + working), kernel

@@ -93,6 +93,12 @@ DENSE_HEADS = 4
 # for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
 MAX_SPLITS = 128
 
+# Timing probes of the TurboQuant kernel (`paged_attention_tq(probe=...)`, `bench/gluon_probe.py`), each in place of
+# attention: "copies", the ring's copies and waits without a step's work (the page reads alone); "codes", the same
+# without the scale rows; "work", a step's work on whatever the ring holds, without copies or waits
+PROBE_COPIES, PROBE_CODES, PROBE_WORK = gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
+PROBES = {"copies": 1, "codes": 2, "work": 3}
+
 # Page offsets in 32 bits: a block's offset (block id x block stride) computed in int32 instead of int64, where every
 # page tensor has fewer than 2^31 elements (`offsets_in_32_bits`). Compiled for sm_90 (bench/kernel_report.py
 # --gluon, bfloat16, 4 splits, longest first), the key loop's SASS instructions, int64 -> int32: q8 435 -> 415
@@ -606,13 +612,11 @@ def decode_tq_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
-    COPIES_ONLY: gl.constexpr = 0, WORK_ONLY: gl.constexpr = False,
+    PROBE: gl.constexpr = 0,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
-    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. COPIES_ONLY (a probe,
-    `bench/gluon_probe.py`): 1, the ring's copies and waits without the step's work, to time the page reads alone; 2,
-    the same without the scale rows. WORK_ONLY (the other probe): a step's work on whatever the ring holds, no
-    copies, to time the work alone."""
+    splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. PROBE: one of PROBES'
+    values (0: none)."""
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -639,11 +643,11 @@ def decode_tq_kernel(
         m_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], WORD_RING)
         n_ring = m_ring
     for st in gl.static_range(AHEAD):
-        if not WORK_ONLY:
+        if PROBE != PROBE_WORK:
             copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
                          v_strides, vs_strides, k_ring.index(st), s_ring.index(st),
                          m_ring.index(st), n_ring.index(st), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32,
-                         SCALES=COPIES_ONLY != 2)
+                         SCALES=PROBE != PROBE_CODES)
 
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
     q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
@@ -691,13 +695,13 @@ def decode_tq_kernel(
     else:
         for start in range(kv_lo, kv_hi, 16):
             ahead = (stage + STAGES - 1) % STAGES
-            if not WORK_ONLY:
+            if PROBE != PROBE_WORK:
                 copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi,
                              k_strides, ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
                              m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS,
-                             OFFSETS32=OFFSETS32, SCALES=COPIES_ONLY != 2)
+                             OFFSETS32=OFFSETS32, SCALES=PROBE != PROBE_CODES)
                 async_copy.wait_group(STAGES - 1)
-            if not COPIES_ONLY:
+            if PROBE != PROBE_COPIES and PROBE != PROBE_CODES:
                 s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
                               K_BITS)
                 s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
@@ -749,15 +753,12 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
-                       offsets32: bool | None = None, copies_only: int = 0,
-                       work_only: bool = False) -> torch.Tensor:
+                       offsets32: bool | None = None, probe: str | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
     `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`);
-    `copies_only`: a probe that reads the pages without attending to them (its output is not attention): 1 every
-    page tensor, 2 the codes alone (no scale rows); `work_only`: the other probe, a step's work without its copies
-    (on whatever the ring holds: neither is attention)."""
+    `probe`: a timing probe in place of attention (PROBES; 16 keys a step), its output not attention's."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -779,7 +780,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         max_registers = tq_tuning(fmt.spec)[0]
     if pairs is None:
         pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
-    assert not ((copies_only or work_only) and pairs), "the probes take steps of 16 keys: pass pairs=False"
+    assert probe is None or not pairs, "the probes take steps of 16 keys: pass pairs=False"
     grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_tq_kernel[grid](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
@@ -790,7 +791,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
-        COPIES_ONLY=int(copies_only), WORK_ONLY=work_only, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        PROBE=PROBES[probe] if probe else 0, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
