@@ -35,6 +35,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
 #                                                  # its pages (bench/page_read_probe.py), at (32, 4096)
+#   OUT=/some/dir bash bench/h200_run.sh ncu-work  # Nsight Compute: TurboQuant's decode beside its work-only probe
+#                                                  # (NCU_SHAPE, default 100x1536, 2 splits): stalls, pipes
 #   OUT=/some/dir bash bench/h200_run.sh ncu-source  # stall reasons and wasted shared / L2 traffic per SASS
 #                                                    # instruction (bench/ncu_summary.py), NCU_FORMATS="q4 q6 ...",
 #                                                    # NCU_SHAPE=100x1536 (batch x context; default 64x8192)
@@ -61,7 +63,8 @@ ncu_decode() {  # ncu_decode FORMAT NCU_OPTIONS...: Nsight Compute on one decode
                 # (NCU_SHAPE=100x1536: another batch x context)
     local fmt=$1; shift
     run 200 ncu --clock-control none --kernel-name regex:"decode_(q8|q4|tq|dense)_kernel" --launch-skip 2 \
-        --launch-count 1 "$@" python bench/profile_decode.py --formats "$fmt" --shapes "${NCU_SHAPE:-64x8192}" --plain
+        --launch-count 1 "$@" python bench/profile_decode.py --formats "$fmt" --shapes "${NCU_SHAPE:-64x8192}" --plain \
+        ${NCU_PROBE:+--probe "$NCU_PROBE" --probe-splits "${NCU_PROBE_SPLITS:-2}"}
 }
 case "${1:-kernels}" in
 kernels)
@@ -268,6 +271,19 @@ ncu-off)   # the dense decode kernel beside a kernel that only reads the same pa
     run 200 ncu --clock-control none --kernel-name regex:"read_kernel" --launch-skip 2 --launch-count 1 \
         "${sections[@]}" --log-file "$OUT/ncu_off_read_32x4096.txt" \
         python bench/page_read_probe.py --shapes 32x4096 --stages 2 --out /tmp
+    ;;
+ncu-work)   # TurboQuant's decode beside its work-only probe (no copies, no waits) at the same-memory batch, 2 splits:
+            # where the step's work stalls and which pipes it fills, per SASS instruction (NCU_SHAPE, default 100x1536)
+    for probe in kernel work; do
+        name="ncu_work_${probe}_${NCU_SHAPE:-100x1536}"
+        NCU_SHAPE=${NCU_SHAPE:-100x1536} NCU_PROBE=${probe#kernel} NCU_PROBE_SPLITS=2 ncu_decode turboquant \
+            --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis \
+            --section InstructionStats --section Occupancy \
+            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -f -o "$OUT/$name"
+        ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1
+        ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
+        python bench/ncu_summary.py "$OUT/${name}_sass.csv" --top 12
+    done
     ;;
 ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sampled); NCU_FORMATS picks the formats
     for fmt in ${NCU_FORMATS:-turboquant turboquant:k=q4_0,v=q4_0}; do
