@@ -67,6 +67,37 @@ def test_longest_first_asks_for_more_programs_than_slots(monkeypatch):
     assert tuning.warp_split_splits(256, 8192, cuda, 8, ordered=True) == tuning.warp_split_splits(256, 8192, cuda, 8) == 4
 
 
+def test_longest_first_keeps_out_of_a_short_second_wave(monkeypatch):
+    monkeypatch.setattr(tuning, "multiprocessor_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    # q4 at batch 144 (1,152 programs, 8 KV heads): 1.5 waves of 8 slots ask for 2 splits, 2,304 programs, just past
+    # the 16 x 132 = 2,112 the multiprocessors hold: one split more
+    assert tuning.warp_split_splits(1152, 8192, cuda, 8, ordered=True) == 2
+    assert tuning.warp_split_splits(1152, 8192, cuda, 8, ordered=True, resident_per_sm=16) == 3
+    assert tuning.warp_split_splits(1280, 8192, cuda, 8, ordered=True, resident_per_sm=16) == 3   # 1.21 waves
+    # exactly one full wave, or well past it, stays; so do grid order and the keys' limit
+    assert tuning.warp_split_splits(1024, 8192, cuda, 8, ordered=True, resident_per_sm=16) == 2   # 2,048 programs
+    assert tuning.warp_split_splits(1056, 8192, cuda, 8, ordered=True, resident_per_sm=16) == 2   # 2,112: one wave
+    assert tuning.warp_split_splits(1152, 8192, cuda, 8, resident_per_sm=16) == 1
+    assert tuning.warp_split_splits(1152, 256, cuda, 8, ordered=True, resident_per_sm=16) == 2    # 128 keys a split
+    # where the split rule aims at the resident programs themselves (TurboQuant), 1.5 waves never end in the band
+    for programs in range(1, 3000):
+        assert tuning.warp_split_splits(programs, 65536, cuda, 12, ordered=True) == \
+            tuning.warp_split_splits(programs, 65536, cuda, 12, ordered=True, resident_per_sm=12), programs
+
+
+def test_the_resident_programs_table_covers_the_served_gluon_kernels():
+    from pagedkv.config import KVFormat
+    from pagedkv.formats import make_format
+
+    def resident(spec, head_dim=128):
+        return decode_gluon.resident_programs(make_format(KVFormat.parse(spec), 8, head_dim, torch.bfloat16, "cpu"),
+                                              head_dim)
+
+    assert [resident(s) for s in ("q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0")] == [16, 16, 16, 16, 12]
+    assert resident("off") is None and resident("q8", 64) is None and resident("turboquant:k=q8_0,v=q4_0") is None
+
+
 def test_the_graph_runner_refills_the_order_each_step(tensor_driven_kernels, monkeypatch):  # noqa: F811
     monkeypatch.setattr(metadata, "LONGEST_FIRST", True)
     seen = []

@@ -58,7 +58,7 @@ STAGES = 2
 # at 2,048: 1); see TQ_TUNING for K q8_0 / V q3_0
 PROGRAMS_PER_SM = 8
 # TurboQuant (key, value) quantizers -> (registers per lane capped at, programs per multiprocessor). Measured on an
-# H200 (`bench/gluon_probe.py`, 2026-12-02): K q8_0 / V q3_0 then used 151 registers uncapped (13 programs fit a
+# H200 (`bench/gluon_probe.py`, 2026-12-02): K q8_0 / V q3_0 then used 151 registers uncapped (12 programs fit a
 # multiprocessor); capped at 128 (no spills) with twice the splits it is 1.07-1.12x faster than `decode.py`
 # (batch 64 at 8,192 tokens: 383 us at 4 splits against 429 at 2). Today's kernel compiles to 128 registers uncapped
 # too (session 37), and times the same either way on an H100. K q4_0 / V q4_0 runs uncapped (capped at 128:
@@ -89,6 +89,14 @@ WINDOW_MIN_TOKENS = 32
 # sequence of 32,768 tokens (128 splits: 36.9 against 36.8 us); 8 heads within 0.5% of 4 but slower at one sequence
 # (38.0 against 36.6 us; 128 KB of shared memory a program); 2 no faster
 DENSE_HEADS = 4
+# One-warp programs of a Gluon decode kernel a multiprocessor holds at once, by their registers a lane, for head_dim
+# 128: the register file is four partitions of 16,384, one a scheduler, and a warp's registers lie in one, so
+# 4 x (16,384 // (32 x registers in steps of 8)) -- not 65,536 // (32 x registers): Nsight Compute's block limit
+# for TurboQuant capped at 104 registers is 16, at 96 it is 20 (BENCHMARKS.md, session 38). Registers as compiled
+# for sm_90 (`bench/kernel_report.py --gluon`): q8 128, q6 123, q4 114, TurboQuant 128, K q4_0 / V q4_0 162-165;
+# tests/triton/test_sm90_compile.py checks the table against them. The split rule uses it to keep longest-first
+# launches out of a short second wave (`tuning.ORDERED_TAIL_WAVES`).
+RESIDENT_PROGRAMS = {"q8": 16, "q6": 16, "q4": 16, ("q8_0", "q3_0"): 16, ("q4_0", "q4_0"): 12}
 # split counts at most: a batch of one 32,768-token sequence split 256 ways took 1.0-1.1x the time of 128 ways
 # for every TurboQuant kernel (the policy's 16 programs per multiprocessor would ask for 256)
 MAX_SPLITS = 128
@@ -1310,6 +1318,16 @@ DEFAULT_KERNELS = ("q8", "q6", "q4", "turboquant", "off")
 def tq_tuning(spec) -> tuple[int | None, int]:
     """(register cap or None, programs per multiprocessor) of the TurboQuant kernel for format `spec`."""
     return TQ_TUNING.get((spec.k_quant, spec.v_quant), (None, PROGRAMS_PER_SM))
+
+
+def resident_programs(fmt, head_dim: int) -> int | None:
+    """RESIDENT_PROGRAMS for this format's Gluon decode kernel at `head_dim` (None where not measured: other head_dims,
+    `off`'s four-warp programs, TurboQuant quantizers other than the table's)."""
+    if head_dim != 128:
+        return None
+    if fmt.spec.kind == "turboquant":
+        return RESIDENT_PROGRAMS.get((fmt.spec.k_quant, fmt.spec.v_quant))
+    return RESIDENT_PROGRAMS.get(fmt.spec.mode) if fmt.spec.kind == "kvquant" else None
 
 
 def launcher(fmt, query: torch.Tensor, block_size: int, kernels=DEFAULT_KERNELS, **options):

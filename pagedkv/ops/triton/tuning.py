@@ -159,23 +159,40 @@ WARP_SPLIT_MAX_SPLITS = 256
 # one split, 1.11x with two splits longest first; measured on an H200, ragged batches 7-17% faster than grid order
 # at the best split, `SPREAD=0.5 bench/gluon_probe.py`).
 ORDERED_MIN_WAVES = 1.5
+# ... but not just past the programs a multiprocessor holds at once (its resident programs, by registers): a split
+# count whose programs come to more than one full wave and at most this many leaves a short second wave of the
+# longest sequences' programs, run at a fraction of the occupancy, so it takes one split more. q4 at 1,536 tokens,
+# batch 144 (2 splits: 1.09 waves of 16 one-warp programs a multiprocessor) against 3 splits (1.64), us: H100 115
+# against 101, lengths spread +-50% 97.8 against 87.3; H200 (session 33) 88.4 against 81.6; batch 152 on the H100
+# 118 / 106, spread 101 / 90.4; at batch 128 (2 splits: exactly one wave) 2 stay faster than 3 (86.8 / 92.4). One
+# split, where the ordered rule does not apply, was faster still on the H100 (93.6 / 74.9 spread) but not on the
+# H200 (84.9). BENCHMARKS.md, session 38.
+ORDERED_TAIL_WAVES = 1.25
 
 
 def warp_split_splits(num_programs: int, capacity_tokens: int, device: torch.device, programs_per_sm: int = 16,
-                      ordered: bool = False) -> int:
+                      ordered: bool = False, resident_per_sm: int | None = None) -> int:
     """Key ranges per program of the warp-split decode kernel (`decode.py`): none while the (query token, KV
     head) programs fill more than half of the resident slots (`programs_per_sm` per multiprocessor), else as
     many as fill them. Measured on an H200 with one-warp programs, 16 per SM (`bench/kernel_bench.py --warp-split`,
     2026-12-01): at every shape the best split count is the one that makes about 2,048 programs (batch 128 at
     2,048 tokens: 2; batch 64 at 8,192: 4; batch 32 at 4,096: 8; batch 1 at 32,768: 256; TurboQuant at batch 64:
-    512 us against 820 with half as many)."""
+    512 us against 820 with half as many). Longest first (`ordered`), past one wave of `programs_per_sm`
+    (ORDERED_MIN_WAVES), and where the kernel's resident programs a multiprocessor are known (`resident_per_sm`),
+    not into a short second wave of them (ORDERED_TAIL_WAVES)."""
     if device.type != "cuda":
         return 1
     num_sms = multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
     slots = programs_per_sm * num_sms
     limit = max(1, min(WARP_SPLIT_MAX_SPLITS, capacity_tokens // WARP_SPLIT_MIN_TOKENS))
     if 2 * num_programs > slots:   # one split, unless longest first: then past one wave (ORDERED_MIN_WAVES)
-        return max(1, min(limit, -(-int(ORDERED_MIN_WAVES * slots) // num_programs))) if ordered else 1
+        if not ordered:
+            return 1
+        splits = max(1, min(limit, -(-int(ORDERED_MIN_WAVES * slots) // num_programs)))
+        resident = (resident_per_sm or 0) * num_sms
+        if resident < splits * num_programs <= ORDERED_TAIL_WAVES * resident and splits < limit:
+            splits += 1
+        return splits
     return max(1, min(limit, slots // max(num_programs, 1)))
 
 
