@@ -37,6 +37,8 @@
 #                                                  # its pages (bench/page_read_probe.py), at (32, 4096)
 #   OUT=/some/dir bash bench/h200_run.sh ncu-work  # Nsight Compute: TurboQuant's decode beside its work-only probe
 #                                                  # (NCU_SHAPE, default 100x1536, 2 splits): stalls, pipes
+#   OUT=/some/dir bash bench/h200_run.sh ncu-splits  # Nsight Compute: TurboQuant's decode at 2 and 3 splits, its probes
+#                                                  # at 3 (NCU_SHAPE, default 100x1536): why 3 splits run slower on an H100
 #   OUT=/some/dir bash bench/h200_run.sh ncu-source  # stall reasons and wasted shared / L2 traffic per SASS
 #                                                    # instruction (bench/ncu_summary.py), NCU_FORMATS="q4 q6 ...",
 #                                                    # NCU_SHAPE=100x1536 (batch x context; default 64x8192)
@@ -283,6 +285,17 @@ ncu-work)   # TurboQuant's decode beside its work-only probe (no copies, no wait
         ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1
         ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
         python bench/ncu_summary.py "$OUT/${name}_sass.csv" --top 12
+    done
+    ;;
+ncu-splits)   # TurboQuant's decode at two and three splits (NCU_SHAPE, default 100x1536), and its copies-only and
+              # work-only probes at three: memory, occupancy, stalls side by side
+    for run in kernel:2 kernel:3 copies:3 work:3; do
+        name="ncu_splits_${run/:/_}_${NCU_SHAPE:-100x1536}"
+        NCU_SHAPE=${NCU_SHAPE:-100x1536} NCU_PROBE=${run%:*} NCU_PROBE_SPLITS=${run#*:} ncu_decode turboquant \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+            --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats -f -o "$OUT/$name"
+        ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1
+        rm -f "$OUT/$name.ncu-rep"
     done
     ;;
 ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sampled); NCU_FORMATS picks the formats

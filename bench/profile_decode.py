@@ -7,7 +7,7 @@ and shape, so that the cost of the reduce is seen apart.
 With `--plain` the calls run without torch.profiler, for a hardware-counter profiler around the process (Nsight
 Compute: `bash bench/h200_run.sh ncu`). With `--probe copies|codes|work` a TurboQuant format runs that timing probe of
 its Gluon kernel instead (`decode_gluon.paged_attention_tq(probe=...)`, 16-key steps, `--probe-splits`), as
-`bash bench/h200_run.sh ncu-work` profiles it.
+`bash bench/h200_run.sh ncu-work` profiles it; `--probe kernel` runs the kernel itself that way (at any split count).
 """
 import argparse
 import json
@@ -25,17 +25,19 @@ from pagedkv.ops import triton as triton_ops  # noqa: E402
 SHAPES = [(1, 32768), (32, 4096), (64, 8192), (128, 2048)]
 
 
-def probe_call(spec: str, q, pages, fmt, meta, probe: str, splits: int):
+def probe_call(spec: str, q, pages, fmt, meta, probe: str, splits: int, max_registers: int | None = None):
     """One call of the TurboQuant kernel's timing probe `probe` (16-key steps, longest first) at `splits`."""
     from pagedkv.ops.triton import decode_gluon
 
     assert spec.startswith("turboquant"), "--probe times the TurboQuant kernel's probes: a turboquant format"
     return decode_gluon.paged_attention_tq(q, pages, fmt, meta, scale=kb.SCALE, num_splits=splits, pairs=False,
-                                           ordered=True, probe=probe)
+                                           ordered=True, probe=None if probe == "kernel" else probe,
+                                           max_registers=max_registers)
 
 
 def profile(spec: str, num_seqs: int, seq_len: int, gen: torch.Generator, calls: int = 20, plain: bool = False,
-            recent_tokens: int = 0, probe: str | None = None, probe_splits: int = 2) -> dict:
+            recent_tokens: int = 0, probe: str | None = None, probe_splits: int = 2,
+            probe_max_registers: int | None = None) -> dict:
     n = num_seqs * seq_len
     keys = torch.randn(n, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
     values = torch.randn_like(keys)
@@ -47,7 +49,7 @@ def profile(spec: str, num_seqs: int, seq_len: int, gen: torch.Generator, calls:
     q = torch.randn(num_seqs, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
     if probe:
         for _ in range(3 + calls):
-            probe_call(spec, q, pages, fmt, meta, probe, probe_splits)
+            probe_call(spec, q, pages, fmt, meta, probe, probe_splits, probe_max_registers)
         torch.cuda.synchronize()
         return {"format": spec, "batch": num_seqs, "context": seq_len, "probe": probe, "kernels_us": {}}
     for _ in range(3):
@@ -73,9 +75,11 @@ def main() -> None:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES), help="batch x context, e.g. 64x8192")
     p.add_argument("--plain", action="store_true", help="the calls only, no torch.profiler (for ncu)")
-    p.add_argument("--probe", choices=("copies", "codes", "work"), default=None,
+    p.add_argument("--probe", choices=("copies", "codes", "work", "kernel"), default=None,
                    help="a TurboQuant format runs this probe of its Gluon kernel (with --plain, for ncu)")
     p.add_argument("--probe-splits", type=int, default=2, help="with --probe: its split count")
+    p.add_argument("--probe-max-registers", type=int, default=None,
+                   help="with --probe: the register cap (0: none; default: the served one)")
     p.add_argument("--recent-tokens", type=int, default=0,
                    help="quantized formats read their last tokens from a dense recent window this long")
     args = p.parse_args()
@@ -86,7 +90,8 @@ def main() -> None:
     for num_seqs, seq_len in (tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")):
         for spec in args.formats.split(";"):
             r = profile(spec, num_seqs, seq_len, gen, plain=args.plain, recent_tokens=args.recent_tokens,
-                        probe=args.probe, probe_splits=args.probe_splits)
+                        probe=args.probe, probe_splits=args.probe_splits,
+                        probe_max_registers=args.probe_max_registers)
             if args.plain:
                 continue
             rows.append(r)
