@@ -567,6 +567,9 @@ def main(argv=None) -> int:
     p.add_argument("--graph-batch-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="same-memory run: the CUDA graph buckets (default: the engine's, every 8 up to 256)")
     add_layer_options(p)
+    p.add_argument("--ordered-tail-waves", type=float, default=None, metavar="W",
+                   help="`tuning.ORDERED_TAIL_WAVES` for this run (1.0: longest-first split counts may end just past "
+                        "one wave of resident programs, as before session 38)")
     p.add_argument("--fused-prefill", action="store_true",
                    help="prefill chunks over quantized pages through the fused kernels (`tuning.DENSE_PREFILL = False`) "
                         "instead of dense scratch pages")
@@ -576,6 +579,10 @@ def main(argv=None) -> int:
         from pagedkv.ops.triton import tuning
 
         tuning.DENSE_PREFILL = False
+    if args.ordered_tail_waves is not None:
+        from pagedkv.ops.triton import tuning
+
+        tuning.ORDERED_TAIL_WAVES = args.ordered_tail_waves
     if args.replot:
         results = json.loads(Path(args.replot).read_text())
         if "same_memory" not in results:

@@ -37,6 +37,8 @@
 #                                                  # its pages (bench/page_read_probe.py), at (32, 4096)
 #   OUT=/some/dir bash bench/h200_run.sh ncu-work  # Nsight Compute: TurboQuant's decode beside its work-only probe
 #                                                  # (NCU_SHAPE, default 100x1536, 2 splits): stalls, pipes
+#   OUT=/some/dir bash bench/h200_run.sh tail-rule  # same-memory q4 with the longest-first second-wave guard and without
+#   OUT=/some/dir bash bench/h200_run.sh h200-cap96  # TurboQuant, 3 splits at 96 registers beside 2 at 128; work alone
 #   OUT=/some/dir bash bench/h200_run.sh ncu-splits  # Nsight Compute: TurboQuant's decode at 2 and 3 splits, its probes
 #                                                  # at 3 (NCU_SHAPE, default 100x1536): why 3 splits run slower on an H100
 #   OUT=/some/dir bash bench/h200_run.sh ncu-source  # stall reasons and wasted shared / L2 traffic per SASS
@@ -286,6 +288,24 @@ ncu-work)   # TurboQuant's decode beside its work-only probe (no copies, no wait
         ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
         python bench/ncu_summary.py "$OUT/${name}_sass.csv" --top 12
     done
+    ;;
+tail-rule)   # the same-memory run (q4, then off for the ratio) with longest-first split counts kept out of a short
+             # second wave (`tuning.ORDERED_TAIL_WAVES`, session 38) and without (1.0), then the steps by batch size
+    run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats q4 off --out "$OUT"
+    cp "$OUT/engine_memory.json" "$OUT/engine_memory_tail_rule.json" 2>/dev/null
+    run 120 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats q4 --ordered-tail-waves 1.0 --out "$OUT"
+    cp "$OUT/engine_memory.json" "$OUT/engine_memory_no_tail_rule.json" 2>/dev/null
+    for f in tail_rule no_tail_rule; do python bench/engine_steps.py "$OUT/engine_memory_$f.json"; done
+    ;;
+h200-cap96)   # TurboQuant at three splits capped at 96 registers (all resident) beside the served two at 128, and the
+              # work alone at each: whether the H200, where the work bounds the kernel, gains from the extra programs
+    run 150 env FORMAT=turboquant SHAPES='[[100, 1536], [96, 1536], [112, 1536], [64, 8192], [32, 4096], [128, 2048]]' \
+        SPLITS='{"100": [2, 3], "96": [2, 3], "112": [2, 3], "64": [2, 4], "32": [4, 8], "128": [2, 3]}' \
+        VARIANTS='{"lf": {"ordered": true}, "cap96": {"ordered": true, "max_registers": 96}, "copies": {"ordered": true,
+        "probe": "copies"}, "work": {"ordered": true, "probe": "work"}, "work96": {"ordered": true, "probe": "work",
+        "max_registers": 96}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
 ncu-splits)   # TurboQuant's decode at two and three splits (NCU_SHAPE, default 100x1536), and its copies-only and
               # work-only probes at three: memory, occupancy, stalls side by side
