@@ -246,15 +246,22 @@ def decode_calls(layers, metas, queries, recent_tokens: int = 0, keys=None, valu
         q, p, f, m, scale=SCALE, window=r) for i, ((f, p, _), (m, r)) in enumerate(zip(layers, plans))]
 
 
+def decode_inputs(num_seqs: int, seq_len: int):
+    """A decode shape's random bf16 keys and values [num_seqs * seq_len, H, D], and as many query batches as
+    `copies_for` the dense cache's bytes asks: (keys, values, queries, copies)."""
+    n = num_seqs * seq_len
+    keys = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+    values = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+    copies = copies_for(n * NUM_KV_HEADS * HEAD_DIM * 2 * 2)
+    queries = [torch.randn(num_seqs, NUM_Q_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    return keys, values, queries, copies
+
+
 def bench_decode(formats, shapes, gen, tiles_for=None, warp_split=False, recent_tokens=0) -> list[dict]:
     rows = []
     for num_seqs, seq_len in shapes:
         n = num_seqs * seq_len
-        keys = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
-        values = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
-        dense_bytes = n * NUM_KV_HEADS * HEAD_DIM * 2 * 2
-        copies = copies_for(dense_bytes)
-        queries = [torch.randn(num_seqs, NUM_Q_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+        keys, values, queries, copies = decode_inputs(num_seqs, seq_len)
         sdpa_ms, sdpa_kind, sdpa_all, sdpa_out = sdpa_decode(keys, values, num_seqs, seq_len, queries, copies)
         print(f"decode B={num_seqs} S={seq_len}: sdpa {sdpa_ms * 1e3:.1f} us ({sdpa_kind}; {sdpa_all})", flush=True)
         for spec in formats:

@@ -42,12 +42,7 @@ def main() -> None:
     kb.warm_up()
     rows = []
     for num_seqs, seq_len in (tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")):
-        n = num_seqs * seq_len
-        keys = torch.randn(n, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
-        values = torch.randn_like(keys)
-        copies = kb.copies_for(n * kb.NUM_KV_HEADS * kb.HEAD_DIM * 4)
-        queries = [torch.randn(num_seqs, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
-                   for _ in range(copies)]
+        keys, values, queries, copies = kb.decode_inputs(num_seqs, seq_len)
         sdpa_ms = kb.sdpa_decode(keys, values, num_seqs, seq_len, queries, copies)[0]
         for spec in args.formats.split(";"):
             layers, metas = kb.decode_copies(spec, keys, values, num_seqs, seq_len, gen)

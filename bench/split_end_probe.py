@@ -30,12 +30,7 @@ def probe(shapes, formats, settings: dict, recent_tokens: int, gen: torch.Genera
     defaults = {name: getattr(split_k, name) for values in settings.values() for name in values}
     rows = []
     for num_seqs, seq_len in shapes:
-        n = num_seqs * seq_len
-        keys = torch.randn(n, kb.NUM_KV_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
-        values = torch.randn_like(keys)
-        copies = kb.copies_for(n * kb.NUM_KV_HEADS * kb.HEAD_DIM * 4)
-        queries = [torch.randn(num_seqs, kb.NUM_Q_HEADS, kb.HEAD_DIM, device=kb.DEV, dtype=torch.bfloat16)
-                   for _ in range(copies)]
+        keys, values, queries, copies = kb.decode_inputs(num_seqs, seq_len)
         sdpa_ms = kb.sdpa_decode(keys, values, num_seqs, seq_len, queries, copies)[0]
         for spec in formats:
             layers, metas = kb.decode_copies(spec, keys, values, num_seqs, seq_len, gen)
