@@ -1331,7 +1331,7 @@ def resident_programs(fmt, head_dim: int) -> int | None:
 
 
 def launcher(fmt, query: torch.Tensor, block_size: int, kernels=DEFAULT_KERNELS, **options):
-    """(launcher, resident programs per multiprocessor its split count aims at) of the Gluon kernel for this decode
+    """(launcher, programs per multiprocessor its split count aims at) of the Gluon kernel for this decode
     when its format is in `kernels` (default: those that serve, DEFAULT_KERNELS; benchmarks pass KERNELS) and the
     kernel reads it (`supports`, `supports_q4`, `supports_q6`, `supports_tq`, `supports_dense`; options: softcap,
     sliding_window, window), else None. With a window only the formats in WINDOW_KERNELS from WINDOW_MIN_TOKENS
