@@ -575,13 +575,11 @@ def main(argv=None) -> int:
                         "instead of dense scratch pages")
     args = p.parse_args(argv)
     use_layer_options(args)
-    if args.fused_prefill:
-        from pagedkv.ops.triton import tuning
+    from pagedkv.ops.triton import tuning
 
+    if args.fused_prefill:
         tuning.DENSE_PREFILL = False
     if args.ordered_tail_waves is not None:
-        from pagedkv.ops.triton import tuning
-
         tuning.ORDERED_TAIL_WAVES = args.ordered_tail_waves
     if args.replot:
         results = json.loads(Path(args.replot).read_text())

@@ -70,6 +70,16 @@ ncu_decode() {  # ncu_decode FORMAT NCU_OPTIONS...: Nsight Compute on one decode
         --launch-count 1 "$@" python bench/profile_decode.py --formats "$fmt" --shapes "${NCU_SHAPE:-64x8192}" --plain \
         ${NCU_PROBE:+--probe "$NCU_PROBE" --probe-splits "${NCU_PROBE_SPLITS:-2}"}
 }
+ncu_reports() {  # ncu_reports NAME [TOP]: $OUT/NAME.ncu-rep's details as NAME.txt; with TOP, also its SASS as
+                 # NAME_sass.csv and the TOP instructions of most stall samples (bench/ncu_summary.py)
+    local name=$1 top=${2:-}
+    ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1
+    if [ -n "$top" ]; then
+        ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
+        python bench/ncu_summary.py "$OUT/${name}_sass.csv" --top "$top"
+    fi
+}
+STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
 case "${1:-kernels}" in
 kernels)
     run 120 python -m pytest -q -rf tests/triton/test_triton_write.py -k "turboquant or q4"
@@ -282,11 +292,8 @@ ncu-work)   # TurboQuant's decode beside its work-only probe (no copies, no wait
         name="ncu_work_${probe}_${NCU_SHAPE:-100x1536}"
         NCU_SHAPE=${NCU_SHAPE:-100x1536} NCU_PROBE=${probe#kernel} NCU_PROBE_SPLITS=2 ncu_decode turboquant \
             --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis \
-            --section InstructionStats --section Occupancy \
-            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -f -o "$OUT/$name"
-        ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1
-        ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
-        python bench/ncu_summary.py "$OUT/${name}_sass.csv" --top 12
+            --section InstructionStats --section Occupancy --metrics "$STALL_RATIOS" -f -o "$OUT/$name"
+        ncu_reports "$name" 12
     done
     ;;
 tail-rule)   # the same-memory run (q4, then off for the ratio) with longest-first split counts kept out of a short
@@ -314,7 +321,7 @@ ncu-splits)   # TurboQuant's decode at two and three splits (NCU_SHAPE, default 
         NCU_SHAPE=${NCU_SHAPE:-100x1536} NCU_PROBE=${run%:*} NCU_PROBE_SPLITS=${run#*:} ncu_decode turboquant \
             --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
             --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats -f -o "$OUT/$name"
-        ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1
+        ncu_reports "$name"
         rm -f "$OUT/$name.ncu-rep"
     done
     ;;
@@ -322,14 +329,12 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     for fmt in ${NCU_FORMATS:-turboquant turboquant:k=q4_0,v=q4_0}; do
         name="ncu_src_${fmt//[:=,]/_}${NCU_SHAPE:+_$NCU_SHAPE}"
         ncu_decode "$fmt" --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis_Tables \
-            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -f -o "$OUT/$name"
-        ncu --import "$OUT/$name.ncu-rep" --page details --print-details all > "$OUT/$name.txt" 2>&1
-        ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
-        python bench/ncu_summary.py "$OUT/${name}_sass.csv" --top 10
+            --metrics "$STALL_RATIOS" -f -o "$OUT/$name"
+        ncu_reports "$name" 10
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|ncu|ncu-off|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|h200-cap96|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
     exit 2
     ;;
 esac
