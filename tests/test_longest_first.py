@@ -88,11 +88,9 @@ def test_longest_first_keeps_out_of_a_short_second_wave(monkeypatch):
 
 def test_the_resident_programs_table_covers_the_served_gluon_kernels():
     from pagedkv.config import KVFormat
-    from pagedkv.formats import make_format
 
     def resident(spec, head_dim=128):
-        return decode_gluon.resident_programs(make_format(KVFormat.parse(spec), 8, head_dim, torch.bfloat16, "cpu"),
-                                              head_dim)
+        return decode_gluon.resident_programs(KVFormat.parse(spec), head_dim)
 
     assert [resident(s) for s in ("q8", "q6", "q4", "turboquant", "turboquant:k=q4_0,v=q4_0")] == [16, 16, 16, 16, 12]
     assert resident("off") is None and resident("q8", 64) is None and resident("turboquant:k=q8_0,v=q4_0") is None

@@ -88,17 +88,6 @@ def programs_per_sm(spec: str) -> int:
     return decode_gluon.launcher(fmt, query, 16, kernels=decode_gluon.KERNELS)[1]
 
 
-def table_resident(spec: str) -> int | None:
-    """`decode_gluon.resident_programs` of format `spec` at head_dim 128."""
-    import torch
-
-    from pagedkv.config import KVFormat
-    from pagedkv.formats import make_format
-    from pagedkv.ops.triton import decode_gluon
-
-    return decode_gluon.resident_programs(make_format(KVFormat.parse(spec), 8, 128, torch.bfloat16, "cpu"), 128)
-
-
 def resident_programs(registers: int) -> int:
     """One-warp programs a multiprocessor holds by their registers a lane: four partitions of 16,384 registers, one a
     scheduler, a warp's registers (in steps of 8 a lane) all in one (Nsight Compute's block limit: 16 at 104 and 128
@@ -150,6 +139,9 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
         # 4-bit keys (a lane's 4 bytes of rows g and g + 8 from swizzled 16-byte units: ldmatrix's own pattern)
         ldsm = {"off": mma_per_step * steps, tq44: 4 * steps}.get(row["format"], 0)
         assert ops.get("LDSM", 0) == ldsm and "LDS" in ops, row
+    from pagedkv.config import KVFormat
+    from pagedkv.ops.triton import decode_gluon
+
     # the split counts aim at as many programs a multiprocessor as its registers hold (`resident_programs`;
     # one-warp programs): more would leave a tail of programs that start in a second wave; and the table the split
     # rule reads them from (`decode_gluon.RESIDENT_PROGRAMS`) holds what the compiled kernels' registers give
@@ -157,7 +149,8 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
         if row["format"] != "off":   # four-warp programs, sized by their own rule (`dense_heads`)
             assert programs_per_sm(row["format"]) <= resident_programs(row["registers"]), row
             if row["head_dim"] == 128:
-                assert table_resident(row["format"]) == resident_programs(row["registers"]), row
+                table = decode_gluon.resident_programs(KVFormat.parse(row["format"]), 128)
+                assert table == resident_programs(row["registers"]), row
 
 
 def test_page_offsets_in_32_bits_shorten_every_gluon_decode_loop_without_spills():

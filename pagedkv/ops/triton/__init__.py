@@ -157,7 +157,7 @@ def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap
         launch, programs_per_sm = gluon
         num_splits = min(MAX_SPLITS, warp_split_splits(num_tokens * fmt.num_kv_heads, capacity, query.device,
                                                        programs_per_sm, ordered=meta.token_order is not None,
-                                                       resident_per_sm=resident_programs(fmt, head_dim)))
+                                                       resident_per_sm=resident_programs(fmt.spec, head_dim)))
         return launch(query, pages, fmt, meta, scale=scale, num_splits=num_splits,
                       **({"window": window} if window is not None else {}))
     if window is not None or uses_warp_split(num_tokens, meta.block_table.shape[0], fmt):

@@ -1320,14 +1320,14 @@ def tq_tuning(spec) -> tuple[int | None, int]:
     return TQ_TUNING.get((spec.k_quant, spec.v_quant), (None, PROGRAMS_PER_SM))
 
 
-def resident_programs(fmt, head_dim: int) -> int | None:
-    """RESIDENT_PROGRAMS for this format's Gluon decode kernel at `head_dim` (None where not measured: other head_dims,
-    `off`'s four-warp programs, TurboQuant quantizers other than the table's)."""
+def resident_programs(spec, head_dim: int) -> int | None:
+    """RESIDENT_PROGRAMS for the Gluon decode kernel of format `spec` (a KVFormat) at `head_dim` (None where not
+    measured: other head_dims, `off`'s four-warp programs, TurboQuant quantizers other than the table's)."""
     if head_dim != 128:
         return None
-    if fmt.spec.kind == "turboquant":
-        return RESIDENT_PROGRAMS.get((fmt.spec.k_quant, fmt.spec.v_quant))
-    return RESIDENT_PROGRAMS.get(fmt.spec.mode) if fmt.spec.kind == "kvquant" else None
+    if spec.kind == "turboquant":
+        return RESIDENT_PROGRAMS.get((spec.k_quant, spec.v_quant))
+    return RESIDENT_PROGRAMS.get(spec.mode) if spec.kind == "kvquant" else None
 
 
 def launcher(fmt, query: torch.Tensor, block_size: int, kernels=DEFAULT_KERNELS, **options):
