@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         grouped_bars(ax, formats, {label: [values[label][f] for f in formats] for label, _ in labelled})
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"{what}, {first.get('gpu', '')}")
-        ax.legend()
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)   # below: bars stay clear
         save(fig, args.out)
         print(f"wrote {args.out}")
     return 0
