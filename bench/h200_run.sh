@@ -39,6 +39,10 @@
 #                                                  # (NCU_SHAPE, default 100x1536, 2 splits): stalls, pipes
 #   OUT=/some/dir bash bench/h200_run.sh tail-rule  # same-memory q4 with the longest-first second-wave guard and without
 #   OUT=/some/dir bash bench/h200_run.sh h200-cap96  # TurboQuant, 3 splits at 96 registers beside 2 at 128; work alone
+#   OUT=/some/dir bash bench/h200_run.sh off-ids   # the dense decode with block ids a step ahead beside the served one
+#                                                  # (`decode_gluon.DENSE_IDS_AHEAD`), twice, then its GPU test
+#   OUT=/some/dir bash bench/h200_run.sh h200-pending  # on an H200, what issue 10's open targets wait for, in one call
+#                                                  # (~9 min): the kernel table, the same-memory run, off-ids, h200-cap96
 #   OUT=/some/dir bash bench/h200_run.sh ncu-splits  # Nsight Compute: TurboQuant's decode at 2 and 3 splits, its probes
 #                                                  # at 3 (NCU_SHAPE, default 100x1536): why 3 splits run slower on an H100
 #   OUT=/some/dir bash bench/h200_run.sh ncu-source  # stall reasons and wasted shared / L2 traffic per SASS
@@ -314,6 +318,30 @@ h200-cap96)   # TurboQuant at three splits capped at 96 registers (all resident)
         "probe": "copies"}, "work": {"ordered": true, "probe": "work"}, "work96": {"ordered": true, "probe": "work",
         "max_registers": 96}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
+off-ids)   # the dense decode loading each copy's block id a step ahead (DENSE_IDS_AHEAD), beside the served kernel
+           # before and after it, at the served split counts, twice (H100, session 39: 0.2-1.0% faster, (32, 4096) same)
+    for round in 1 2; do
+        run 120 env FORMAT=off SPLITS='{"1":[128],"32":[4],"64":[2],"128":[1]}' \
+            VARIANTS='{"ring2": {}, "ids": {"ids_ahead": true}, "ring2b": {}}' OUT="$OUT" python bench/gluon_probe.py
+    done
+    run 150 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "step_ahead"
+    ;;
+h200-pending)   # what sessions on H100s left for an H200, in one call: the decode table as served (issue 10's
+                # kernel targets), the same-memory run (q4 2.5x with session 38's tail rule, TurboQuant 2.0x), `off`
+                # with block ids a step ahead (DENSE_IDS_AHEAD), TurboQuant at 3 splits capped at 96 registers
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    run 170 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
+        --skip prefill,write --out "$OUT/kernels_served"
+    run 150 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --out "$OUT/memory"
+    python bench/engine_steps.py "$OUT/memory/engine_memory.json"
+    run 100 env FORMAT=off SPLITS='{"1":[128],"32":[4],"64":[2],"128":[1]}' \
+        VARIANTS='{"ring2": {}, "ids": {"ids_ahead": true}, "ring2b": {}}' OUT="$OUT" python bench/gluon_probe.py
+    run 120 env FORMAT=turboquant SHAPES='[[100, 1536], [96, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
+        SPLITS='{"100": [2, 3], "96": [2, 3], "112": [2, 3], "64": [2, 4], "32": [4, 8]}' \
+        VARIANTS='{"lf": {"ordered": true}, "cap96": {"ordered": true, "max_registers": 96}}' OUT="$OUT" \
+        python bench/gluon_probe.py
+    ;;
 ncu-splits)   # TurboQuant's decode at two and three splits (NCU_SHAPE, default 100x1536), and its copies-only and
               # work-only probes at three: memory, occupancy, stalls side by side
     for run in kernel:2 kernel:3 copies:3 work:3; do
@@ -334,7 +362,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|h200-cap96|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|h200-cap96|off-ids|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
     exit 2
     ;;
 esac

@@ -175,6 +175,17 @@ def test_dense_decode_with_kv_heads_together_matches_reference(shape, heads, num
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
+def test_dense_decode_with_block_ids_a_step_ahead_matches_reference(shape, num_splits, dtype):
+    """`decode_gluon.DENSE_IDS_AHEAD` (a copy's block id loaded a step before it): attention as the reference's."""
+    check_against_reference(hash(("ids", shape)) % 1000, "off", "off", shape, dtype, num_splits=num_splits,
+                            ids_ahead=True)
+
+
 def test_dense_decode_reads_four_kv_heads_a_program_where_they_divide():
     """`decode_gluon.dense_heads` (CPU): four KV heads a program where four divide them, else one (SmolLM2's three
     KV heads, two)."""

@@ -89,6 +89,12 @@ WINDOW_MIN_TOKENS = 32
 # sequence of 32,768 tokens (128 splits: 36.9 against 36.8 us); 8 heads within 0.5% of 4 but slower at one sequence
 # (38.0 against 36.6 us; 128 KB of shared memory a program); 2 no faster
 DENSE_HEADS = 4
+# The dense decode's block ids a step ahead (`decode_dense_kernel`'s IDS_AHEAD): each loop step loads the block id of
+# the next step's copy, so that no copy waits on a block-table load (218 loop instructions against 215, 118-120
+# registers against 120-123, no spills). Timed on an H100 only (2026-12-06, BENCHMARKS.md session 39, `bench/gluon_probe.py`,
+# two runs, against the kernel as served before and after it): 0.2-1.0% faster at (1, 32768), (64, 8192) and
+# (128, 2048), the same at (32, 4096). Off until an H200 times it (`OUT=$OUT bash bench/h200_run.sh off-ids`).
+DENSE_IDS_AHEAD = False
 # One-warp programs of a Gluon decode kernel a multiprocessor holds at once, by their registers a lane, for head_dim
 # 128: the register file is four partitions of 16,384, one a scheduler, and a warp's registers lie in one, so
 # 4 x (16,384 // (32 x registers in steps of 8)) -- not 65,536 // (32 x registers): Nsight Compute's block limit
@@ -1157,7 +1163,14 @@ def copy_dense_step(k_ptr, v_ptr, bt_row, start, kv_hi, k_strides, v_strides, k_
                     OFFSETS32: gl.constexpr = False):
     """Ask for HEADS heads' rows of the 16 keys from `start` into one stage of the ring, warp h head h's (cp.async,
     16-byte runs; rows past the sequence's end are masked zero: a slot never written may hold NaN)."""
-    block = block_of(bt_row, start, kv_hi, BLOCK_SIZE, OFFSETS32)
+    copy_dense_block(k_ptr, v_ptr, block_of(bt_row, start, kv_hi, BLOCK_SIZE, OFFSETS32), start, kv_hi, k_strides,
+                     v_strides, k_sm, v_sm, HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
+
+
+@gluon.jit
+def copy_dense_block(k_ptr, v_ptr, block, start, kv_hi, k_strides, v_strides, k_sm, v_sm, HEAD_DIM: gl.constexpr,
+                     BLOCK_SIZE: gl.constexpr, HEADS: gl.constexpr, COPY_W: gl.constexpr):
+    """`copy_dense_step` with the step's page block already loaded (`block_of`)."""
     slot = start % BLOCK_SIZE
     h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_W)))
     r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_W)))
@@ -1181,8 +1194,9 @@ def decode_dense_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     SPLIT: gl.constexpr, HEADS: gl.constexpr, MMA_W: gl.constexpr, COPY_W: gl.constexpr, PLAIN_W: gl.constexpr,
     STAGES: gl.constexpr = 2, PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
-    OFFSETS32: gl.constexpr = False,
+    OFFSETS32: gl.constexpr = False, IDS_AHEAD: gl.constexpr = False,
 ):
+    """IDS_AHEAD: each loop step loads the block id of the next step's copy, so a copy never waits for its id."""
     launch_dependents(PDL)
     token, head_group, split = program_coords(token_order_ptr, ORDERED)
     head0 = head_group * HEADS
@@ -1218,11 +1232,17 @@ def decode_dense_kernel(
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA_W)))
     stage = 0
+    nxt = block_of(bt_row, kv_lo + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)   # (IDS_AHEAD; else unused)
     for start in range(kv_lo, kv_hi, 16):
         ahead = (stage + STAGES - 1) % STAGES
-        copy_dense_step(k_ptr, v_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
-                        k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W,
-                        OFFSETS32=OFFSETS32)
+        if IDS_AHEAD:
+            copy_dense_block(k_ptr, v_ptr, nxt, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
+                             k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
+            nxt = block_of(bt_row, start + 16 * STAGES, kv_hi, BLOCK_SIZE, OFFSETS32)
+        else:
+            copy_dense_step(k_ptr, v_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
+                            k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W,
+                            OFFSETS32=OFFSETS32)
         async_copy.wait_group(STAGES - 1)
         s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([HEADS, 16, 8], 0.0, gl.float32, MMA_W))
         s = gl.where((start + sr < kv_hi)[None, :, None], s * scale, float("-inf"))
@@ -1268,10 +1288,12 @@ def dense_heads(num_kv_heads: int) -> int:
 
 def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                           num_splits: int = 1, stages: int = STAGES, heads: int | None = None,
-                          ordered: bool | None = None, offsets32: bool | None = None) -> torch.Tensor:
+                          ordered: bool | None = None, offsets32: bool | None = None,
+                          ids_ahead: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
     dtype). `heads`: KV heads a program reads, a warp each (by default `dense_heads`); `ordered`: the launch order
-    (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`)."""
+    (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`); `ids_ahead`: block ids a step
+    ahead (None: DENSE_IDS_AHEAD)."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, partial_states, reduce_splits
@@ -1298,7 +1320,7 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=meta.block_size, SPLIT=split, HEADS=heads, **dense_head_layouts(heads), STAGES=stages,
         PDL=split and dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
-        num_warps=heads)
+        IDS_AHEAD=DENSE_IDS_AHEAD if ids_ahead is None else ids_ahead, num_warps=heads)
     if split:
         reduce_splits(out, parts, view)
     return out
