@@ -328,7 +328,8 @@ off-ids)   # the dense decode loading each copy's block id a step ahead (DENSE_I
     ;;
 h200-pending)   # what sessions on H100s left for an H200, in one call: the decode table as served (issue 10's
                 # kernel targets), the same-memory run (q4 2.5x with session 38's tail rule, TurboQuant 2.0x), `off`
-                # with block ids a step ahead (DENSE_IDS_AHEAD), TurboQuant at 3 splits capped at 96 registers
+                # with block ids a step ahead (DENSE_IDS_AHEAD), TurboQuant at 3 splits capped at 96 registers and
+                # with its block ids a step ahead, then the GPU tests of the block ids a step ahead
     nvidia-smi --query-gpu=name --format=csv,noheader
     run 170 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
         --skip prefill,write --out "$OUT/kernels_served"
@@ -339,8 +340,9 @@ h200-pending)   # what sessions on H100s left for an H200, in one call: the deco
         VARIANTS='{"ring2": {}, "ids": {"ids_ahead": true}, "ring2b": {}}' OUT="$OUT" python bench/gluon_probe.py
     run 120 env FORMAT=turboquant SHAPES='[[100, 1536], [96, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [2, 3], "96": [2, 3], "112": [2, 3], "64": [2, 4], "32": [4, 8]}' \
-        VARIANTS='{"lf": {"ordered": true}, "cap96": {"ordered": true, "max_registers": 96}}' OUT="$OUT" \
-        python bench/gluon_probe.py
+        VARIANTS='{"lf": {"ordered": true}, "cap96": {"ordered": true, "max_registers": 96}, "ids": {"ordered": true,
+        "ids_ahead": true}}' OUT="$OUT" python bench/gluon_probe.py
+    run 150 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "step_ahead"
     ;;
 ncu-splits)   # TurboQuant's decode at two and three splits (NCU_SHAPE, default 100x1536), and its copies-only and
               # work-only probes at three: memory, occupancy, stalls side by side

@@ -7,7 +7,7 @@
     python bench/kernel_report.py --sass-digest > before.txt   # a hash of each decode kernel's SASS
     python bench/kernel_report.py --gluon-offsets   # the Gluon decode kernels, page offsets in 64 and in 32 bits
     python bench/kernel_report.py --gluon-copies    # TurboQuant's Gluon decode and its copies-only / work-only probes
-    python bench/kernel_report.py --gluon-ids-ahead # the dense Gluon decode with block ids loaded a step ahead
+    python bench/kernel_report.py --gluon-ids-ahead # off and TurboQuant decodes with block ids loaded a step ahead
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
 `paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
@@ -442,8 +442,8 @@ def main() -> None:
     parser.add_argument("--dependent-launch", action="store_true",
                         help="print (JSON) the griddepcontrol instructions of a split decode's kernels (PDL)")
     parser.add_argument("--gluon-ids-ahead", action="store_true",
-                        help="print (JSON) the dense Gluon decode kernel with block ids loaded a step ahead and without "
-                             "(`decode_gluon.DENSE_IDS_AHEAD`), head_dim 64 and 128, 4 splits")
+                        help="print (JSON) the dense Gluon decode kernel (head_dim 64 and 128) and the TurboQuant ones (16 "
+                             "keys a step) with block ids loaded a step ahead and without (`ids_ahead`), 4 splits")
     parser.add_argument("--gluon-prefill", action="store_true",
                         help="print (JSON) the Gluon prefill kernel's registers, spills, shared memory and opcodes "
                              "(head_dim 64 and 128, both 16-bit dtypes; blocks of 16 and 64)")
@@ -453,9 +453,10 @@ def main() -> None:
         print(json.dumps(dependent_launch_report()), flush=True)
         return
     if args.gluon_ids_ahead:
-        for head_dim in (64, 128):
+        for spec, head_dim, options in (("off", 64, {}), ("off", 128, {}), ("turboquant", 128, {"pairs": False}),
+                                        ("turboquant:k=q4_0,v=q4_0", 128, {"pairs": False})):
             for ids_ahead in (False, True):
-                row = gluon_report(head_dim, torch.bfloat16, 4, "off", ids_ahead=ids_ahead)
+                row = gluon_report(head_dim, torch.bfloat16, 4, spec, ids_ahead=ids_ahead, **options)
                 print(json.dumps({**row, "ids_ahead": ids_ahead}), flush=True)
         return
     if args.gluon_offsets:

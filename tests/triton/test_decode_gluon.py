@@ -186,6 +186,17 @@ def test_dense_decode_with_block_ids_a_step_ahead_matches_reference(shape, num_s
                             ids_ahead=True)
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q4_0,v=q4_0"])
+@pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
+def test_turboquant_decode_with_block_ids_a_step_ahead_matches_reference(shape, spec, num_splits):
+    """`paged_attention_tq(ids_ahead=True)` (16 keys a step): attention as the reference's."""
+    check_against_reference(hash(("ids", spec, shape)) % 1000, spec, "turboquant", shape, torch.bfloat16,
+                            num_splits=num_splits, pairs=False, ids_ahead=True)
+
+
 def test_dense_decode_reads_four_kv_heads_a_program_where_they_divide():
     """`decode_gluon.dense_heads` (CPU): four KV heads a program where four divide them, else one (SmolLM2's three
     KV heads, two)."""

@@ -91,9 +91,10 @@ WINDOW_MIN_TOKENS = 32
 DENSE_HEADS = 4
 # The dense decode's block ids a step ahead (`decode_dense_kernel`'s IDS_AHEAD): each loop step loads the block id of
 # the next step's copy, so that no copy waits on a block-table load (218 loop instructions against 215, 118-120
-# registers against 120-123, no spills). Timed on an H100 only (2026-12-06, BENCHMARKS.md session 39, `bench/gluon_probe.py`,
-# two runs, against the kernel as served before and after it): 0.2-1.0% faster at (1, 32768), (64, 8192) and
-# (128, 2048), the same at (32, 4096). Off until an H200 times it (`OUT=$OUT bash bench/h200_run.sh off-ids`).
+# registers against 120-123, no spills). Timed on an H100 only (2026-12-06, BENCHMARKS.md session 39,
+# `bench/gluon_probe.py`, two runs, against the kernel as served before and after it): 0.2-1.0% faster at
+# (1, 32768), (64, 8192) and (128, 2048), the same at (32, 4096). Off until an H200 times it (`OUT=$OUT bash
+# bench/h200_run.sh off-ids`).
 DENSE_IDS_AHEAD = False
 # One-warp programs of a Gluon decode kernel a multiprocessor holds at once, by their registers a lane, for head_dim
 # 128: the register file is four partitions of 16,384, one a scheduler, and a warp's registers lie in one, so
@@ -515,7 +516,16 @@ def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_s
     own runs), the four group scales and zero points of keys and the four scales of values as rows 0, 1, 2 of the
     stage's scale words (masked: zero), the values (3-bit: the units' M words and N bytes, rows of 32 and 16 bytes;
     4-bit: the units' words, rows of 64 bytes). Without SCALES (a probe) the scale words are not copied."""
-    block = block_of(bt_row, start, kv_hi, BLOCK_SIZE, OFFSETS32)
+    copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block_of(bt_row, start, kv_hi, BLOCK_SIZE, OFFSETS32), start,
+                  kv_hi, k_strides, ks_strides, v_strides, vs_strides, k_sm, s_sm, m_sm, n_sm, BLOCK_SIZE, K_BITS,
+                  V_BITS, SCALES)
+
+
+@gluon.jit
+def copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, start, kv_hi, k_strides, ks_strides, v_strides,
+                  vs_strides, k_sm, s_sm, m_sm, n_sm, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
+                  V_BITS: gl.constexpr, SCALES: gl.constexpr):
+    """`copy_tq_step` with the step's page block already loaded (`block_of`)."""
     slot = start % BLOCK_SIZE
     if K_BITS == 8:
         kr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_ROWS))
@@ -626,11 +636,12 @@ def decode_tq_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
-    PROBE: gl.constexpr = 0,
+    PROBE: gl.constexpr = 0, IDS_AHEAD: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. PROBE: one of PROBES'
-    values (0: none)."""
+    values (0: none). IDS_AHEAD (16 keys a step): each loop step loads the block id of the next step's copy."""
+    gl.static_assert(not (IDS_AHEAD and PAIRS), "block ids a step ahead in steps of 16 keys")
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -707,13 +718,21 @@ def decode_tq_kernel(
                 RESCALE=False)
             stage = (stage + 2) % 4
     else:
+        nxt = block_of(bt_row, kv_lo + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)   # (IDS_AHEAD; else unused)
         for start in range(kv_lo, kv_hi, 16):
             ahead = (stage + STAGES - 1) % STAGES
             if PROBE != PROBE_WORK:
-                copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi,
-                             k_strides, ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
-                             m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS,
-                             OFFSETS32=OFFSETS32, SCALES=PROBE != PROBE_CODES)
+                if IDS_AHEAD:
+                    copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, nxt, start + 16 * (STAGES - 1), kv_hi,
+                                  k_strides, ks_strides, v_strides, vs_strides, k_ring.index(ahead),
+                                  s_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS,
+                                  V_BITS, PROBE != PROBE_CODES)
+                    nxt = block_of(bt_row, start + 16 * STAGES, kv_hi, BLOCK_SIZE, OFFSETS32)
+                else:
+                    copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi,
+                                 k_strides, ks_strides, v_strides, vs_strides, k_ring.index(ahead),
+                                 s_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS,
+                                 V_BITS, OFFSETS32=OFFSETS32, SCALES=PROBE != PROBE_CODES)
                 async_copy.wait_group(STAGES - 1)
             if PROBE != PROBE_COPIES and PROBE != PROBE_CODES:
                 s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
@@ -767,12 +786,14 @@ def window_splits(query: torch.Tensor, meta, num_splits: int, window, split: boo
 def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
-                       offsets32: bool | None = None, probe: str | None = None) -> torch.Tensor:
+                       offsets32: bool | None = None, probe: str | None = None,
+                       ids_ahead: bool = False) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
     `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`);
-    `probe`: a timing probe in place of attention (PROBES; 16 keys a step), its output not attention's."""
+    `probe`: a timing probe in place of attention (PROBES; 16 keys a step), its output not attention's;
+    `ids_ahead`: block ids a step ahead (16 keys a step: pass pairs=False for K q4_0 / V q4_0; a probe)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -805,7 +826,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
-        PROBE=PROBES[probe] if probe else 0, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        PROBE=PROBES[probe] if probe else 0, IDS_AHEAD=ids_ahead, num_warps=1,
+        **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
