@@ -341,7 +341,8 @@ h200-pending)   # what sessions on H100s left for an H200, in one call: the deco
     run 120 env FORMAT=turboquant SHAPES='[[100, 1536], [96, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [2, 3], "96": [2, 3], "112": [2, 3], "64": [2, 4], "32": [4, 8]}' \
         VARIANTS='{"lf": {"ordered": true}, "cap96": {"ordered": true, "max_registers": 96}, "ids": {"ordered": true,
-        "ids_ahead": true}}' OUT="$OUT" python bench/gluon_probe.py
+        "ids_ahead": true}, "cap96ids": {"ordered": true, "max_registers": 96, "ids_ahead": true}}' OUT="$OUT" \
+        python bench/gluon_probe.py
     run 150 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "step_ahead"
     ;;
 ncu-splits)   # TurboQuant's decode at two and three splits (NCU_SHAPE, default 100x1536), and its copies-only and
