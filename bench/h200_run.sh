@@ -74,6 +74,14 @@ ncu_decode() {  # ncu_decode FORMAT NCU_OPTIONS...: Nsight Compute on one decode
         --launch-count 1 "$@" python bench/profile_decode.py --formats "$fmt" --shapes "${NCU_SHAPE:-64x8192}" --plain \
         ${NCU_PROBE:+--probe "$NCU_PROBE" --probe-splits "${NCU_PROBE_SPLITS:-2}"}
 }
+off_ids_probe() {  # off_ids_probe LIMIT_SECONDS: the dense decode with block ids a step ahead (DENSE_IDS_AHEAD)
+                  # beside the served kernel before and after it, at the served split counts (bench/gluon_probe.py)
+    run "$1" env FORMAT=off SPLITS='{"1":[128],"32":[4],"64":[2],"128":[1]}' \
+        VARIANTS='{"ring2": {}, "ids": {"ids_ahead": true}, "ring2b": {}}' OUT="$OUT" python bench/gluon_probe.py
+}
+step_ahead_tests() {  # the GPU tests of the decodes with block ids a step ahead (`off`, TurboQuant)
+    run 150 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "step_ahead"
+}
 ncu_reports() {  # ncu_reports NAME [TOP]: $OUT/NAME.ncu-rep's details as NAME.txt; with TOP, also its SASS as
                  # NAME_sass.csv and the TOP instructions of most stall samples (bench/ncu_summary.py)
     local name=$1 top=${2:-}
@@ -320,11 +328,9 @@ h200-cap96)   # TurboQuant at three splits capped at 96 registers (all resident)
     ;;
 off-ids)   # the dense decode loading each copy's block id a step ahead (DENSE_IDS_AHEAD), beside the served kernel
            # before and after it, at the served split counts, twice (H100, session 39: 0.2-1.0% faster, (32, 4096) same)
-    for round in 1 2; do
-        run 120 env FORMAT=off SPLITS='{"1":[128],"32":[4],"64":[2],"128":[1]}' \
-            VARIANTS='{"ring2": {}, "ids": {"ids_ahead": true}, "ring2b": {}}' OUT="$OUT" python bench/gluon_probe.py
-    done
-    run 150 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "step_ahead"
+    off_ids_probe 120
+    off_ids_probe 120
+    step_ahead_tests
     ;;
 h200-pending)   # what sessions on H100s left for an H200, in one call: the decode table as served (issue 10's
                 # kernel targets), the same-memory run (q4 2.5x with session 38's tail rule, TurboQuant 2.0x), `off`
@@ -336,14 +342,13 @@ h200-pending)   # what sessions on H100s left for an H200, in one call: the deco
     run 150 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
         --formats off turboquant q4 --out "$OUT/memory"
     python bench/engine_steps.py "$OUT/memory/engine_memory.json"
-    run 100 env FORMAT=off SPLITS='{"1":[128],"32":[4],"64":[2],"128":[1]}' \
-        VARIANTS='{"ring2": {}, "ids": {"ids_ahead": true}, "ring2b": {}}' OUT="$OUT" python bench/gluon_probe.py
+    off_ids_probe 100
     run 120 env FORMAT=turboquant SHAPES='[[100, 1536], [96, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [2, 3], "96": [2, 3], "112": [2, 3], "64": [2, 4], "32": [4, 8]}' \
         VARIANTS='{"lf": {"ordered": true}, "cap96": {"ordered": true, "max_registers": 96}, "ids": {"ordered": true,
         "ids_ahead": true}, "cap96ids": {"ordered": true, "max_registers": 96, "ids_ahead": true}}' OUT="$OUT" \
         python bench/gluon_probe.py
-    run 150 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "step_ahead"
+    step_ahead_tests
     ;;
 ncu-splits)   # TurboQuant's decode at two and three splits (NCU_SHAPE, default 100x1536), and its copies-only and
               # work-only probes at three: memory, occupancy, stalls side by side

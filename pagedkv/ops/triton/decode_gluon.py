@@ -718,21 +718,18 @@ def decode_tq_kernel(
                 RESCALE=False)
             stage = (stage + 2) % 4
     else:
-        nxt = block_of(bt_row, kv_lo + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)   # (IDS_AHEAD; else unused)
+        if IDS_AHEAD:
+            nxt = block_of(bt_row, kv_lo + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)
         for start in range(kv_lo, kv_hi, 16):
             ahead = (stage + STAGES - 1) % STAGES
             if PROBE != PROBE_WORK:
+                block = nxt if IDS_AHEAD else block_of(bt_row, start + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)
+                copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, start + 16 * (STAGES - 1), kv_hi,
+                              k_strides, ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
+                              m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS,
+                              PROBE != PROBE_CODES)
                 if IDS_AHEAD:
-                    copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, nxt, start + 16 * (STAGES - 1), kv_hi,
-                                  k_strides, ks_strides, v_strides, vs_strides, k_ring.index(ahead),
-                                  s_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS,
-                                  V_BITS, PROBE != PROBE_CODES)
                     nxt = block_of(bt_row, start + 16 * STAGES, kv_hi, BLOCK_SIZE, OFFSETS32)
-                else:
-                    copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi,
-                                 k_strides, ks_strides, v_strides, vs_strides, k_ring.index(ahead),
-                                 s_ring.index(ahead), m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS,
-                                 V_BITS, OFFSETS32=OFFSETS32, SCALES=PROBE != PROBE_CODES)
                 async_copy.wait_group(STAGES - 1)
             if PROBE != PROBE_COPIES and PROBE != PROBE_CODES:
                 s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
@@ -1254,17 +1251,15 @@ def decode_dense_kernel(
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA_W)))
     stage = 0
-    nxt = block_of(bt_row, kv_lo + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)   # (IDS_AHEAD; else unused)
+    if IDS_AHEAD:
+        nxt = block_of(bt_row, kv_lo + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)
     for start in range(kv_lo, kv_hi, 16):
         ahead = (stage + STAGES - 1) % STAGES
+        block = nxt if IDS_AHEAD else block_of(bt_row, start + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)
+        copy_dense_block(k_ptr, v_ptr, block, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
+                         k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
         if IDS_AHEAD:
-            copy_dense_block(k_ptr, v_ptr, nxt, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
-                             k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
             nxt = block_of(bt_row, start + 16 * STAGES, kv_hi, BLOCK_SIZE, OFFSETS32)
-        else:
-            copy_dense_step(k_ptr, v_ptr, bt_row, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
-                            k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W,
-                            OFFSETS32=OFFSETS32)
         async_copy.wait_group(STAGES - 1)
         s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([HEADS, 16, 8], 0.0, gl.float32, MMA_W))
         s = gl.where((start + sr < kv_hi)[None, :, None], s * scale, float("-inf"))
