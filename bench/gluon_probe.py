@@ -17,8 +17,13 @@ of each kernel is then also given as the rate it reads the pages at (SDPA's time
 
 SHAPES (JSON list of [batch, context]) replaces the four target shapes; a batch without its own split counts gets
 half, one and two times the split count that fills PROGRAMS_PER_SM programs per multiprocessor; SPLITS (JSON: batch ->
-split counts) replaces the split counts timed. ORDERED=1 lays each sequence's blocks out in order instead of
-shuffled.
+split counts) replaces the split counts timed, and a variant's own "splits" (the same JSON) replaces them for it.
+ORDERED=1 lays each sequence's blocks out in order instead of shuffled. NAME=x: the results are written as
+gluon_probe_<format>_x.{json,png}.
+
+    FORMAT=off VARIANTS='{"served": {"ordered": true}, "inner": {"ordered": true, "inner": 4, "heads": 2,
+        "splits": {"32": [1], "64": [1]}}}' SPLITS='{"32": [4], "64": [2]}' SHAPES='[[32, 4096], [64, 8192]]' \
+        python bench/gluon_probe.py   # splits inside a program beside the served ones
 """
 import dataclasses
 import json
@@ -97,7 +102,9 @@ def probe(num_seqs: int, seq_len: int, gen: torch.Generator) -> dict:
            "mean_length": sum(lens) / num_seqs, "page_bytes": sum(lens) * layers[0][0].bytes_per_token()}
     row["default_us"] = kb.time_per_call(calls(lambda q, p, f, m: triton_ops.paged_attention(q, p, f, m, scale=kb.SCALE))) * 1e3
     for name, opts in VARIANTS.items():
-        for sp in splits_for(num_seqs):
+        opts = dict(opts)
+        own = opts.pop("splits", {})   # a variant's own split counts: batch -> counts
+        for sp in own.get(str(num_seqs), splits_for(num_seqs)):
             o = launch(queries[0][:k], layers[0][1], layers[0][0], sub, scale=kb.SCALE, num_splits=sp, **opts)
             row[f"gluon_{name}_split{sp}_err"] = kb.rel_err(o, ref)
             row[f"gluon_{name}_split{sp}_us"] = kb.time_per_call(calls(
@@ -152,6 +159,7 @@ def main() -> None:
         rows.append(probe(num_seqs, seq_len, gen))
         torch.cuda.empty_cache()
     name = "gluon_probe_" + re.sub(r"[^A-Za-z0-9]+", "_", FORMAT) + (f"_spread{SPREAD:g}" if SPREAD > 0 else "")
+    name += f"_{os.environ['NAME']}" if os.environ.get("NAME") else ""
     out = Path(os.environ.get("OUT", "bench/results")) / (name + ".json")
     out.write_text(json.dumps(rows, indent=1))
     plot(rows, out.with_suffix(".png"))

@@ -41,6 +41,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh h200-cap96  # TurboQuant, 3 splits at 96 registers beside 2 at 128; work alone
 #   OUT=/some/dir bash bench/h200_run.sh off-ids   # the dense decode with block ids a step ahead beside the served one
 #                                                  # (`decode_gluon.DENSE_IDS_AHEAD`), twice, then its GPU test
+#   OUT=/some/dir bash bench/h200_run.sh off-inner  # the dense decode with its splits inside a program (no reduce
+#                                                  # kernel) beside the served one, twice, then its GPU test
 #   OUT=/some/dir bash bench/h200_run.sh h200-pending  # on an H200, what issue 10's open targets wait for, in one call
 #                                                  # (~9 min): the kernel table, the same-memory run, off-ids, h200-cap96
 #   OUT=/some/dir bash bench/h200_run.sh ncu-splits  # Nsight Compute: TurboQuant's decode at 2 and 3 splits, its probes
@@ -331,6 +333,21 @@ off-ids)   # the dense decode loading each copy's block id a step ahead (DENSE_I
     off_ids_probe 120
     off_ids_probe 120
     step_ahead_tests
+    ;;
+off-inner)   # the dense decode with its splits inside a program (`paged_attention_dense(inner=...)`: warps merge in
+             # shared memory, no reduce kernel) beside the served one and its page kernel alone, twice; then its test
+    run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "inside_a_program"
+    for round in 1 2; do
+        run 150 env FORMAT=off NAME="inner$round" SHAPES='[[32, 4096], [64, 8192], [1, 32768], [128, 2048]]' \
+            SPLITS='{"1": [128], "32": [4], "64": [2], "128": [2]}' VARIANTS='{"served": {"ordered": true},
+            "pages": {"ordered": true, "probe": "pages"},
+            "h2i4": {"ordered": true, "heads": 2, "inner": 4, "splits": {"1": [32], "32": [1], "64": [1], "128": [1]}},
+            "h1i4": {"ordered": true, "heads": 1, "inner": 4, "splits": {"1": [32], "32": [1], "64": [1], "128": [1]}},
+            "h4i2": {"ordered": true, "heads": 4, "inner": 2, "splits": {"1": [64], "32": [1, 2], "64": [1], "128": [1]}},
+            "h2i2": {"ordered": true, "heads": 2, "inner": 2, "splits": {"1": [64], "32": [1, 2], "64": [1], "128": [1]}},
+            "h1i2": {"ordered": true, "heads": 1, "inner": 2, "splits": {"1": [64], "32": [1, 2], "64": [1], "128": [1]}}}' \
+            OUT="$OUT" python bench/gluon_probe.py
+    done
     ;;
 h200-pending)   # what sessions on H100s left for an H200, in one call: the decode table as served (issue 10's
                 # kernel targets), the same-memory run (q4 2.5x with session 38's tail rule, TurboQuant 2.0x), `off`

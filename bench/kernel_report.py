@@ -7,6 +7,7 @@
     python bench/kernel_report.py --sass-digest > before.txt   # a hash of each decode kernel's SASS
     python bench/kernel_report.py --gluon-offsets   # the Gluon decode kernels, page offsets in 64 and in 32 bits
     python bench/kernel_report.py --gluon-copies    # TurboQuant's Gluon decode and its copies-only / work-only probes
+    python bench/kernel_report.py --gluon-inner     # the dense decode with its splits inside a program
     python bench/kernel_report.py --gluon-ids-ahead # off and TurboQuant decodes with block ids loaded a step ahead
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
@@ -444,6 +445,9 @@ def main() -> None:
     parser.add_argument("--gluon-ids-ahead", action="store_true",
                         help="print (JSON) the dense Gluon decode kernel (head_dim 64 and 128) and the TurboQuant ones (16 "
                              "keys a step) with block ids loaded a step ahead and without (`ids_ahead`), 4 splits")
+    parser.add_argument("--gluon-inner", action="store_true",
+                        help="print (JSON) the dense Gluon decode kernel (head_dim 64 and 128) as served (4 splits) "
+                             "and with its splits inside a program (`inner`: 2 heads x 4 warps, 1 and 4 splits)")
     parser.add_argument("--gluon-prefill", action="store_true",
                         help="print (JSON) the Gluon prefill kernel's registers, spills, shared memory and opcodes "
                              "(head_dim 64 and 128, both 16-bit dtypes; blocks of 16 and 64)")
@@ -458,6 +462,12 @@ def main() -> None:
             for ids_ahead in (False, True):
                 row = gluon_report(head_dim, torch.bfloat16, 4, spec, ids_ahead=ids_ahead, **options)
                 print(json.dumps({**row, "ids_ahead": ids_ahead}), flush=True)
+        return
+    if args.gluon_inner:
+        for head_dim in (64, 128):
+            for inner, heads, splits in ((1, None, 4), (4, 2, 1), (4, 2, 4)):
+                row = gluon_report(head_dim, torch.bfloat16, splits, "off", ordered=True, inner=inner, heads=heads)
+                print(json.dumps({**row, "inner": inner}), flush=True)
         return
     if args.gluon_offsets:
         for spec in ("q8", "q4", "q6", "turboquant", "turboquant:k=q4_0,v=q4_0", "off"):

@@ -179,6 +179,20 @@ def test_dense_decode_with_kv_heads_together_matches_reference(shape, heads, num
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads,inner", [(1, 2), (1, 4), (2, 2), (2, 4)])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
+def test_dense_decode_with_splits_inside_a_program_matches_reference(shape, heads, inner, num_splits, dtype):
+    """`paged_attention_dense(inner=...)` (`decode_dense_inner_kernel`): each program's keys split again among its
+    warps and merged in the program, with and without splits across programs (uneven and empty inner splits: the
+    batch's sequences hold 0 to 300 keys)."""
+    check_against_reference(hash(("inner", shape)) % 1000, "off", "off", shape, dtype, num_splits=num_splits,
+                            heads=min(heads, shape[1]), inner=inner)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
 def test_dense_decode_with_block_ids_a_step_ahead_matches_reference(shape, num_splits, dtype):
     """`decode_gluon.DENSE_IDS_AHEAD` (a copy's block id loaded a step before it): attention as the reference's."""

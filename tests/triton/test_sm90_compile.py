@@ -187,6 +187,26 @@ def test_decodes_with_block_ids_a_step_ahead_compile_to_the_same_copies_without_
         assert served["loop_ops"]["LDG"] == 1, served
 
 
+def test_the_dense_decode_with_splits_inside_a_program_keeps_the_loop_without_spills():
+    """`paged_attention_dense(inner=4, heads=2)` (`decode_dense_inner_kernel`): each warp's loop issues the served
+    kernel's copies, block-id load and matrix products a step and spills nothing; at head_dim 128 (the one timed) it
+    fits no fewer programs by its registers (at 64 its merge takes 94-96 registers against 80); its eight warps'
+    rings take twice the shared memory of the served four."""
+    r = kernel_report("--gluon-inner")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [(row["head_dim"], row["inner"], row["num_splits"]) for row in rows] == [
+        (d, inner, splits) for d in (64, 128) for inner, splits in ((1, 4), (4, 1), (4, 4))]
+    for served, one, split in zip(rows[::3], rows[1::3], rows[2::3]):
+        for inner in (one, split):
+            assert inner["spill_bytes"] == 0, inner
+            if served["head_dim"] == 128:
+                assert resident_programs(inner["registers"]) >= resident_programs(served["registers"]), (served, inner)
+            for op in ("LDG", "LDGSTS", "HMMA", "LDSM"):
+                assert inner["loop_ops"].get(op) == served["loop_ops"].get(op), (op, served, inner)
+            assert inner["shared_bytes"] == 2 * served["shared_bytes"], (served, inner)
+
+
 def test_the_probes_split_a_turboquant_step_into_its_copies_and_its_work():
     """`paged_attention_tq`'s probes (`bench/gluon_probe.py`): with probe="copies" the loop issues the same copies and
     waits as the kernel, and none of its matrix products, look-ups or softmax; with probe="work" the same matrix

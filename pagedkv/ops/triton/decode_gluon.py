@@ -1289,6 +1289,137 @@ def decode_dense_kernel(
         gl.store(o_at, (acc * inv[:, None, :]).to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
+@gluon.jit
+def copy_dense_warps(k_ptr, v_ptr, bt_row, start, hi, head, k_strides, v_strides, k_sm, v_sm, HEAD_DIM: gl.constexpr,
+                     BLOCK_SIZE: gl.constexpr, COPY_W: gl.constexpr, OFFSETS32: gl.constexpr):
+    """`copy_dense_step` where each warp reads its own keys: warp w head `head[w]`'s rows of the 16 keys from
+    `start[w]` (masked zero from `hi[w]` on), each warp's block id loaded for it."""
+    block = gl.load(bt_row + start // BLOCK_SIZE, mask=start < hi, other=0)
+    if not OFFSETS32:
+        block = block.to(gl.int64)
+    slot = start % BLOCK_SIZE
+    r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_W)))
+    c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_W)))
+    ok = (start[:, None] + r[None, :] < hi[:, None])[:, :, None]
+    row = slot[:, None] + r[None, :]
+    k_rows = block[:, None] * k_strides[0] + head[:, None] * k_strides[2] + row * k_strides[1]
+    v_rows = block[:, None] * v_strides[0] + head[:, None] * v_strides[2] + row * v_strides[1]
+    async_copy.async_copy_global_to_shared(k_sm, k_ptr + k_rows[:, :, None] + c[None, None, :], ok)
+    async_copy.async_copy_global_to_shared(v_sm, v_ptr + v_rows[:, :, None] + c[None, None, :], ok)
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
+def decode_dense_inner_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, token_order_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides,
+    num_seqs, num_splits, qk_scale,
+    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    SPLIT: gl.constexpr, HEADS: gl.constexpr, INNER: gl.constexpr, MMA_W: gl.constexpr, COPY_W: gl.constexpr,
+    PLAIN_W: gl.constexpr, STAGES: gl.constexpr = 2, PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
+    OFFSETS32: gl.constexpr = False,
+):
+    """`decode_dense_kernel` with each program's keys split again INNER ways inside it: HEADS x INNER warps,
+    warp h * INNER + s reading head h's keys of inner split s (`copy_dense_warps`), every warp the same number of
+    16-key steps; the warps of a head merge their states through shared memory at the end, so without outer splits
+    (SPLIT) the program writes the output itself and no reduce kernel runs after it."""
+    launch_dependents(PDL)
+    token, head_group, split = program_coords(token_order_ptr, ORDERED)
+    head0 = head_group * HEADS
+    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
+    DT: gl.constexpr = k_ptr.dtype.element_ty
+    W: gl.constexpr = HEADS * INNER
+    A_W: gl.constexpr = gl.DotOperandLayout(0, MMA_W, 2)
+    B_W: gl.constexpr = gl.DotOperandLayout(1, MMA_W, 2)
+
+    kv_lo, kv_hi = split_range(q_pos + 1, split, num_splits)
+    chunk = gl.cdiv(gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), INNER), 16) * 16   # each inner split's keys
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+    k_ptr += head0.to(gl.int64) * k_strides[2]
+    v_ptr += head0.to(gl.int64) * v_strides[2]
+
+    wc = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_W)))   # warp w's keys, as the copies see
+    lo_c = kv_lo + (wc % INNER) * chunk
+    hi_c = gl.minimum(lo_c + chunk, kv_hi)
+    head_c = wc // INNER
+    wm = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA_W)))    # and as the scores see them
+    lo_m = kv_lo + (wm % INNER) * chunk
+    hi_m = gl.minimum(lo_m + chunk, kv_hi)
+
+    RING: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
+    k_ring = gl.allocate_shared_memory(DT, [STAGES, W, 16, HEAD_DIM], RING)
+    v_ring = gl.allocate_shared_memory(DT, [STAGES, W, 16, HEAD_DIM], RING)
+    for st in gl.static_range(STAGES - 1):
+        copy_dense_warps(k_ptr, v_ptr, bt_row, lo_c + 16 * st, hi_c, head_c, k_strides, v_strides, k_ring.index(st),
+                         v_ring.index(st), HEAD_DIM, BLOCK_SIZE, COPY_W, OFFSETS32)
+
+    qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, PLAIN_W)))
+    qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, PLAIN_W)))
+    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, PLAIN_W)))
+    q_head = (head0 + qw[:, None, None] // INNER) * GROUP + qh[None, None, :]
+    q_at = q_ptr + token.to(gl.int64) * stride_qt + q_head * stride_qh + qc[None, :, None]
+    qt = gl.load(q_at, mask=(qh < GROUP)[None, None, :], other=0.0)
+    qt = gl.convert_layout(qt.to(DT), B_W)
+
+    acc = gl.full([W, HEAD_DIM, 8], 0.0, gl.float32, MMA_W)
+    m_i = gl.full([W, 8], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_W))
+    l_i = gl.full([W, 8], 0.0, gl.float32, gl.SliceLayout(1, MMA_W))
+    scale = qk_scale * LOG2E
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA_W)))
+    stage = 0
+    for i in range(0, chunk // 16):
+        ahead = (stage + STAGES - 1) % STAGES
+        copy_dense_warps(k_ptr, v_ptr, bt_row, lo_c + 16 * (i + STAGES - 1), hi_c, head_c, k_strides, v_strides,
+                         k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, COPY_W, OFFSETS32)
+        async_copy.wait_group(STAGES - 1)
+        s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([W, 16, 8], 0.0, gl.float32, MMA_W))
+        key = (lo_m + 16 * i)[:, None] + sr[None, :]
+        s = gl.where((key < hi_m[:, None])[:, :, None], s * scale, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
+        pt = transpose_p_heads(p.to(DT), B_W)
+        acc = mma_v2(v_ring.index(stage).permute((0, 2, 1)).load(A_W), pt, acc * alpha[:, None, :])
+        stage = (stage + 1) % STAGES
+    async_copy.wait_group(0)
+
+    # merge each head's INNER states: [HEADS, INNER, ...] with a head's inner splits in one lane's registers
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    acc_sm = gl.allocate_shared_memory(gl.float32, [W, HEAD_DIM, 8], FLAT, acc)
+    m_sm = gl.allocate_shared_memory(gl.float32, [W, 8], FLAT2, m_i)
+    l_sm = gl.allocate_shared_memory(gl.float32, [W, 8], FLAT2, l_i)
+    gl.thread_barrier()
+    L4: gl.constexpr = gl.BlockedLayout([1, INNER, 1, 1], [1, 1, 4, 8], [HEADS, 1, INNER, 1], [3, 2, 1, 0])
+    L3: gl.constexpr = gl.SliceLayout(2, L4)          # [HEADS, INNER, 8]
+    m = m_sm.reshape([HEADS, INNER, 8]).load(L3)
+    l = l_sm.reshape([HEADS, INNER, 8]).load(L3)
+    m_max = gl.max(m, axis=1)
+    w = gl.exp2(m - gl.where(m_max == float("-inf"), 0.0, m_max)[:, None, :])
+    l_sum = gl.sum(w * l, axis=1)
+    if not SPLIT:
+        w = w / gl.where(l_sum > 0, l_sum, 1.0)[:, None, :]
+    o = gl.sum(acc_sm.reshape([HEADS, INNER, HEAD_DIM, 8]).load(L4) * gl.expand_dims(w, 2), axis=1)
+
+    O3: gl.constexpr = gl.SliceLayout(1, L4)          # [HEADS, HEAD_DIM, 8]
+    ow = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, O3)))
+    oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, O3)))
+    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, O3)))
+    head = (head0 + ow[:, None, None]) * GROUP + oh[None, None, :]
+    h_ok = (oh < GROUP)[None, None, :]
+    if SPLIT:
+        M2: gl.constexpr = gl.SliceLayout(1, L3)
+        mw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, M2))
+        mh = gl.arange(0, 8, layout=gl.SliceLayout(0, M2))
+        m_state = (token.to(gl.int64) * NUM_Q_HEADS + (head0 + mw[:, None]) * GROUP + mh[None, :]) * num_splits + split
+        gl.store(part_m_ptr + m_state, m_max, mask=(mh < GROUP)[None, :])
+        gl.store(part_l_ptr + m_state, l_sum, mask=(mh < GROUP)[None, :])
+        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
+        gl.store(part_out_ptr + state * HEAD_DIM + oc[None, :, None], o, mask=h_ok)
+    else:
+        o_at = out_ptr + token.to(gl.int64) * stride_ot + head * stride_oh + oc[None, :, None]
+        gl.store(o_at, o.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
 def supports_dense(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None,
                    window=None) -> bool:
     """Whether `paged_attention_dense` reads this decode: dense pages of the query's 16-bit dtype, head_dim 64 or
@@ -1306,11 +1437,13 @@ def dense_heads(num_kv_heads: int) -> int:
 def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                           num_splits: int = 1, stages: int = STAGES, heads: int | None = None,
                           ordered: bool | None = None, offsets32: bool | None = None,
-                          ids_ahead: bool | None = None) -> torch.Tensor:
+                          ids_ahead: bool | None = None, inner: int = 1, probe: str | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
     dtype). `heads`: KV heads a program reads, a warp each (by default `dense_heads`); `ordered`: the launch order
     (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`); `ids_ahead`: block ids a step
-    ahead (None: DENSE_IDS_AHEAD)."""
+    ahead (None: DENSE_IDS_AHEAD); `inner`: each program's keys split again this many ways among its warps
+    (`decode_dense_inner_kernel`: heads x inner warps, merged in the program). `probe="pages"` (timing only):
+    the page kernel without the split reduce after it (the output is not attention)."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, partial_states, reduce_splits
@@ -1329,16 +1462,21 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
         return out
     split = num_splits > 1
     parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
+    if probe not in (None, "pages"):
+        raise ValueError(f"probe={probe!r}: the dense decode's only probe is 'pages'")
     grid, order, ordered = launch_grid(query, meta, view.num_kv_heads // heads, num_splits, ordered)
-    decode_dense_kernel[grid](
-        out, *parts, query, view.k, view.v, meta.block_table, meta.seq_lens, meta.query_start_loc, order,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-        stride3(view.k), stride3(view.v), meta.block_table.shape[0], num_splits, float(scale),
-        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=meta.block_size, SPLIT=split, HEADS=heads, **dense_head_layouts(heads), STAGES=stages,
-        PDL=split and dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
-        IDS_AHEAD=DENSE_IDS_AHEAD if ids_ahead is None else ids_ahead, num_warps=heads)
-    if split:
+    args = (out, *parts, query, view.k, view.v, meta.block_table, meta.seq_lens, meta.query_start_loc, order,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+            stride3(view.k), stride3(view.v), meta.block_table.shape[0], num_splits, float(scale))
+    common = dict(NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, HEAD_DIM=head_dim,
+                  BLOCK_SIZE=meta.block_size, SPLIT=split, HEADS=heads, **dense_head_layouts(heads * inner),
+                  STAGES=stages, PDL=split and probe is None and dependent_launch(query.device), ORDERED=ordered,
+                  OFFSETS32=offsets_in_32_bits(offsets32, view), num_warps=heads * inner)
+    if inner > 1:
+        decode_dense_inner_kernel[grid](*args, INNER=inner, **common)
+    else:
+        decode_dense_kernel[grid](*args, IDS_AHEAD=DENSE_IDS_AHEAD if ids_ahead is None else ids_ahead, **common)
+    if split and probe is None:
         reduce_splits(out, parts, view)
     return out
 
