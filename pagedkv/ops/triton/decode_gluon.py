@@ -1382,7 +1382,9 @@ def decode_dense_inner_kernel(
         stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
-    # merge each head's INNER states: [HEADS, INNER, ...] with a head's inner splits in one lane's registers
+    # merge each head's INNER states: [HEADS, INNER, ...] with a head's inner splits in one lane's registers; the
+    # merge's buffers may reuse the rings, so every warp's last copies land and its reads end first
+    gl.thread_barrier()
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     acc_sm = gl.allocate_shared_memory(gl.float32, [W, HEAD_DIM, 8], FLAT, acc)
