@@ -335,9 +335,10 @@ off-ids)   # the dense decode loading each copy's block id a step ahead (DENSE_I
     step_ahead_tests
     ;;
 off-inner)   # the dense decode with its splits inside a program (`paged_attention_dense(inner=...)`: warps merge in
-             # shared memory, no reduce kernel) beside the served one and its page kernel alone, twice; then its test
+             # shared memory, no reduce kernel) beside the served one and its page kernel alone, twice (ROUNDS=n: n
+             # times), after its GPU test
     run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py -k "inside_a_program"
-    for round in 1 2; do
+    for round in $(seq "${ROUNDS:-2}"); do
         run 150 env FORMAT=off NAME="inner$round" SHAPES='[[32, 4096], [64, 8192], [1, 32768], [128, 2048]]' \
             SPLITS='{"1": [128], "32": [4], "64": [2], "128": [2]}' VARIANTS='{"served": {"ordered": true},
             "pages": {"ordered": true, "probe": "pages"},
