@@ -220,6 +220,31 @@ def test_dense_decode_reads_four_kv_heads_a_program_where_they_divide():
     assert decode_gluon.dense_heads(3) == decode_gluon.dense_heads(2) == 1
 
 
+def test_the_dense_decode_serves_up_to_four_splits_inside_a_program():
+    """`decode_gluon.dense_plan` (CPU): one split stays one program of four heads; two to four go inside a program (a
+    power of two of them at least the splits asked for), more across programs too; programs of four warps (as many
+    as the splits across programs made before), or eight where those fill their last wave of 132 multiprocessors
+    at least 90% (issue 10's shapes: (32, 4096) at 4 splits, (64, 8192) at 2, (128, 2048) at 2, one sequence at 128),
+    not the same-memory run's 40 sequences at 3 (160 programs of eight: 1.2 waves) or 48 at 2 (96); SmolLM2's three
+    KV heads one a program."""
+    from pagedkv.ops.triton import decode_gluon
+
+    def plan(kv, s, tokens=0, head_dim=128, sms=132):
+        return decode_gluon.dense_plan(kv, s, tokens, head_dim, sms)
+
+    assert plan(8, 1, 32) == (4, 1, 1)
+    assert [plan(8, s, 40) for s in (2, 3, 4, 5, 8, 128)] == [(2, 2, 1), (1, 4, 1), (1, 4, 1), (1, 4, 2), (1, 4, 2),
+                                                             (1, 4, 32)]
+    assert [plan(8, s, b) for b, s in ((32, 4), (64, 2), (128, 2), (1, 128))] == [(2, 4, 1), (4, 2, 1), (4, 2, 1),
+                                                                              (2, 4, 32)]
+    assert [plan(8, s, b) for b, s in ((40, 3), (48, 2), (33, 4))] == [(1, 4, 1), (2, 2, 1), (2, 4, 1)]
+    assert plan(8, 4, 32, head_dim=64) == plan(8, 4, 32, sms=0) == (1, 4, 1)
+    assert [plan(3, s, 32) for s in (1, 2, 4, 6)] == [(1, 1, 1), (1, 2, 1), (1, 4, 1), (1, 4, 2)]
+    for kv, s, b in ((8, 2, 7), (8, 4, 32), (3, 4, 5), (2, 3, 64)):
+        heads, inner, outer = plan(kv, s, b)
+        assert kv % heads == 0 and heads * inner <= 8 and inner * outer >= s
+
+
 def test_the_default_gluon_kernels_are_the_timed_ones_and_only_where_they_read():
     """`decode_gluon.launcher` (CPU: shapes and options only): q8, q6, q4, TurboQuant and `off` decode by default
     (DEFAULT_KERNELS, each timed faster), each with its split target; nothing with rotated KV-Quant keys, a window,

@@ -96,6 +96,18 @@ DENSE_HEADS = 4
 # (1, 32768), (64, 8192) and (128, 2048), the same at (32, 4096). Off until an H200 times it (`OUT=$OUT bash
 # bench/h200_run.sh off-ids`).
 DENSE_IDS_AHEAD = False
+# The dense decode's splits inside a program (`decode_dense_inner_kernel`, `dense_plan`): where the split rule asks
+# for s > 1 key ranges, a program's warps read min(s, DENSE_INNER_MAX) of them (rounded up to a power of two) and
+# merge in shared memory, so that up to DENSE_INNER_MAX splits need no reduce kernel after the page kernel. A program
+# is four warps (the served kernel's before: as many programs, as many resident), or eight (twice the heads, one
+# resident a multiprocessor at head_dim 128) where those fill their last wave of multiprocessors at least
+# DENSE_WAVE_FILL full. Timed on an H100 (2026-12-06, BENCHMARKS.md session 40, `bash bench/h200_run.sh off-inner`,
+# two runs), us, splits across programs as served before / eight warps / four warps (SDPA): (32, 4096) 177 / 174 /
+# 174 (172), (64, 8192) 679 / 675 / 676-677 (675), (128, 2048) 353 / 343-344 / 348 (343), one sequence of 32,768
+# tokens 50.0-50.2 / 49.2-49.4 / 48.9-49.1 at 32 x 4 splits (50.0)
+DENSE_INNER = True
+DENSE_INNER_MAX = 4
+DENSE_WAVE_FILL = 0.9
 # One-warp programs of a Gluon decode kernel a multiprocessor holds at once, by their registers a lane, for head_dim
 # 128: the register file is four partitions of 16,384, one a scheduler, and a warp's registers lie in one, so
 # 4 x (16,384 // (32 x registers in steps of 8)) -- not 65,536 // (32 x registers): Nsight Compute's block limit
@@ -1436,16 +1448,38 @@ def dense_heads(num_kv_heads: int) -> int:
     return DENSE_HEADS if num_kv_heads % DENSE_HEADS == 0 else 1
 
 
+def dense_plan(num_kv_heads: int, num_splits: int, num_tokens: int = 0, head_dim: int = 128,
+               num_sms: int = 0) -> tuple[int, int, int]:
+    """(KV heads a program, splits inside it, splits across programs) of the dense decode served for `num_tokens`
+    query tokens at the split count `num_splits` the split rule gives (DENSE_INNER): one split stays one; more go
+    inside a program, up to DENSE_INNER_MAX (a power of two, at least the splits asked for where they fit), the rest
+    across programs; eight warps a program where at head_dim 128 they fill their last wave of `num_sms`
+    multiprocessors DENSE_WAVE_FILL full, else four."""
+    heads = dense_heads(num_kv_heads)
+    if not DENSE_INNER or num_splits < 2:
+        return heads, 1, num_splits
+    inner = 1 << (min(num_splits, DENSE_INNER_MAX) - 1).bit_length()
+    outer = -(-num_splits // inner)
+    wide = max(1, min(heads, 8 // inner))
+    waves = num_tokens * (num_kv_heads // wide) * outer / max(num_sms, 1)
+    if head_dim == 128 and num_sms and (waves % 1 == 0 or waves % 1 >= DENSE_WAVE_FILL):
+        return wide, inner, outer
+    return max(1, min(heads, 4 // inner)), inner, outer
+
+
 def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                           num_splits: int = 1, stages: int = STAGES, heads: int | None = None,
                           ordered: bool | None = None, offsets32: bool | None = None,
-                          ids_ahead: bool | None = None, inner: int = 1, probe: str | None = None) -> torch.Tensor:
+                          ids_ahead: bool | None = None, inner: int | None = None,
+                          probe: str | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
     dtype). `heads`: KV heads a program reads, a warp each (by default `dense_heads`); `ordered`: the launch order
     (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`); `ids_ahead`: block ids a step
     ahead (None: DENSE_IDS_AHEAD); `inner`: each program's keys split again this many ways among its warps
-    (`decode_dense_inner_kernel`: heads x inner warps, merged in the program). `probe="pages"` (timing only):
-    the page kernel without the split reduce after it (the output is not attention)."""
+    (`decode_dense_inner_kernel`: heads x inner warps, merged in the program; `num_splits` then counts the splits
+    across programs). With none of `heads`, `inner` and `ids_ahead` given, `num_splits` is the split rule's count
+    and `dense_plan` serves it. `probe="pages"` (timing only): the page kernel without the split reduce after it (the
+    output is not attention)."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, partial_states, reduce_splits
@@ -1455,7 +1489,15 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
     if view.k.dtype != query.dtype:
         raise ValueError(f"the Gluon dense decode reads pages of the query's dtype: pages {view.k.dtype}, "
                          f"query {query.dtype}")
+    if heads is None and inner is None and not ids_ahead:
+        from .tuning import multiprocessor_count
+
+        sms = multiprocessor_count(query.device.index or 0) if query.device.type == "cuda" else 0
+        heads, inner, num_splits = dense_plan(view.num_kv_heads, num_splits, query.shape[0], query.shape[2], sms)
     heads = dense_heads(view.num_kv_heads) if heads is None else heads
+    inner = 1 if inner is None else inner
+    if inner < 1 or inner & (inner - 1):
+        raise ValueError(f"inner={inner}: splits inside a program come in powers of two")
     if view.num_kv_heads % heads:
         raise ValueError(f"heads={heads} must divide the pages' {view.num_kv_heads} KV heads")
     num_tokens, num_q_heads, head_dim = query.shape
