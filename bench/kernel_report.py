@@ -207,7 +207,8 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
     ops = loop_ops(sass_loops(sass)[0])
     return {"format": spec, "head_dim": head_dim, "dtype": str(dtype), "num_splits": num_splits, "window": window,
             "keys_per_step": 32 if launches.options[0].get("PAIRS", False) else 16,
-            "kv_heads_per_program": launches.options[0].get("HEADS", 1), **ptxas_usage(info),
+            "kv_heads_per_program": launches.options[0].get("HEADS", 1),
+            "inner_splits": launches.options[0].get("INNER", 1), **ptxas_usage(info),
             "shared_bytes": kernel.metadata.shared, "loop_ops": dict(ops)}
 
 
@@ -286,7 +287,8 @@ def dependent_launch_report() -> dict:
     """The grid-dependency instructions of the kernels of a split decode launched as programmatic dependents
     (`split_k.dependent_launch`, as on an sm_90 GPU), compiled for sm_90: kernel name -> its griddepcontrol lines,
     whether it is launched as a dependent and whether they follow all of its global stores.
-    A K q4_0 / V q4_0 decode with a dense recent window (page kernel, window kernel, reduce) and a dense one."""
+    A K q4_0 / V q4_0 decode with a dense recent window (page kernel, window kernel, reduce) and a dense one (eight
+    splits: four inside each program, two across)."""
     from pagedkv.ops.triton import decode_gluon, split_k
 
     found = {}
@@ -299,7 +301,8 @@ def dependent_launch_report() -> dict:
             q = torch.empty(64, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
             launch, _ = decode_gluon.launcher(fmt, q, BLOCK_SIZE, kernels=decode_gluon.KERNELS)
             with _CompileOnly() as launches:
-                launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=4,
+                # `off` serves up to four splits inside a program (`decode_gluon.dense_plan`): eight take a reduce
+                launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=8 if spec == "off" else 4,
                        **({"window": rings} if window else {}))
             for kernel, options in zip(launches.compiled, launches.options):
                 ptx = kernel.asm["ptx"].splitlines()
@@ -472,7 +475,8 @@ def main() -> None:
     if args.gluon_offsets:
         for spec in ("q8", "q4", "q6", "turboquant", "turboquant:k=q4_0,v=q4_0", "off"):
             for offsets32 in (False, True):
-                row = gluon_report(128, torch.bfloat16, 4, spec, ordered=True, offsets32=offsets32)
+                row = gluon_report(128, torch.bfloat16, 4, spec, ordered=True, offsets32=offsets32,
+                                   **({"inner": 1} if spec == "off" else {}))
                 print(json.dumps({**row, "offsets32": offsets32}), flush=True)
         return
     if args.gluon_copies:

@@ -110,8 +110,11 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
     tq44 = "turboquant:k=q4_0,v=q4_0"
     assert [row["format"] for row in rows] == (["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2 + ["q6"] * 2
                                                + ["off"] * 4 + ["q8", "turboquant", "q4"]), r.stdout
-    # `off` reads four KV heads a program by default (decode_gluon.DENSE_HEADS, a warp each), one in the last two
-    assert [row["kv_heads_per_program"] for row in rows if row["format"] == "off"] == [4, 4, 1, 1], r.stdout
+    # `off` at 4 splits serves them inside a program of four warps, one KV head's keys split four ways
+    # (`decode_gluon.dense_plan`: eight-warp programs only where a GPU's multiprocessors are known); the last two
+    # rows are the splits across programs, one KV head a program
+    assert [(row["kv_heads_per_program"], row["inner_splits"]) for row in rows if row["format"] == "off"] == [
+        (1, 4), (1, 4), (1, 1), (1, 1)], r.stdout
     # with a dense recent window the pages' splits only end earlier: the same loop, but for a few instructions of
     # index arithmetic the compiler places differently (within 1% of the loop)
     loop = {(row["format"], row["head_dim"], row["dtype"], row["window"]): row["loop_ops"] for row in rows}
@@ -155,8 +158,9 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
 
 def test_page_offsets_in_32_bits_shorten_every_gluon_decode_loop_without_spills():
     """`decode_gluon.offsets_in_32_bits`: a block's offset as an int32 product (pages of fewer than 2^31 elements)
-    takes fewer instructions a loop step than the int64 one in every Gluon decode kernel, with no spills and no
-    fewer programs a multiprocessor by their registers (`resident_programs`)."""
+    takes fewer instructions a loop step than the int64 one in every Gluon decode kernel (`off`'s with its splits
+    across programs, as timed), with no spills and no fewer programs a multiprocessor by their registers
+    (`resident_programs`)."""
     r = kernel_report("--gluon-offsets")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
@@ -253,7 +257,7 @@ def test_a_split_decode_launches_its_window_and_reduce_kernels_as_dependents():
     assert r.returncode == 0, r.stdout + r.stderr
     found = json.loads(r.stdout.strip().splitlines()[-1])
     tq = "turboquant:k=q4_0,v=q4_0/"
-    for name in (tq + "decode_tq_kernel", "off/decode_dense_kernel"):
+    for name in (tq + "decode_tq_kernel", "off/decode_dense_inner_kernel"):
         assert found[name]["lines"] == ["griddepcontrol.launch_dependents"] and not found[name]["launch_pdl"], found
         assert not found[name]["after_stores"], found[name]   # at the start
     assert found[tq + "ring_partial_kernel"] == {"lines": ["griddepcontrol.wait"], "launch_pdl": True,
