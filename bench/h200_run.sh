@@ -43,7 +43,8 @@
 #                                                  # (`decode_gluon.DENSE_IDS_AHEAD`), twice, then its GPU test
 #   OUT=/some/dir bash bench/h200_run.sh off-inner  # the dense decode with its splits inside a program (no reduce
 #                                                  # kernel) beside the served one, twice, then its GPU test
-#   OUT=/some/dir bash bench/h200_run.sh off-served  # the dense decode as served: GPU tests, table row, probe
+#   OUT=/some/dir bash bench/h200_run.sh off-served  # the dense decode laid out by dense_plan: GPU tests, table
+#                                                  # row with it on, probe beside the splits across programs
 #   OUT=/some/dir bash bench/h200_run.sh h200-pending  # on an H200, what issue 10's open targets wait for, in one call
 #                                                  # (~9 min): the kernel table, the same-memory run, off-ids, h200-cap96
 #   OUT=/some/dir bash bench/h200_run.sh ncu-splits  # Nsight Compute: TurboQuant's decode at 2 and 3 splits, its probes
@@ -351,15 +352,17 @@ off-inner)   # the dense decode with its splits inside a program (`paged_attenti
             OUT="$OUT" python bench/gluon_probe.py
     done
     ;;
-off-served)   # the dense decode as served (splits inside a program, `decode_gluon.dense_plan`): its GPU tests, the
-              # kernel table's `off` row, and the probe beside the splits across programs served before
+off-served)   # the dense decode laid out by `decode_gluon.dense_plan` (splits inside a program; DENSE_INNER, off until
+              # an H200 times it): its GPU tests, the kernel table's `off` row with it on, and the probe beside the
+              # splits across programs (served today) at the table's shapes and two of the same-memory run's batches
     run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py tests/triton/test_triton_cuda_graph.py \
-        tests/test_longest_first.py -k "off-off or inside_a_program or kv_heads_together or token_order or cuda_graph \
-        or longest"
-    run 150 python bench/kernel_bench.py --formats off --skip prefill,write --out "$OUT/kernels_off"
-    run 120 env FORMAT=off NAME=served SHAPES='[[32, 4096], [64, 8192], [1, 32768], [128, 2048], [40, 1536], [48, 1536]]' \
+        -k "inside_a_program or off-off or replays"
+    run 150 python -c "import runpy, sys; from pagedkv.ops.triton import decode_gluon; decode_gluon.DENSE_INNER = True
+sys.argv = ['kernel_bench.py', '--formats', 'off', '--skip', 'prefill,write', '--out', '$OUT/kernels_off_plan']
+runpy.run_path('bench/kernel_bench.py', run_name='__main__')"
+    run 120 env FORMAT=off NAME=plan SHAPES='[[32, 4096], [64, 8192], [1, 32768], [128, 2048], [40, 1536], [48, 1536]]' \
         SPLITS='{"1": [128], "32": [4], "64": [2], "128": [2], "40": [3], "48": [2]}' \
-        VARIANTS='{"across": {"ordered": true, "inner": 1}, "plan": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+        VARIANTS='{"across": {"ordered": true}, "plan": {"ordered": true, "plan": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
 h200-pending)   # what sessions on H100s left for an H200, in one call: the decode table as served (issue 10's
                 # kernel targets), the same-memory run (q4 2.5x with session 38's tail rule, TurboQuant 2.0x), `off`

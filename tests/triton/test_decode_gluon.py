@@ -192,6 +192,18 @@ def test_dense_decode_with_splits_inside_a_program_matches_reference(shape, head
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
+def test_dense_decode_laid_out_inside_a_program_matches_reference(shape, num_splits, dtype):
+    """`paged_attention_dense(plan=True)` (`decode_gluon.dense_plan`, served where DENSE_INNER): the split rule's
+    count laid out inside programs (and across them past four), attention as the reference's."""
+    check_against_reference(hash(("plan", shape)) % 1000, "off", "off", shape, dtype, num_splits=num_splits,
+                            plan=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
 def test_dense_decode_with_block_ids_a_step_ahead_matches_reference(shape, num_splits, dtype):
@@ -220,11 +232,11 @@ def test_dense_decode_reads_four_kv_heads_a_program_where_they_divide():
     assert decode_gluon.dense_heads(3) == decode_gluon.dense_heads(2) == 1
 
 
-def test_the_dense_decode_serves_up_to_four_splits_inside_a_program():
-    """`decode_gluon.dense_plan` (CPU): one split stays one program of four heads; two to four go inside a program (a
-    power of two of them at least the splits asked for), more across programs too; programs of four warps (as many
-    as the splits across programs made before), or eight where those fill their last wave of 132 multiprocessors
-    at least 90% (issue 10's shapes: (32, 4096) at 4 splits, (64, 8192) at 2, (128, 2048) at 2, one sequence at 128),
+def test_the_dense_decode_plans_up_to_four_splits_inside_a_program():
+    """`decode_gluon.dense_plan` (CPU; served where DENSE_INNER): one split stays one program of four heads; two to
+    four go inside a program (a power of two of them at least the splits asked for), more across programs too;
+    programs of four warps (as many as the splits across programs made before), or eight where those fill their
+    last wave of 132 multiprocessors at least 90% (issue 10's shapes: (32, 4096) at 4 splits, (64, 8192) at 2, (128, 2048) at 2, one sequence at 128),
     not the same-memory run's 40 sequences at 3 (160 programs of eight: 1.2 waves) or 48 at 2 (96); SmolLM2's three
     KV heads one a program."""
     from pagedkv.ops.triton import decode_gluon

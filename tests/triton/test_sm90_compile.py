@@ -110,11 +110,10 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
     tq44 = "turboquant:k=q4_0,v=q4_0"
     assert [row["format"] for row in rows] == (["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2 + ["q6"] * 2
                                                + ["off"] * 4 + ["q8", "turboquant", "q4"]), r.stdout
-    # `off` at 4 splits serves them inside a program of four warps, one KV head's keys split four ways
-    # (`decode_gluon.dense_plan`: eight-warp programs only where a GPU's multiprocessors are known); the last two
-    # rows are the splits across programs, one KV head a program
+    # `off` reads four KV heads a program by default (decode_gluon.DENSE_HEADS, a warp each), one in the last two;
+    # its splits across programs (`decode_gluon.DENSE_INNER` off)
     assert [(row["kv_heads_per_program"], row["inner_splits"]) for row in rows if row["format"] == "off"] == [
-        (1, 4), (1, 4), (1, 1), (1, 1)], r.stdout
+        (4, 1), (4, 1), (1, 1), (1, 1)], r.stdout
     # with a dense recent window the pages' splits only end earlier: the same loop, but for a few instructions of
     # index arithmetic the compiler places differently (within 1% of the loop)
     loop = {(row["format"], row["head_dim"], row["dtype"], row["window"]): row["loop_ops"] for row in rows}
@@ -257,10 +256,10 @@ def test_a_split_decode_launches_its_window_and_reduce_kernels_as_dependents():
     assert r.returncode == 0, r.stdout + r.stderr
     found = json.loads(r.stdout.strip().splitlines()[-1])
     tq = "turboquant:k=q4_0,v=q4_0/"
-    for name in (tq + "decode_tq_kernel", "off/decode_dense_inner_kernel"):
+    for name in (tq + "decode_tq_kernel", "off/decode_dense_kernel", "off-plan/decode_dense_inner_kernel"):
         assert found[name]["lines"] == ["griddepcontrol.launch_dependents"] and not found[name]["launch_pdl"], found
         assert not found[name]["after_stores"], found[name]   # at the start
     assert found[tq + "ring_partial_kernel"] == {"lines": ["griddepcontrol.wait"], "launch_pdl": True,
                                                  "after_stores": True}
-    for name in (tq + "reduce_splits_kernel", "off/reduce_splits_kernel"):
+    for name in (tq + "reduce_splits_kernel", "off/reduce_splits_kernel", "off-plan/reduce_splits_kernel"):
         assert found[name] == {"lines": ["griddepcontrol.wait"], "launch_pdl": True, "after_stores": False}, found

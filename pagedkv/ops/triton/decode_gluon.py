@@ -104,8 +104,9 @@ DENSE_IDS_AHEAD = False
 # DENSE_WAVE_FILL full. Timed on an H100 (2026-12-06, BENCHMARKS.md session 40, `bash bench/h200_run.sh off-inner`,
 # two runs), us, splits across programs as served before / eight warps / four warps (SDPA): (32, 4096) 177 / 174 /
 # 174 (172), (64, 8192) 679 / 675 / 676-677 (675), (128, 2048) 353 / 343-344 / 348 (343), one sequence of 32,768
-# tokens 50.0-50.2 / 49.2-49.4 / 48.9-49.1 at 32 x 4 splits (50.0)
-DENSE_INNER = True
+# tokens 50.0-50.2 / 49.2-49.4 / 48.9-49.1 at 32 x 4 splits (50.0). Off until an H200 times it as served (`bash
+# bench/h200_run.sh off-served`); `paged_attention_dense(plan=True)` serves it meanwhile
+DENSE_INNER = False
 DENSE_INNER_MAX = 4
 DENSE_WAVE_FILL = 0.9
 # One-warp programs of a Gluon decode kernel a multiprocessor holds at once, by their registers a lane, for head_dim
@@ -1450,13 +1451,13 @@ def dense_heads(num_kv_heads: int) -> int:
 
 def dense_plan(num_kv_heads: int, num_splits: int, num_tokens: int = 0, head_dim: int = 128,
                num_sms: int = 0) -> tuple[int, int, int]:
-    """(KV heads a program, splits inside it, splits across programs) of the dense decode served for `num_tokens`
-    query tokens at the split count `num_splits` the split rule gives (DENSE_INNER): one split stays one; more go
+    """(KV heads a program, splits inside it, splits across programs) of the dense decode for `num_tokens` query
+    tokens at the split count `num_splits` the split rule gives (served where DENSE_INNER): one split stays one; more go
     inside a program, up to DENSE_INNER_MAX (a power of two, at least the splits asked for where they fit), the rest
     across programs; eight warps a program where at head_dim 128 they fill their last wave of `num_sms`
     multiprocessors DENSE_WAVE_FILL full, else four."""
     heads = dense_heads(num_kv_heads)
-    if not DENSE_INNER or num_splits < 2:
+    if num_splits < 2:
         return heads, 1, num_splits
     inner = 1 << (min(num_splits, DENSE_INNER_MAX) - 1).bit_length()
     outer = -(-num_splits // inner)
@@ -1470,15 +1471,15 @@ def dense_plan(num_kv_heads: int, num_splits: int, num_tokens: int = 0, head_dim
 def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                           num_splits: int = 1, stages: int = STAGES, heads: int | None = None,
                           ordered: bool | None = None, offsets32: bool | None = None,
-                          ids_ahead: bool | None = None, inner: int | None = None,
+                          ids_ahead: bool | None = None, inner: int | None = None, plan: bool | None = None,
                           probe: str | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
     dtype). `heads`: KV heads a program reads, a warp each (by default `dense_heads`); `ordered`: the launch order
     (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`); `ids_ahead`: block ids a step
     ahead (None: DENSE_IDS_AHEAD); `inner`: each program's keys split again this many ways among its warps
     (`decode_dense_inner_kernel`: heads x inner warps, merged in the program; `num_splits` then counts the splits
-    across programs). With none of `heads`, `inner` and `ids_ahead` given, `num_splits` is the split rule's count
-    and `dense_plan` serves it. `probe="pages"` (timing only): the page kernel without the split reduce after it (the
+    across programs). `plan` (None: DENSE_INNER), with none of `heads`, `inner` and `ids_ahead` given:
+    `num_splits` is the split rule's count and `dense_plan` lays it out. `probe="pages"` (timing only): the page kernel without the split reduce after it (the
     output is not attention)."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
@@ -1489,7 +1490,7 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
     if view.k.dtype != query.dtype:
         raise ValueError(f"the Gluon dense decode reads pages of the query's dtype: pages {view.k.dtype}, "
                          f"query {query.dtype}")
-    if heads is None and inner is None and not ids_ahead:
+    if (DENSE_INNER if plan is None else plan) and heads is None and inner is None and not ids_ahead:
         from .tuning import multiprocessor_count
 
         sms = multiprocessor_count(query.device.index or 0) if query.device.type == "cuda" else 0
