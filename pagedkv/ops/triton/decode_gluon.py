@@ -1455,7 +1455,7 @@ def dense_plan(num_kv_heads: int, num_splits: int, num_tokens: int = 0, head_dim
     tokens at the split count `num_splits` the split rule gives (served where DENSE_INNER): one split stays one; more go
     inside a program, up to DENSE_INNER_MAX (a power of two, at least the splits asked for where they fit), the rest
     across programs; eight warps a program where at head_dim 128 they fill their last wave of `num_sms`
-    multiprocessors DENSE_WAVE_FILL full, else four."""
+    multiprocessors DENSE_WAVE_FILL full, else four (num_sms 0: four, as where eight warps' rings do not fit)."""
     heads = dense_heads(num_kv_heads)
     if num_splits < 2:
         return heads, 1, num_splits
@@ -1491,10 +1491,14 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
         raise ValueError(f"the Gluon dense decode reads pages of the query's dtype: pages {view.k.dtype}, "
                          f"query {query.dtype}")
     if (DENSE_INNER if plan is None else plan) and heads is None and inner is None and not ids_ahead:
-        from .tuning import multiprocessor_count
+        from .tuning import multiprocessor_count, shared_memory_per_program
 
-        sms = multiprocessor_count(query.device.index or 0) if query.device.type == "cuda" else 0
-        heads, inner, num_splits = dense_plan(view.num_kv_heads, num_splits, query.shape[0], query.shape[2], sms)
+        # eight-warp programs only where their rings fit a program's shared memory (not on sm_89's 99 KB)
+        index, d = query.device.index or 0, query.shape[2]
+        wide = (query.device.type == "cuda"
+                and shared_memory_per_program(index) >= 8 * stages * 16 * d * 2 * query.element_size())
+        sms = multiprocessor_count(index) if wide else 0
+        heads, inner, num_splits = dense_plan(view.num_kv_heads, num_splits, query.shape[0], d, sms)
     heads = dense_heads(view.num_kv_heads) if heads is None else heads
     inner = 1 if inner is None else inner
     if inner < 1 or inner & (inner - 1):
