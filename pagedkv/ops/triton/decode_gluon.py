@@ -1190,6 +1190,34 @@ def transpose_p_heads(p, B_W: gl.constexpr):
 
 
 @gluon.jit
+def dense_query(q_ptr, token, head0, stride_qt, stride_qh, DT: gl.constexpr, B_W: gl.constexpr,
+                PLAIN_W: gl.constexpr, W: gl.constexpr, INNER: gl.constexpr, GROUP: gl.constexpr,
+                HEAD_DIM: gl.constexpr):
+    """The query heads of KV head head0 + w // INNER for each warp w, as the B operand [W, HEAD_DIM, 8] (GROUP of
+    the 8 columns used)."""
+    qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, PLAIN_W)))
+    qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, PLAIN_W)))
+    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, PLAIN_W)))
+    q_head = (head0 + qw[:, None, None] // INNER) * GROUP + qh[None, None, :]
+    q_at = q_ptr + token.to(gl.int64) * stride_qt + q_head * stride_qh + qc[None, :, None]
+    qt = gl.load(q_at, mask=(qh < GROUP)[None, None, :], other=0.0)
+    return gl.convert_layout(qt.to(DT), B_W)
+
+
+@gluon.jit
+def dense_attend(k_ring, v_ring, stage, qt, acc, m_i, l_i, key, hi, scale, A_W: gl.constexpr, B_W: gl.constexpr):
+    """One 16-key step of every warp over ring stage `stage`: the scores of keys `key` ([warps or 1, 16], masked
+    from `hi` on), an online-softmax step and the values' products: (acc, m_i, l_i)."""
+    W: gl.constexpr = qt.shape[0]
+    s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([W, 16, 8], 0.0, gl.float32, acc.type.layout))
+    s = gl.where((key < hi)[:, :, None], s * scale, float("-inf"))
+    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
+    pt = transpose_p_heads(p.to(k_ring.dtype), B_W)
+    acc = mma_v2(v_ring.index(stage).permute((0, 2, 1)).load(A_W), pt, acc * alpha[:, None, :])
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def copy_dense_step(k_ptr, v_ptr, bt_row, start, kv_hi, k_strides, v_strides, k_sm, v_sm, HEAD_DIM: gl.constexpr,
                     BLOCK_SIZE: gl.constexpr, HEADS: gl.constexpr, COPY_W: gl.constexpr,
                     OFFSETS32: gl.constexpr = False):
@@ -1249,14 +1277,8 @@ def decode_dense_kernel(
         copy_dense_step(k_ptr, v_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, v_strides, k_ring.index(st),
                         v_ring.index(st), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W, OFFSETS32=OFFSETS32)
 
-    qw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, PLAIN_W)))
-    qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, PLAIN_W)))
-    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, PLAIN_W)))
     # the query once the first pages are asked for: its load's latency hides under theirs
-    q_head = (head0 + qw[:, None, None]) * GROUP + qh[None, None, :]
-    q_at = q_ptr + token.to(gl.int64) * stride_qt + q_head * stride_qh + qc[None, :, None]
-    qt = gl.load(q_at, mask=(qh < GROUP)[None, None, :], other=0.0)
-    qt = gl.convert_layout(qt.to(DT), B_W)
+    qt = dense_query(q_ptr, token, head0, stride_qt, stride_qh, DT, B_W, PLAIN_W, HEADS, 1, GROUP, HEAD_DIM)
 
     acc = gl.full([HEADS, HEAD_DIM, 8], 0.0, gl.float32, MMA_W)
     m_i = gl.full([HEADS, 8], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_W))
@@ -1274,11 +1296,8 @@ def decode_dense_kernel(
         if IDS_AHEAD:
             nxt = block_of(bt_row, start + 16 * STAGES, kv_hi, BLOCK_SIZE, OFFSETS32)
         async_copy.wait_group(STAGES - 1)
-        s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([HEADS, 16, 8], 0.0, gl.float32, MMA_W))
-        s = gl.where((start + sr < kv_hi)[None, :, None], s * scale, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
-        pt = transpose_p_heads(p.to(DT), B_W)
-        acc = mma_v2(v_ring.index(stage).permute((0, 2, 1)).load(A_W), pt, acc * alpha[:, None, :])
+        acc, m_i, l_i = dense_attend(k_ring, v_ring, stage, qt, acc, m_i, l_i, (start + sr)[None, :], kv_hi, scale,
+                                     A_W, B_W)
         stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
@@ -1367,13 +1386,7 @@ def decode_dense_inner_kernel(
         copy_dense_warps(k_ptr, v_ptr, bt_row, lo_c + 16 * st, hi_c, head_c, k_strides, v_strides, k_ring.index(st),
                          v_ring.index(st), HEAD_DIM, BLOCK_SIZE, COPY_W, OFFSETS32)
 
-    qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, PLAIN_W)))
-    qc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, PLAIN_W)))
-    qh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, PLAIN_W)))
-    q_head = (head0 + qw[:, None, None] // INNER) * GROUP + qh[None, None, :]
-    q_at = q_ptr + token.to(gl.int64) * stride_qt + q_head * stride_qh + qc[None, :, None]
-    qt = gl.load(q_at, mask=(qh < GROUP)[None, None, :], other=0.0)
-    qt = gl.convert_layout(qt.to(DT), B_W)
+    qt = dense_query(q_ptr, token, head0, stride_qt, stride_qh, DT, B_W, PLAIN_W, W, INNER, GROUP, HEAD_DIM)
 
     acc = gl.full([W, HEAD_DIM, 8], 0.0, gl.float32, MMA_W)
     m_i = gl.full([W, 8], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_W))
@@ -1386,12 +1399,8 @@ def decode_dense_inner_kernel(
         copy_dense_warps(k_ptr, v_ptr, bt_row, lo_c + 16 * (i + STAGES - 1), hi_c, head_c, k_strides, v_strides,
                          k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, COPY_W, OFFSETS32)
         async_copy.wait_group(STAGES - 1)
-        s = mma_v2(k_ring.index(stage).load(A_W), qt, gl.full([W, 16, 8], 0.0, gl.float32, MMA_W))
-        key = (lo_m + 16 * i)[:, None] + sr[None, :]
-        s = gl.where((key < hi_m[:, None])[:, :, None], s * scale, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
-        pt = transpose_p_heads(p.to(DT), B_W)
-        acc = mma_v2(v_ring.index(stage).permute((0, 2, 1)).load(A_W), pt, acc * alpha[:, None, :])
+        acc, m_i, l_i = dense_attend(k_ring, v_ring, stage, qt, acc, m_i, l_i, (lo_m + 16 * i)[:, None] + sr[None, :],
+                                     hi_m[:, None], scale, A_W, B_W)
         stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
@@ -1479,8 +1488,8 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
     ahead (None: DENSE_IDS_AHEAD); `inner`: each program's keys split again this many ways among its warps
     (`decode_dense_inner_kernel`: heads x inner warps, merged in the program; `num_splits` then counts the splits
     across programs). `plan` (None: DENSE_INNER), with none of `heads`, `inner` and `ids_ahead` given:
-    `num_splits` is the split rule's count and `dense_plan` lays it out. `probe="pages"` (timing only): the page kernel without the split reduce after it (the
-    output is not attention)."""
+    `num_splits` is the split rule's count and `dense_plan` lays it out. `probe="pages"` (timing only): the page
+    kernel without the split reduce after it (the output is not attention)."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, partial_states, reduce_splits
@@ -1490,29 +1499,29 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
     if view.k.dtype != query.dtype:
         raise ValueError(f"the Gluon dense decode reads pages of the query's dtype: pages {view.k.dtype}, "
                          f"query {query.dtype}")
+    if probe not in (None, "pages"):
+        raise ValueError(f"probe={probe!r}: the dense decode's only probe is 'pages'")
+    num_tokens, num_q_heads, head_dim = query.shape
     if (DENSE_INNER if plan is None else plan) and heads is None and inner is None and not ids_ahead:
         from .tuning import multiprocessor_count, shared_memory_per_program
 
         # eight-warp programs only where their rings fit a program's shared memory (not on sm_89's 99 KB)
-        index, d = query.device.index or 0, query.shape[2]
+        index = query.device.index or 0
         wide = (query.device.type == "cuda"
-                and shared_memory_per_program(index) >= 8 * stages * 16 * d * 2 * query.element_size())
+                and shared_memory_per_program(index) >= 8 * stages * 16 * head_dim * 2 * query.element_size())
         sms = multiprocessor_count(index) if wide else 0
-        heads, inner, num_splits = dense_plan(view.num_kv_heads, num_splits, query.shape[0], d, sms)
+        heads, inner, num_splits = dense_plan(view.num_kv_heads, num_splits, num_tokens, head_dim, sms)
     heads = dense_heads(view.num_kv_heads) if heads is None else heads
     inner = 1 if inner is None else inner
     if inner < 1 or inner & (inner - 1):
         raise ValueError(f"inner={inner}: splits inside a program come in powers of two")
     if view.num_kv_heads % heads:
         raise ValueError(f"heads={heads} must divide the pages' {view.num_kv_heads} KV heads")
-    num_tokens, num_q_heads, head_dim = query.shape
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
     split = num_splits > 1
     parts = partial_states(query, num_splits, head_dim) if split else (out, out, out)
-    if probe not in (None, "pages"):
-        raise ValueError(f"probe={probe!r}: the dense decode's only probe is 'pages'")
     grid, order, ordered = launch_grid(query, meta, view.num_kv_heads // heads, num_splits, ordered)
     args = (out, *parts, query, view.k, view.v, meta.block_table, meta.seq_lens, meta.query_start_loc, order,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
