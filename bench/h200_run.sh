@@ -45,6 +45,9 @@
 #                                                  # kernel) beside the served one, twice, then its GPU test
 #   OUT=/some/dir bash bench/h200_run.sh off-served  # the dense decode laid out by dense_plan: GPU tests, table
 #                                                  # row with it on, probe beside the splits across programs
+#   OUT=/some/dir bash bench/h200_run.sh h200-inner  # on an H200: the served decode table, `off` with the dense plan,
+#                                                  # the same-memory run, and `off`'s with the plan (DENSE_INNER)
+#   OUT=/some/dir bash bench/h200_run.sh off-layouts  # the dense decode's layouts where `off` is still over SDPA
 #   OUT=/some/dir bash bench/h200_run.sh h200-pending  # on an H200, what issue 10's open targets wait for, in one call
 #                                                  # (~9 min): the kernel table, the same-memory run, off-ids, h200-cap96
 #   OUT=/some/dir bash bench/h200_run.sh ncu-splits  # Nsight Compute: TurboQuant's decode at 2 and 3 splits, its probes
@@ -94,6 +97,11 @@ ncu_reports() {  # ncu_reports NAME [TOP]: $OUT/NAME.ncu-rep's details as NAME.t
         ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/${name}_sass.csv" 2>&1
         python bench/ncu_summary.py "$OUT/${name}_sass.csv" --top "$top"
     fi
+}
+with_dense_inner() {  # with_dense_inner LIMIT_SECONDS SCRIPT ARGS...: a bench script with decode_gluon.DENSE_INNER on
+    local limit=$1 script=$2; shift 2
+    run "$limit" python -c "import runpy, sys; from pagedkv.ops.triton import decode_gluon; decode_gluon.DENSE_INNER = True
+sys.path.insert(0, 'bench'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "$script" "$@"
 }
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
 case "${1:-kernels}" in
@@ -357,12 +365,32 @@ off-served)   # the dense decode laid out by `decode_gluon.dense_plan` (splits i
               # splits across programs (served today) at the table's shapes and two of the same-memory run's batches
     run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py tests/triton/test_triton_cuda_graph.py \
         -k "inside_a_program or off-off or replays"
-    run 150 python -c "import runpy, sys; from pagedkv.ops.triton import decode_gluon; decode_gluon.DENSE_INNER = True
-sys.argv = ['kernel_bench.py', '--formats', 'off', '--skip', 'prefill,write', '--out', '$OUT/kernels_off_plan']
-runpy.run_path('bench/kernel_bench.py', run_name='__main__')"
+    with_dense_inner 150 bench/kernel_bench.py --formats off --skip prefill,write --out "$OUT/kernels_off_plan"
     run 120 env FORMAT=off NAME=plan SHAPES='[[32, 4096], [64, 8192], [1, 32768], [128, 2048], [40, 1536], [48, 1536]]' \
         SPLITS='{"1": [128], "32": [4], "64": [2], "128": [2], "40": [3], "48": [2]}' \
         VARIANTS='{"across": {"ordered": true}, "plan": {"ordered": true, "plan": true}}' OUT="$OUT" python bench/gluon_probe.py
+    ;;
+h200-inner)   # on an H200, DENSE_INNER's decision and issue 10's table in one call (~7 min): the decode table as
+              # served, its `off` row with the dense plan on, the same-memory run as served, then `off`'s with the plan
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    run 170 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
+        --skip prefill,write --out "$OUT/kernels_served"
+    with_dense_inner 60 bench/kernel_bench.py --formats off --skip prefill,write --out "$OUT/kernels_off_plan"
+    run 150 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off turboquant q4 --out "$OUT/memory"
+    with_dense_inner 90 bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        --formats off --out "$OUT/memory_off_plan"
+    ;;
+off-layouts)   # the dense decode's layouts at (32, 4096) and (64, 8192), where `off` is still over SDPA's time: the
+               # plan beside three warps' rings, other heads x inner splits, and splits across on top
+    run 150 env FORMAT=off NAME=layouts SHAPES='[[32, 4096], [64, 8192]]' SPLITS='{"32": [4], "64": [2]}' \
+        VARIANTS='{"plan": {"ordered": true, "plan": true}, "plan3": {"ordered": true, "plan": true, "stages": 3},
+        "h2i4": {"ordered": true, "heads": 2, "inner": 4, "splits": {"32": [1, 2], "64": [1, 2]}},
+        "h1i4": {"ordered": true, "heads": 1, "inner": 4, "splits": {"32": [1, 2], "64": [1]}},
+        "h4i2": {"ordered": true, "heads": 4, "inner": 2, "splits": {"32": [1, 2], "64": [1, 2]}},
+        "h2i2": {"ordered": true, "heads": 2, "inner": 2, "splits": {"32": [2], "64": [1]}},
+        "h2i2s3": {"ordered": true, "heads": 2, "inner": 2, "stages": 3, "splits": {"32": [2], "64": [1]}}}' \
+        OUT="$OUT" python bench/gluon_probe.py
     ;;
 h200-pending)   # what sessions on H100s left for an H200, in one call: the decode table as served (issue 10's
                 # kernel targets), the same-memory run (q4 2.5x with session 38's tail rule, TurboQuant 2.0x), `off`
