@@ -182,7 +182,7 @@ def test_dense_decode_with_kv_heads_together_matches_reference(shape, heads, num
 @pytest.mark.parametrize("heads,inner", [(1, 2), (1, 4), (2, 2), (2, 4)])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
 def test_dense_decode_with_splits_inside_a_program_matches_reference(shape, heads, inner, num_splits, dtype):
-    """`paged_attention_dense(inner=...)` (`decode_dense_inner_kernel`): each program's keys split again among its
+    """`paged_attention_dense(inner=...)` (`decode_dense_kernel`'s INNER): each program's keys split again among its
     warps and merged in the program, with and without splits across programs (uneven and empty inner splits: the
     batch's sequences hold 0 to 300 keys)."""
     check_against_reference(hash(("inner", shape)) % 1000, "off", "off", shape, dtype, num_splits=num_splits,

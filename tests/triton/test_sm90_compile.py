@@ -191,7 +191,7 @@ def test_decodes_with_block_ids_a_step_ahead_compile_to_the_same_copies_without_
 
 
 def test_the_dense_decode_with_splits_inside_a_program_keeps_the_loop_without_spills():
-    """`paged_attention_dense(inner=4, heads=2)` (`decode_dense_inner_kernel`): each warp's loop issues the served
+    """`paged_attention_dense(inner=4, heads=2)` (`decode_dense_kernel` with INNER): each warp's loop issues the served
     kernel's copies, block-id load and matrix products a step and spills nothing; at head_dim 128 (the one timed) it
     fits no fewer programs by its registers (at 64 its merge takes 94-96 registers against 80); its eight warps'
     rings take twice the shared memory of the served four."""
@@ -256,7 +256,7 @@ def test_a_split_decode_launches_its_window_and_reduce_kernels_as_dependents():
     assert r.returncode == 0, r.stdout + r.stderr
     found = json.loads(r.stdout.strip().splitlines()[-1])
     tq = "turboquant:k=q4_0,v=q4_0/"
-    for name in (tq + "decode_tq_kernel", "off/decode_dense_kernel", "off-plan/decode_dense_inner_kernel"):
+    for name in (tq + "decode_tq_kernel", "off/decode_dense_kernel", "off-plan/decode_dense_kernel"):
         assert found[name]["lines"] == ["griddepcontrol.launch_dependents"] and not found[name]["launch_pdl"], found
         assert not found[name]["after_stores"], found[name]   # at the start
     assert found[tq + "ring_partial_kernel"] == {"lines": ["griddepcontrol.wait"], "launch_pdl": True,

@@ -96,7 +96,7 @@ DENSE_HEADS = 4
 # (1, 32768), (64, 8192) and (128, 2048), the same at (32, 4096). Off until an H200 times it (`OUT=$OUT bash
 # bench/h200_run.sh off-ids`).
 DENSE_IDS_AHEAD = False
-# The dense decode's splits inside a program (`decode_dense_inner_kernel`, `dense_plan`): where the split rule asks
+# The dense decode's splits inside a program (`decode_dense_kernel`'s INNER, `dense_plan`): where the split rule asks
 # for s > 1 key ranges, a program's warps read min(s, DENSE_INNER_MAX) of them (rounded up to a power of two) and
 # merge in shared memory, so that up to DENSE_INNER_MAX splits need no reduce kernel after the page kernel. A program
 # is four warps (the served kernel's before: as many programs, as many resident), or eight (twice the heads, one
@@ -1245,82 +1245,6 @@ def copy_dense_block(k_ptr, v_ptr, block, start, kv_hi, k_strides, v_strides, k_
     async_copy.commit_group()
 
 
-@gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
-def decode_dense_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, token_order_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides,
-    num_seqs, num_splits, qk_scale,
-    NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    SPLIT: gl.constexpr, HEADS: gl.constexpr, MMA_W: gl.constexpr, COPY_W: gl.constexpr, PLAIN_W: gl.constexpr,
-    STAGES: gl.constexpr = 2, PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
-    OFFSETS32: gl.constexpr = False, IDS_AHEAD: gl.constexpr = False,
-):
-    """IDS_AHEAD: each loop step loads the block id of the next step's copy, so a copy never waits for its id."""
-    launch_dependents(PDL)
-    token, head_group, split = program_coords(token_order_ptr, ORDERED)
-    head0 = head_group * HEADS
-    seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
-    DT: gl.constexpr = k_ptr.dtype.element_ty
-    A_W: gl.constexpr = gl.DotOperandLayout(0, MMA_W, 2)
-    B_W: gl.constexpr = gl.DotOperandLayout(1, MMA_W, 2)
-
-    kv_lo, kv_hi = split_range(q_pos + 1, split, num_splits)
-    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-    k_ptr += head0.to(gl.int64) * k_strides[2]
-    v_ptr += head0.to(gl.int64) * v_strides[2]
-
-    RING: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
-    k_ring = gl.allocate_shared_memory(DT, [STAGES, HEADS, 16, HEAD_DIM], RING)
-    v_ring = gl.allocate_shared_memory(DT, [STAGES, HEADS, 16, HEAD_DIM], RING)
-    for st in gl.static_range(STAGES - 1):
-        copy_dense_step(k_ptr, v_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, v_strides, k_ring.index(st),
-                        v_ring.index(st), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W, OFFSETS32=OFFSETS32)
-
-    # the query once the first pages are asked for: its load's latency hides under theirs
-    qt = dense_query(q_ptr, token, head0, stride_qt, stride_qh, DT, B_W, PLAIN_W, HEADS, 1, GROUP, HEAD_DIM)
-
-    acc = gl.full([HEADS, HEAD_DIM, 8], 0.0, gl.float32, MMA_W)
-    m_i = gl.full([HEADS, 8], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_W))
-    l_i = gl.full([HEADS, 8], 0.0, gl.float32, gl.SliceLayout(1, MMA_W))
-    scale = qk_scale * LOG2E
-    sr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA_W)))
-    stage = 0
-    if IDS_AHEAD:
-        nxt = block_of(bt_row, kv_lo + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)
-    for start in range(kv_lo, kv_hi, 16):
-        ahead = (stage + STAGES - 1) % STAGES
-        block = nxt if IDS_AHEAD else block_of(bt_row, start + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)
-        copy_dense_block(k_ptr, v_ptr, block, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
-                         k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
-        if IDS_AHEAD:
-            nxt = block_of(bt_row, start + 16 * STAGES, kv_hi, BLOCK_SIZE, OFFSETS32)
-        async_copy.wait_group(STAGES - 1)
-        acc, m_i, l_i = dense_attend(k_ring, v_ring, stage, qt, acc, m_i, l_i, (start + sr)[None, :], kv_hi, scale,
-                                     A_W, B_W)
-        stage = (stage + 1) % STAGES
-    async_copy.wait_group(0)
-
-    # warp h's [head_dim, 8] output columns: query heads h * GROUP + 0 .. GROUP - 1
-    ow = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA_W)))
-    oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA_W)))
-    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA_W)))
-    head = (head0 + ow[:, None, None]) * GROUP + oh[None, None, :]
-    h_ok = (oh < GROUP)[None, None, :]
-    if SPLIT:
-        mw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(1, MMA_W)))
-        mh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA_W)))
-        m_state = (token.to(gl.int64) * NUM_Q_HEADS + (head0 + mw[:, None]) * GROUP + mh[None, :]) * num_splits + split
-        gl.store(part_m_ptr + m_state, m_i, mask=(mh < GROUP)[None, :])
-        gl.store(part_l_ptr + m_state, l_i, mask=(mh < GROUP)[None, :])
-        state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
-        gl.store(part_out_ptr + state * HEAD_DIM + oc[None, :, None], acc, mask=h_ok)
-    else:
-        inv = 1.0 / gl.where(l_i > 0, l_i, 1.0)
-        o_at = out_ptr + token.to(gl.int64) * stride_ot + head * stride_oh + oc[None, :, None]
-        gl.store(o_at, (acc * inv[:, None, :]).to(out_ptr.dtype.element_ty), mask=h_ok)
-
-
 @gluon.jit
 def copy_dense_warps(k_ptr, v_ptr, bt_row, start, hi, head, k_strides, v_strides, k_sm, v_sm, HEAD_DIM: gl.constexpr,
                      BLOCK_SIZE: gl.constexpr, COPY_W: gl.constexpr, OFFSETS32: gl.constexpr):
@@ -1342,20 +1266,22 @@ def copy_dense_warps(k_ptr, v_ptr, bt_row, start, hi, head, k_strides, v_strides
 
 
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits"])
-def decode_dense_inner_kernel(
+def decode_dense_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, v_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, token_order_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, k_strides, v_strides,
     num_seqs, num_splits, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    SPLIT: gl.constexpr, HEADS: gl.constexpr, INNER: gl.constexpr, MMA_W: gl.constexpr, COPY_W: gl.constexpr,
-    PLAIN_W: gl.constexpr, STAGES: gl.constexpr = 2, PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
-    OFFSETS32: gl.constexpr = False,
+    SPLIT: gl.constexpr, HEADS: gl.constexpr, MMA_W: gl.constexpr, COPY_W: gl.constexpr, PLAIN_W: gl.constexpr,
+    STAGES: gl.constexpr = 2, PDL: gl.constexpr = False, ORDERED: gl.constexpr = False,
+    OFFSETS32: gl.constexpr = False, IDS_AHEAD: gl.constexpr = False, INNER: gl.constexpr = 1,
 ):
-    """`decode_dense_kernel` with each program's keys split again INNER ways inside it: HEADS x INNER warps,
-    warp h * INNER + s reading head h's keys of inner split s (`copy_dense_warps`), every warp the same number of
-    16-key steps; the warps of a head merge their states through shared memory at the end, so without outer splits
-    (SPLIT) the program writes the output itself and no reduce kernel runs after it."""
+    """HEADS KV heads of one query token's key range (split `split` of num_splits), a warp each; with INNER > 1
+    the range is split again INNER ways inside the program: HEADS x INNER warps, warp h * INNER + s reading head
+    h's keys of inner split s (`copy_dense_warps`), every warp the same number of 16-key steps, and the warps of a
+    head merge their states through shared memory at the end, so without splits across
+    programs (SPLIT) the program writes the output itself and no reduce kernel runs after it. IDS_AHEAD (INNER 1
+    only): each loop step loads the block id of the next step's copy, so a copy never waits for its id."""
     launch_dependents(PDL)
     token, head_group, split = program_coords(token_order_ptr, ORDERED)
     head0 = head_group * HEADS
@@ -1366,26 +1292,32 @@ def decode_dense_inner_kernel(
     B_W: gl.constexpr = gl.DotOperandLayout(1, MMA_W, 2)
 
     kv_lo, kv_hi = split_range(q_pos + 1, split, num_splits)
-    chunk = gl.cdiv(gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), INNER), 16) * 16   # each inner split's keys
+    if INNER > 1:
+        chunk = gl.cdiv(gl.cdiv(gl.maximum(kv_hi - kv_lo, 0), INNER), 16) * 16   # each inner split's keys
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
     k_ptr += head0.to(gl.int64) * k_strides[2]
     v_ptr += head0.to(gl.int64) * v_strides[2]
-
-    wc = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_W)))   # warp w's keys, as the copies see
-    lo_c = kv_lo + (wc % INNER) * chunk
-    hi_c = gl.minimum(lo_c + chunk, kv_hi)
-    head_c = wc // INNER
-    wm = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA_W)))    # and as the scores see them
-    lo_m = kv_lo + (wm % INNER) * chunk
-    hi_m = gl.minimum(lo_m + chunk, kv_hi)
+    if INNER > 1:
+        wc = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_W)))   # warp w's keys, as copied
+        lo_c = kv_lo + (wc % INNER) * chunk
+        hi_c = gl.minimum(lo_c + chunk, kv_hi)
+        head_c = wc // INNER
+        wm = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA_W)))    # and as the scores see them
+        lo_m = kv_lo + (wm % INNER) * chunk
+        hi_m = gl.minimum(lo_m + chunk, kv_hi)
 
     RING: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
     k_ring = gl.allocate_shared_memory(DT, [STAGES, W, 16, HEAD_DIM], RING)
     v_ring = gl.allocate_shared_memory(DT, [STAGES, W, 16, HEAD_DIM], RING)
     for st in gl.static_range(STAGES - 1):
-        copy_dense_warps(k_ptr, v_ptr, bt_row, lo_c + 16 * st, hi_c, head_c, k_strides, v_strides, k_ring.index(st),
-                         v_ring.index(st), HEAD_DIM, BLOCK_SIZE, COPY_W, OFFSETS32)
+        if INNER == 1:
+            copy_dense_step(k_ptr, v_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, v_strides, k_ring.index(st),
+                            v_ring.index(st), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W, OFFSETS32=OFFSETS32)
+        else:
+            copy_dense_warps(k_ptr, v_ptr, bt_row, lo_c + 16 * st, hi_c, head_c, k_strides, v_strides,
+                             k_ring.index(st), v_ring.index(st), HEAD_DIM, BLOCK_SIZE, COPY_W, OFFSETS32)
 
+    # the query once the first pages are asked for: its load's latency hides under theirs
     qt = dense_query(q_ptr, token, head0, stride_qt, stride_qh, DT, B_W, PLAIN_W, W, INNER, GROUP, HEAD_DIM)
 
     acc = gl.full([W, HEAD_DIM, 8], 0.0, gl.float32, MMA_W)
@@ -1394,54 +1326,80 @@ def decode_dense_inner_kernel(
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA_W)))
     stage = 0
-    for i in range(0, chunk // 16):
-        ahead = (stage + STAGES - 1) % STAGES
-        copy_dense_warps(k_ptr, v_ptr, bt_row, lo_c + 16 * (i + STAGES - 1), hi_c, head_c, k_strides, v_strides,
-                         k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, COPY_W, OFFSETS32)
-        async_copy.wait_group(STAGES - 1)
-        acc, m_i, l_i = dense_attend(k_ring, v_ring, stage, qt, acc, m_i, l_i, (lo_m + 16 * i)[:, None] + sr[None, :],
-                                     hi_m[:, None], scale, A_W, B_W)
-        stage = (stage + 1) % STAGES
+    if INNER == 1:
+        if IDS_AHEAD:
+            nxt = block_of(bt_row, kv_lo + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)
+        for start in range(kv_lo, kv_hi, 16):
+            ahead = (stage + STAGES - 1) % STAGES
+            block = nxt if IDS_AHEAD else block_of(bt_row, start + 16 * (STAGES - 1), kv_hi, BLOCK_SIZE, OFFSETS32)
+            copy_dense_block(k_ptr, v_ptr, block, start + 16 * (STAGES - 1), kv_hi, k_strides, v_strides,
+                             k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, HEADS, COPY_W)
+            if IDS_AHEAD:
+                nxt = block_of(bt_row, start + 16 * STAGES, kv_hi, BLOCK_SIZE, OFFSETS32)
+            async_copy.wait_group(STAGES - 1)
+            acc, m_i, l_i = dense_attend(k_ring, v_ring, stage, qt, acc, m_i, l_i, (start + sr)[None, :], kv_hi,
+                                         scale, A_W, B_W)
+            stage = (stage + 1) % STAGES
+    else:
+        for i in range(0, chunk // 16):
+            ahead = (stage + STAGES - 1) % STAGES
+            copy_dense_warps(k_ptr, v_ptr, bt_row, lo_c + 16 * (i + STAGES - 1), hi_c, head_c, k_strides,
+                             v_strides, k_ring.index(ahead), v_ring.index(ahead), HEAD_DIM, BLOCK_SIZE, COPY_W,
+                             OFFSETS32)
+            async_copy.wait_group(STAGES - 1)
+            acc, m_i, l_i = dense_attend(k_ring, v_ring, stage, qt, acc, m_i, l_i,
+                                         (lo_m + 16 * i)[:, None] + sr[None, :], hi_m[:, None], scale, A_W, B_W)
+            stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
-    # merge each head's INNER states: [HEADS, INNER, ...] with a head's inner splits in one lane's registers; the
-    # merge's buffers may reuse the rings, so every warp's last copies land and its reads end first
-    gl.thread_barrier()
-    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    acc_sm = gl.allocate_shared_memory(gl.float32, [W, HEAD_DIM, 8], FLAT, acc)
-    m_sm = gl.allocate_shared_memory(gl.float32, [W, 8], FLAT2, m_i)
-    l_sm = gl.allocate_shared_memory(gl.float32, [W, 8], FLAT2, l_i)
-    gl.thread_barrier()
-    L4: gl.constexpr = gl.BlockedLayout([1, INNER, 1, 1], [1, 1, 4, 8], [HEADS, 1, INNER, 1], [3, 2, 1, 0])
-    L3: gl.constexpr = gl.SliceLayout(2, L4)          # [HEADS, INNER, 8]
-    m = m_sm.reshape([HEADS, INNER, 8]).load(L3)
-    l = l_sm.reshape([HEADS, INNER, 8]).load(L3)
-    m_max = gl.max(m, axis=1)
-    w = gl.exp2(m - gl.where(m_max == float("-inf"), 0.0, m_max)[:, None, :])
-    l_sum = gl.sum(w * l, axis=1)
-    if not SPLIT:
-        w = w / gl.where(l_sum > 0, l_sum, 1.0)[:, None, :]
-    o = gl.sum(acc_sm.reshape([HEADS, INNER, HEAD_DIM, 8]).load(L4) * gl.expand_dims(w, 2), axis=1)
+    if INNER == 1:
+        # warp h's [head_dim, 8] output columns: query heads h * GROUP + 0 .. GROUP - 1
+        ow = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA_W)))
+        oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA_W)))
+        oh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA_W)))
+        mw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(1, MMA_W)))
+        mh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA_W)))
+        if not SPLIT:
+            acc = acc * (1.0 / gl.where(l_i > 0, l_i, 1.0))[:, None, :]
+    else:
+        # each head's INNER states merged: [HEADS, INNER, ...] with a head's inner splits in one lane's registers;
+        # the merge's buffers may reuse the rings, so every warp's last copies land and its reads end first
+        gl.thread_barrier()
+        FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        acc_sm = gl.allocate_shared_memory(gl.float32, [W, HEAD_DIM, 8], FLAT, acc)
+        m_sm = gl.allocate_shared_memory(gl.float32, [W, 8], FLAT2, m_i)
+        l_sm = gl.allocate_shared_memory(gl.float32, [W, 8], FLAT2, l_i)
+        gl.thread_barrier()
+        L4: gl.constexpr = gl.BlockedLayout([1, INNER, 1, 1], [1, 1, 4, 8], [HEADS, 1, INNER, 1], [3, 2, 1, 0])
+        L3: gl.constexpr = gl.SliceLayout(2, L4)          # [HEADS, INNER, 8]
+        m = m_sm.reshape([HEADS, INNER, 8]).load(L3)
+        l = l_sm.reshape([HEADS, INNER, 8]).load(L3)
+        m_i = gl.max(m, axis=1)
+        w = gl.exp2(m - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None, :])
+        l_i = gl.sum(w * l, axis=1)
+        if not SPLIT:
+            w = w / gl.where(l_i > 0, l_i, 1.0)[:, None, :]
+        acc = gl.sum(acc_sm.reshape([HEADS, INNER, HEAD_DIM, 8]).load(L4) * gl.expand_dims(w, 2), axis=1)
+        O3: gl.constexpr = gl.SliceLayout(1, L4)          # [HEADS, HEAD_DIM, 8]
+        ow = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, O3)))
+        oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, O3)))
+        oh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, O3)))
+        mw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(1, L3)))
+        mh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
 
-    O3: gl.constexpr = gl.SliceLayout(1, L4)          # [HEADS, HEAD_DIM, 8]
-    ow = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gl.SliceLayout(2, O3)))
-    oc = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, O3)))
-    oh = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, O3)))
+    # head h's [head_dim, 8] output columns (acc; normalised unless SPLIT): query heads h * GROUP + 0 .. GROUP - 1
     head = (head0 + ow[:, None, None]) * GROUP + oh[None, None, :]
     h_ok = (oh < GROUP)[None, None, :]
     if SPLIT:
-        M2: gl.constexpr = gl.SliceLayout(1, L3)
-        mw = gl.arange(0, HEADS, layout=gl.SliceLayout(1, M2))
-        mh = gl.arange(0, 8, layout=gl.SliceLayout(0, M2))
         m_state = (token.to(gl.int64) * NUM_Q_HEADS + (head0 + mw[:, None]) * GROUP + mh[None, :]) * num_splits + split
-        gl.store(part_m_ptr + m_state, m_max, mask=(mh < GROUP)[None, :])
-        gl.store(part_l_ptr + m_state, l_sum, mask=(mh < GROUP)[None, :])
+        gl.store(part_m_ptr + m_state, m_i, mask=(mh < GROUP)[None, :])
+        gl.store(part_l_ptr + m_state, l_i, mask=(mh < GROUP)[None, :])
         state = (token.to(gl.int64) * NUM_Q_HEADS + head) * num_splits + split
-        gl.store(part_out_ptr + state * HEAD_DIM + oc[None, :, None], o, mask=h_ok)
+        gl.store(part_out_ptr + state * HEAD_DIM + oc[None, :, None], acc, mask=h_ok)
     else:
         o_at = out_ptr + token.to(gl.int64) * stride_ot + head * stride_oh + oc[None, :, None]
-        gl.store(o_at, o.to(out_ptr.dtype.element_ty), mask=h_ok)
+        gl.store(o_at, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
 def supports_dense(fmt, query: torch.Tensor, block_size: int, *, softcap=None, sliding_window=None,
@@ -1485,11 +1443,12 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
     """`reference.paged_attention`'s contract for the decodes `supports_dense` accepts (pages of the query's
     dtype). `heads`: KV heads a program reads, a warp each (by default `dense_heads`); `ordered`: the launch order
     (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`); `ids_ahead`: block ids a step
-    ahead (None: DENSE_IDS_AHEAD); `inner`: each program's keys split again this many ways among its warps
-    (`decode_dense_inner_kernel`: heads x inner warps, merged in the program; `num_splits` then counts the splits
-    across programs). `plan` (None: DENSE_INNER), with none of `heads`, `inner` and `ids_ahead` given:
-    `num_splits` is the split rule's count and `dense_plan` lays it out. `probe="pages"` (timing only): the page
-    kernel without the split reduce after it (the output is not attention)."""
+    ahead (None: DENSE_IDS_AHEAD; without inner splits only); `inner`: each program's keys split again this many
+    ways among its warps (`decode_dense_kernel`'s INNER: heads x inner warps, merged in the program;
+    `num_splits` then counts the splits across programs). `plan` (None: DENSE_INNER), with none of `heads`,
+    `inner` and `ids_ahead` given: `num_splits` is the split rule's count and `dense_plan` lays it out.
+    `probe="pages"` (timing only): the page kernel without the split reduce after it (the output is not
+    attention)."""
     from .attention import check_inputs
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, partial_states, reduce_splits
@@ -1530,10 +1489,8 @@ def paged_attention_dense(query: torch.Tensor, pages: dict[str, torch.Tensor], f
                   BLOCK_SIZE=meta.block_size, SPLIT=split, HEADS=heads, **dense_head_layouts(heads * inner),
                   STAGES=stages, PDL=split and probe is None and dependent_launch(query.device), ORDERED=ordered,
                   OFFSETS32=offsets_in_32_bits(offsets32, view), num_warps=heads * inner)
-    if inner > 1:
-        decode_dense_inner_kernel[grid](*args, INNER=inner, **common)
-    else:
-        decode_dense_kernel[grid](*args, IDS_AHEAD=DENSE_IDS_AHEAD if ids_ahead is None else ids_ahead, **common)
+    ids_ahead = inner == 1 and (DENSE_IDS_AHEAD if ids_ahead is None else ids_ahead)
+    decode_dense_kernel[grid](*args, INNER=inner, IDS_AHEAD=ids_ahead, **common)
     if split and probe is None:
         reduce_splits(out, parts, view)
     return out
