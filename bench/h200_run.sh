@@ -48,6 +48,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh h200-inner  # on an H200: the served decode table, `off` with the dense plan,
 #                                                  # the same-memory run, and `off`'s with the plan (DENSE_INNER)
 #   OUT=/some/dir bash bench/h200_run.sh off-layouts  # the dense decode's layouts where `off` is still over SDPA
+#   OUT=/some/dir PYTEST_WORKERS=16 bash bench/h200_run.sh gpu-suite  # every kernel test on the GPU, each result
+#                                                  # named as it ends (carry .venv-gpuwheels)
 #   OUT=/some/dir bash bench/h200_run.sh h200-pending  # on an H200, what issue 10's open targets wait for, in one call
 #                                                  # (~9 min): the kernel table, the same-memory run, off-ids, h200-cap96
 #   OUT=/some/dir bash bench/h200_run.sh ncu-splits  # Nsight Compute: TurboQuant's decode at 2 and 3 splits, its probes
@@ -391,6 +393,15 @@ off-layouts)   # the dense decode's layouts at (32, 4096) and (64, 8192), where 
         "h2i2": {"ordered": true, "heads": 2, "inner": 2, "splits": {"32": [2], "64": [1]}},
         "h2i2s3": {"ordered": true, "heads": 2, "inner": 2, "stages": 3, "splits": {"32": [2], "64": [1]}}}' \
         OUT="$OUT" python bench/gluon_probe.py
+    ;;
+gpu-suite)   # every kernel test on the GPU (tests/triton but test_sm90_compile.py, which compiles for sm_90 on any
+             # machine), the window and device tests, on 16 processes; each test's result as it ends goes to
+             # $OUT/gpu_suite.txt (so a run cut at its limit still names its failures), then the failures
+    run 560 bash -c "python -m pytest -v -rf -n ${PYTEST_WORKERS:-16} -p no:cacheprovider tests/triton \
+        tests/test_recent_window.py tests/test_devices.py --ignore tests/triton/test_sm90_compile.py \
+        > '$OUT/gpu_suite.txt' 2>&1"
+    grep -E "(FAILED|ERROR)( |$)" "$OUT/gpu_suite.txt" | sort | uniq | head -60
+    tail -3 "$OUT/gpu_suite.txt"
     ;;
 h200-pending)   # what sessions on H100s left for an H200, in one call: the decode table as served (issue 10's
                 # kernel targets), the same-memory run (q4 2.5x with session 38's tail rule, TurboQuant 2.0x), `off`
