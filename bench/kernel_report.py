@@ -287,15 +287,16 @@ def dependent_launch_report() -> dict:
     """The grid-dependency instructions of the kernels of a split decode launched as programmatic dependents
     (`split_k.dependent_launch`, as on an sm_90 GPU), compiled for sm_90: kernel name -> its griddepcontrol lines,
     whether it is launched as a dependent and whether they follow all of its global stores.
-    A K q4_0 / V q4_0 decode with a dense recent window (page kernel, window kernel, reduce), a dense one, and a
-    dense one laid out by `decode_gluon.dense_plan` (eight splits: four inside each program, two across)."""
+    A K q4_0 / V q4_0 decode with a dense recent window (page kernel, window kernel, reduce), a dense one with its
+    splits across programs, and a dense one laid out by `decode_gluon.dense_plan` (eight splits: four inside each
+    program, two across), whatever `decode_gluon.DENSE_INNER` serves."""
     from pagedkv.ops.triton import decode_gluon, split_k
 
     found = {}
     saved = split_k.dependent_launch
     split_k.dependent_launch = lambda device: True
     try:
-        for spec, window, extra in (("turboquant:k=q4_0,v=q4_0", True, {}), ("off", False, {}),
+        for spec, window, extra in (("turboquant:k=q4_0,v=q4_0", True, {}), ("off", False, {"plan": False}),
                                     ("off", False, {"plan": True})):
             fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
             meta, rings = decode_batch(64, 8192, window, HEAD_DIM, torch.bfloat16)
@@ -304,13 +305,14 @@ def dependent_launch_report() -> dict:
             with _CompileOnly() as launches:
                 # planned, `off` takes up to four splits inside a program (`decode_gluon.dense_plan`): eight need a
                 # reduce
-                launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=8 if extra else 4,
+                launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1,
+                       num_splits=8 if extra.get("plan") else 4,
                        **({"window": rings} if window else {}), **extra)
             for kernel, options in zip(launches.compiled, launches.options):
                 ptx = kernel.asm["ptx"].splitlines()
                 at = [i for i, ln in enumerate(ptx) if "griddepcontrol" in ln]
                 stores = [i for i, ln in enumerate(ptx) if "st.global" in ln]
-                found[f"{spec}{'-plan' if extra else ''}/{kernel.name}"] = {"lines": [ptx[i].split(";")[0].strip() for i in at],
+                found[f"{spec}{'-plan' if extra.get('plan') else ''}/{kernel.name}"] = {"lines": [ptx[i].split(";")[0].strip() for i in at],
                                                   "launch_pdl": bool(options.get("launch_pdl")),
                                                   "after_stores": bool(at and stores and at[0] > stores[-1])}
     finally:

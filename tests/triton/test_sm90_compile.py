@@ -111,9 +111,13 @@ def test_the_gluon_decode_kernels_read_pages_into_registers_without_layout_conve
     assert [row["format"] for row in rows] == (["q8"] * 8 + ["turboquant"] * 2 + [tq44] * 2 + ["q4"] * 2 + ["q6"] * 2
                                                + ["off"] * 4 + ["q8", "turboquant", "q4"]), r.stdout
     # `off` reads four KV heads a program by default (decode_gluon.DENSE_HEADS, a warp each), one in the last two;
-    # its splits across programs (`decode_gluon.DENSE_INNER` off)
+    # its four splits across programs, or laid out by `dense_plan` where DENSE_INNER (compiled without a GPU: no
+    # multiprocessor count, so four-warp programs)
+    from pagedkv.ops.triton import decode_gluon
+
+    served = decode_gluon.dense_plan(8, 4)[:2] if decode_gluon.DENSE_INNER else (decode_gluon.DENSE_HEADS, 1)
     assert [(row["kv_heads_per_program"], row["inner_splits"]) for row in rows if row["format"] == "off"] == [
-        (4, 1), (4, 1), (1, 1), (1, 1)], r.stdout
+        served, served, (1, 1), (1, 1)], r.stdout
     # with a dense recent window the pages' splits only end earlier: the same loop, but for a few instructions of
     # index arithmetic the compiler places differently (within 1% of the loop)
     loop = {(row["format"], row["head_dim"], row["dtype"], row["window"]): row["loop_ops"] for row in rows}
