@@ -104,8 +104,10 @@ DENSE_IDS_AHEAD = False
 # DENSE_WAVE_FILL full. Timed on an H100 (2026-12-06, BENCHMARKS.md session 40, `bash bench/h200_run.sh off-inner`,
 # two runs), us, splits across programs as served before / eight warps / four warps (SDPA): (32, 4096) 177 / 174 /
 # 174 (172), (64, 8192) 679 / 675 / 676-677 (675), (128, 2048) 353 / 343-344 / 348 (343), one sequence of 32,768
-# tokens 50.0-50.2 / 49.2-49.4 / 48.9-49.1 at 32 x 4 splits (50.0). Off until an H200 times it as served (`bash
-# bench/h200_run.sh off-served`); `paged_attention_dense(plan=True)` serves it meanwhile
+# tokens 50.0-50.2 / 49.2-49.4 / 48.9-49.1 at 32 x 4 splits (50.0). Served through the kernel table on another
+# H100 (session 41), time / SDPA across -> plan: (1, 32768) 1.016 -> 1.000, (32, 4096) 1.027 -> 1.012, (64, 8192)
+# 1.013 -> 1.006, (128, 2048) 1.039 -> 1.009; the same-memory run's `off` 0.5% faster. Off until an H200 times it
+# (`bash bench/h200_run.sh h200-inner`); `paged_attention_dense(plan=True)` serves it meanwhile
 DENSE_INNER = False
 DENSE_INNER_MAX = 4
 DENSE_WAVE_FILL = 0.9
