@@ -395,9 +395,9 @@ off-layouts)   # the dense decode's layouts at (32, 4096) and (64, 8192), where 
         OUT="$OUT" python bench/gluon_probe.py
     ;;
 gpu-suite)   # every kernel test on the GPU (tests/triton but test_sm90_compile.py, which compiles for sm_90 on any
-             # machine), the window and device tests, on 16 processes; each test's result as it ends goes to
+             # machine), the window and device tests (PYTEST_WORKERS processes); each test's result as it ends goes to
              # $OUT/gpu_suite.txt (so a run cut at its limit still names its failures), then the failures
-    run 560 bash -c "python -m pytest -v -rf -n ${PYTEST_WORKERS:-16} -p no:cacheprovider tests/triton \
+    run 560 bash -c "python -m pytest -v -rf ${workers[*]} -p no:cacheprovider tests/triton \
         tests/test_recent_window.py tests/test_devices.py --ignore tests/triton/test_sm90_compile.py \
         > '$OUT/gpu_suite.txt' 2>&1"
     grep -E "(FAILED|ERROR)( |$)" "$OUT/gpu_suite.txt" | sort | uniq | head -60
