@@ -100,6 +100,15 @@ ncu_reports() {  # ncu_reports NAME [TOP]: $OUT/NAME.ncu-rep's details as NAME.t
         python bench/ncu_summary.py "$OUT/${name}_sass.csv" --top "$top"
     fi
 }
+# issue 10's same-memory run (every format's pages get 2 GiB; 256 requests of 1,024 + 1,024 tokens) and its table's
+# formats
+SAME_MEMORY=(bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024)
+TABLE_FORMATS="off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0"
+served_table_and_memory() {  # the decode table as served and the same-memory run (off, TurboQuant, q4), summarised
+    run 170 python bench/kernel_bench.py --formats "$TABLE_FORMATS" --skip prefill,write --out "$OUT/kernels_served"
+    run 150 python "${SAME_MEMORY[@]}" --formats off turboquant q4 --out "$OUT/memory"
+    python bench/engine_steps.py "$OUT/memory/engine_memory.json"
+}
 with_dense_inner() {  # with_dense_inner LIMIT_SECONDS SCRIPT ARGS...: a bench script with decode_gluon.DENSE_INNER on
     local limit=$1 script=$2; shift 2
     run "$limit" python -c "import runpy, sys; from pagedkv.ops.triton import decode_gluon; decode_gluon.DENSE_INNER = True
@@ -109,7 +118,7 @@ STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio
 case "${1:-kernels}" in
 kernels)
     run 120 python -m pytest -q -rf tests/triton/test_triton_write.py -k "turboquant or q4"
-    run 300 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --recent-tokens 128 \
+    run 300 python bench/kernel_bench.py --formats "$TABLE_FORMATS" --recent-tokens 128 \
         --skip write --fused-prefill --out "$OUT/kernels"
     ;;
 tests)
@@ -119,20 +128,20 @@ tests)
 engine)
     run 200 python bench/engine_gpu.py --formats off q8 q4 turboquant --batches 16 64 --context 8192 --requests 32 \
         --skip-generate-batch --out "$OUT"
-    run 280 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 280 python "${SAME_MEMORY[@]}" \
         --formats off turboquant q4 --admission-lookahead-tokens 0 640 1024 --out "$OUT"
     run 90 python bench/tiers.py --model llama8b --device cuda --prefix-tokens 2048 8192 32768 --out "$OUT/h200"
     ;;
 memory)   # the same-memory run with its timelines: the default admission, then no headroom with preemption by swap
-    run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 200 python "${SAME_MEMORY[@]}" \
         --formats off turboquant q4 --out "$OUT/memory_default"
-    run 350 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 350 python "${SAME_MEMORY[@]}" \
         --formats off turboquant q4 --admission-lookahead-tokens 0 --preemption recompute swap --out "$OUT/memory_swap"
     ;;
 prefill)   # the Gluon prefill kernels against the reference, then timed: every format, and beside the other kernels
     run 300 python -m pytest -q -rf "${workers[@]}" tests/triton/test_prefill_gluon.py tests/triton/test_dense_prefill.py \
         tests/triton/test_triton_cuda_graph.py
-    run 150 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" --skip decode,write \
+    run 150 python bench/kernel_bench.py --formats "$TABLE_FORMATS" --skip decode,write \
         --out "$OUT/kernels_prefill"
     run 120 python bench/prefill_probe.py --out "$OUT/prefill_probe"
     ;;
@@ -165,9 +174,9 @@ longest-first)   # `metadata.LONGEST_FIRST`: the kernels in any token order, the
     ;;
 longest-first-engine)   # the same-memory run in grid order (no step should stand out: the compile fixed in
                         # session 28), then longest first; the slowest steps of each
-    run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 240 python "${SAME_MEMORY[@]}" \
         --formats off turboquant q4 --launch-order grid --out "$OUT/memory_grid_order"
-    run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 240 python "${SAME_MEMORY[@]}" \
         --formats off turboquant q4 --launch-order longest-first --out "$OUT/memory_longest_first"
     run 30 python bench/engine_steps.py "$OUT/memory_grid_order/engine_memory.json" \
         "$OUT/memory_longest_first/engine_memory.json"
@@ -177,7 +186,7 @@ buckets)   # the same-memory run with the engine's CUDA graph buckets (every 8 u
     for buckets in fine coarse; do
         sizes=()
         [ "$buckets" = coarse ] && sizes=(--graph-batch-sizes 1 2 4 8 16 24 32 48 64 96 128 192 256)
-        run 260 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        run 260 python "${SAME_MEMORY[@]}" \
             --formats off turboquant q4 ${MEMORY_OPTIONS:-} "${sizes[@]}" --out "$OUT/memory_${buckets}_buckets"
     done
     run 30 python bench/engine_steps.py "$OUT/memory_fine_buckets/engine_memory.json" \
@@ -186,7 +195,7 @@ buckets)   # the same-memory run with the engine's CUDA graph buckets (every 8 u
 ragged-engine)   # the same-memory run with lengths spread +-50% (ragged batches, as a server's), in grid order
                  # and longest first
     for order in grid longest-first; do
-        run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+        run 200 python "${SAME_MEMORY[@]}" \
             --length-spread 0.5 --formats off q4 turboquant --launch-order $order --out "$OUT/memory_ragged_${order/-/_}"
     done
     ;;
@@ -205,16 +214,16 @@ prefill-gaps)   # where the GPU waits in a same-memory prefill step (16 prompts 
                 # debugging; then the same-memory run with the defaults
     run 200 python bench/engine_profile.py --formats q4 turboquant --requests 16 --prompt-tokens 1024 --kernels --top 12 \
         --trace "$OUT"
-    run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 240 python "${SAME_MEMORY[@]}" \
         --formats off turboquant q4 --out "$OUT/memory_defaults"
     ;;
 off-splits)   # the dense decode's split counts with four KV heads a program (2-3 resident a multiprocessor): the
               # kernel table in the served order, the split counts side by side (longest first), the same-memory run
-    run 200 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
+    run 200 python bench/kernel_bench.py --formats "$TABLE_FORMATS" \
         --skip prefill,write --out "$OUT/kernels"
     run 120 env FORMAT=off SPLITS='{"1": [64, 96, 128, 192], "32": [4, 5, 6], "64": [2, 3], "128": [2, 3]}' \
         VARIANTS='{"longest_first": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
-    run 240 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 240 python "${SAME_MEMORY[@]}" \
         --formats off turboquant q4 --out "$OUT/memory"
     run 30 python bench/engine_steps.py "$OUT/memory/engine_memory.json"
     ;;
@@ -268,14 +277,14 @@ copies-only)   # TurboQuant's kernels beside their probes (`paged_attention_tq(p
     ;;
 memory-kernels)   # the same-memory run under torch.profiler: the GPU time of each kernel over the whole run (the
                   # profiler slows it: its tokens/s are not the run's; the calls say whether graph replays were seen)
-    run 420 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 420 python "${SAME_MEMORY[@]}" \
         --formats off turboquant q4 --profile-kernels --out "$OUT/memory_kernels"
     ;;
 async-memory)   # the same-memory run with asynchronous scheduling (the default) and without, side by side; then
                 # the inductor kernels of the MLP's SiLU-times-up and residual adds, and the GPU tests of the order
-    run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 200 python "${SAME_MEMORY[@]}" \
         --formats off turboquant q4 --out "$OUT/memory_async"
-    run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 200 python "${SAME_MEMORY[@]}" \
         --formats off turboquant q4 --no-async-scheduling --out "$OUT/memory_sync"
     for f in memory_async memory_sync; do python bench/engine_steps.py "$OUT/$f/engine_memory.json"; done
     mkdir -p "$OUT/inductor"
@@ -284,7 +293,7 @@ async-memory)   # the same-memory run with asynchronous scheduling (the default)
     done
     run 150 python -m pytest -q -rf "${workers[@]}" tests/test_longest_first.py tests/test_engine_cuda_graph.py \
         tests/test_engine_async.py
-    run 170 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
+    run 170 python bench/kernel_bench.py --formats "$TABLE_FORMATS" \
         --skip prefill,write --out "$OUT/kernels_served_order"
     ;;
 longest-first-probes)   # ragged batches for off, and q4 at equal lengths (what a second split costs there)
@@ -324,10 +333,10 @@ ncu-work)   # TurboQuant's decode beside its work-only probe (no copies, no wait
     ;;
 tail-rule)   # the same-memory run (q4, then off for the ratio) with longest-first split counts kept out of a short
              # second wave (`tuning.ORDERED_TAIL_WAVES`, session 38) and without (1.0), then the steps by batch size
-    run 200 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 200 python "${SAME_MEMORY[@]}" \
         --formats q4 off --out "$OUT"
     cp "$OUT/engine_memory.json" "$OUT/engine_memory_tail_rule.json" 2>/dev/null
-    run 120 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
+    run 120 python "${SAME_MEMORY[@]}" \
         --formats q4 --ordered-tail-waves 1.0 --out "$OUT"
     cp "$OUT/engine_memory.json" "$OUT/engine_memory_no_tail_rule.json" 2>/dev/null
     for f in tail_rule no_tail_rule; do python bench/engine_steps.py "$OUT/engine_memory_$f.json"; done
@@ -372,16 +381,12 @@ off-served)   # the dense decode laid out by `decode_gluon.dense_plan` (splits i
         SPLITS='{"1": [128], "32": [4], "64": [2], "128": [2], "40": [3], "48": [2]}' \
         VARIANTS='{"across": {"ordered": true}, "plan": {"ordered": true, "plan": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
-h200-inner)   # on an H200, DENSE_INNER's decision and issue 10's table in one call (~7 min): the decode table as
-              # served, its `off` row with the dense plan on, the same-memory run as served, then `off`'s with the plan
+h200-inner)   # on an H200, DENSE_INNER's decision and issue 10's table in one call (~7 min): the decode table and
+              # the same-memory run as served, then `off`'s table row and same-memory run with the dense plan on
     nvidia-smi --query-gpu=name --format=csv,noheader
-    run 170 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
-        --skip prefill,write --out "$OUT/kernels_served"
+    served_table_and_memory
     with_dense_inner 60 bench/kernel_bench.py --formats off --skip prefill,write --out "$OUT/kernels_off_plan"
-    run 150 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 --out "$OUT/memory"
-    with_dense_inner 90 bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off --out "$OUT/memory_off_plan"
+    with_dense_inner 90 "${SAME_MEMORY[@]}" --formats off --out "$OUT/memory_off_plan"
     ;;
 off-layouts)   # the dense decode's layouts at (32, 4096) and (64, 8192), where `off` is still over SDPA's time: the
                # plan beside three warps' rings, other heads x inner splits, and splits across on top
@@ -408,11 +413,7 @@ h200-pending)   # what sessions on H100s left for an H200, in one call: the deco
                 # with block ids a step ahead (DENSE_IDS_AHEAD), TurboQuant at 3 splits capped at 96 registers and
                 # with its block ids a step ahead, then the GPU tests of the block ids a step ahead
     nvidia-smi --query-gpu=name --format=csv,noheader
-    run 170 python bench/kernel_bench.py --formats "off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0" \
-        --skip prefill,write --out "$OUT/kernels_served"
-    run 150 python bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024 \
-        --formats off turboquant q4 --out "$OUT/memory"
-    python bench/engine_steps.py "$OUT/memory/engine_memory.json"
+    served_table_and_memory
     off_ids_probe 100
     run 120 env FORMAT=turboquant SHAPES='[[100, 1536], [96, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [2, 3], "96": [2, 3], "112": [2, 3], "64": [2, 4], "32": [4, 8]}' \

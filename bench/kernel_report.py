@@ -296,24 +296,24 @@ def dependent_launch_report() -> dict:
     saved = split_k.dependent_launch
     split_k.dependent_launch = lambda device: True
     try:
-        for spec, window, extra in (("turboquant:k=q4_0,v=q4_0", True, {}), ("off", False, {"plan": False}),
-                                    ("off", False, {"plan": True})):
+        # (name, format, with a window, splits, launch options); planned, `off` takes up to four splits inside a
+        # program (`decode_gluon.dense_plan`): eight need a reduce
+        cases = (("turboquant:k=q4_0,v=q4_0", "turboquant:k=q4_0,v=q4_0", True, 4, {}),
+                 ("off", "off", False, 4, {"plan": False}), ("off-plan", "off", False, 8, {"plan": True}))
+        for name, spec, window, num_splits, options in cases:
             fmt = make_format(KVFormat.parse(spec), NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
             meta, rings = decode_batch(64, 8192, window, HEAD_DIM, torch.bfloat16)
             q = torch.empty(64, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
             launch, _ = decode_gluon.launcher(fmt, q, BLOCK_SIZE, kernels=decode_gluon.KERNELS)
             with _CompileOnly() as launches:
-                # planned, `off` takes up to four splits inside a program (`decode_gluon.dense_plan`): eight need a
-                # reduce
-                launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1,
-                       num_splits=8 if extra.get("plan") else 4,
-                       **({"window": rings} if window else {}), **extra)
-            for kernel, options in zip(launches.compiled, launches.options):
+                launch(q, fmt.allocate_pages(4, BLOCK_SIZE), fmt, meta, scale=0.1, num_splits=num_splits,
+                       **({"window": rings} if window else {}), **options)
+            for kernel, launched in zip(launches.compiled, launches.options):
                 ptx = kernel.asm["ptx"].splitlines()
                 at = [i for i, ln in enumerate(ptx) if "griddepcontrol" in ln]
                 stores = [i for i, ln in enumerate(ptx) if "st.global" in ln]
-                found[f"{spec}{'-plan' if extra.get('plan') else ''}/{kernel.name}"] = {"lines": [ptx[i].split(";")[0].strip() for i in at],
-                                                  "launch_pdl": bool(options.get("launch_pdl")),
+                found[f"{name}/{kernel.name}"] = {"lines": [ptx[i].split(";")[0].strip() for i in at],
+                                                  "launch_pdl": bool(launched.get("launch_pdl")),
                                                   "after_stores": bool(at and stores and at[0] > stores[-1])}
     finally:
         split_k.dependent_launch = saved

@@ -236,9 +236,9 @@ def test_the_dense_decode_plans_up_to_four_splits_inside_a_program():
     """`decode_gluon.dense_plan` (CPU; served where DENSE_INNER): one split stays one program of four heads; two to
     four go inside a program (a power of two of them at least the splits asked for), more across programs too;
     programs of four warps (as many as the splits across programs made before), or eight where those fill their
-    last wave of 132 multiprocessors at least 90% (issue 10's shapes: (32, 4096) at 4 splits, (64, 8192) at 2, (128, 2048) at 2, one sequence at 128),
-    not the same-memory run's 40 sequences at 3 (160 programs of eight: 1.2 waves) or 48 at 2 (96); SmolLM2's three
-    KV heads one a program."""
+    last wave of 132 multiprocessors at least 90% (issue 10's shapes: (32, 4096) at 4 splits, (64, 8192) at 2,
+    (128, 2048) at 2, one sequence at 128), not the same-memory run's 40 sequences at 3 (160 programs of eight: 1.2
+    waves) or 48 at 2 (96); SmolLM2's three KV heads one a program."""
     from pagedkv.ops.triton import decode_gluon
 
     def plan(kv, s, tokens=0, head_dim=128, sms=132):
