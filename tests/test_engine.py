@@ -5,7 +5,7 @@ import bisect
 
 import pytest
 
-from pagedkv import LLM, SamplingParams, load_model
+from pagedkv import LLM, SamplingParams
 from pagedkv.engine.config import EngineConfig
 from pagedkv.errors import ConfigError, ContextWindowError
 
@@ -23,11 +23,6 @@ PARAGRAPH = ("It is a truth universally acknowledged, that a single man in posse
              "in want of a wife. However little known the feelings or views of such a man may be on his first "
              "entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families, that "
              "he is considered the rightful property of some one or other of their daughters. ")
-
-
-@pytest.fixture(scope="module")
-def model_and_tokenizer():
-    return load_model("default")  # its own copy: the engine switches the model's attention
 
 
 def make_llm(model_and_tokenizer, **options) -> LLM:

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from pagedkv import LLM, SamplingParams, load_model
+from pagedkv import LLM, SamplingParams
 
 PARAGRAPH = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
              "in want of a wife. However little known the feelings or views of such a man may be on his first "
@@ -16,11 +16,6 @@ PARAGRAPH = ("It is a truth universally acknowledged, that a single man in posse
              "he is considered the rightful property of some one or other of their daughters. ")
 CHUNK = 128  # the prefill chunk: a recompute splits the prompt where the cached prefix ends
 PARAMS = SamplingParams(max_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def model_and_tokenizer():
-    return load_model("default")  # its own copy: the engine switches the model's attention
 
 
 @pytest.fixture(scope="module")

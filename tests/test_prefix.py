@@ -98,13 +98,6 @@ def test_disabled_prefix_cache_matches_nothing():
     assert prefix.match(hashes, 2) == [] and cache.pool.num_cached() == 0
 
 
-@pytest.fixture(scope="module")
-def model_and_tokenizer():
-    from pagedkv import load_model
-
-    return load_model("default")
-
-
 @pytest.mark.parametrize("kv_format", ["off", "q8", "q4", "turboquant"])
 def test_prefix_caching_works_with_every_page_format(model_and_tokenizer, kv_format):
     model, tokenizer = model_and_tokenizer

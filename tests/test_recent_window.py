@@ -372,13 +372,6 @@ SHARED = ("It is a truth universally acknowledged, that a single man in possessi
           "in want of a wife. However little known the feelings or views of such a man may be")
 
 
-@pytest.fixture(scope="module")
-def model_and_tokenizer():
-    from pagedkv import load_model
-
-    return load_model("default")  # its own copy: the engine switches the model's attention
-
-
 def engine(model_and_tokenizer, kv_format, **options):
     from pagedkv import LLM
 
