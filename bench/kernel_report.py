@@ -20,7 +20,8 @@ cost model for comparing kernel variants when no GPU is at hand. Time on a GPU i
 `--compile-all` compiles every kernel for sm_90 through its real host wrapper (cache write, varlen
 attention for decode and prefill tiles, split-K and its reduce) for each format, query dtype and
 head_dim, launching nothing: the Triton interpreter the CPU tests use never lowers a kernel, so this
-is what catches a kernel that would not compile for the GPU. Exits 1 if any fails.
+is what catches a kernel that would not compile for the GPU. Exits 1 if any fails; with `--stack-limit BYTES`,
+also if a format's kernels spill to a stack frame larger than that.
 
 `--sass-digest` prints one line per decode launch (Gluon and tile-language kernels, every format, both 16-bit
 dtypes, head_dim 64 and 128, one and four splits, grid and longest-first order, with and without a dense recent
@@ -345,9 +346,9 @@ class _CompileOnly:
         JITFunction.run = self._run
 
 
-def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int = 8, num_kv_heads: int = 2) -> None:
+def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int = 8, num_kv_heads: int = 2) -> list:
     """Compile the write, attention (decode and prefill tiles), split-K, warp-split decode (formats it reads)
-    and reduce kernels of one format."""
+    and reduce kernels of one format, with the tiles the library gives `dtype`; returns the compiled kernels."""
     from pagedkv.ops.metadata import AttentionMetadata
     from pagedkv.ops.metadata import WindowPlan
     from pagedkv.ops.triton import decode, dense_prefill, kv_write, split_k
@@ -364,12 +365,13 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
     k = torch.empty(seqs * new, num_kv_heads, head_dim, dtype=dtype)
     group = num_q_heads // num_kv_heads
     pages_kind = page_class(fmt)
-    with _CompileOnly():
+    with _CompileOnly() as launches:
         kv_write.write_kv(pages, fmt, k, k, meta)
-        for tiles in (choose_tiles(seqs, seqs, group, head_dim, cuda, pages=pages_kind),      # decode tiles
-                      choose_tiles(4096, seqs, group, head_dim, cuda, pages=pages_kind)):     # prefill tiles
+        for tiles in (choose_tiles(seqs, seqs, group, head_dim, cuda, pages=pages_kind, dtype=dtype),     # decode
+                      choose_tiles(4096, seqs, group, head_dim, cuda, pages=pages_kind, dtype=dtype)):    # prefill
             attention.paged_attention(q, pages, fmt, meta, scale=0.1, tiles=tiles)
-        split_k.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=4, tiles=split_tiles(group, head_dim, pages_kind))
+        split_k.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=4,
+                                tiles=split_tiles(group, head_dim, pages_kind, dtype=dtype))
         if decode.is_supported(fmt):
             for num_splits in (1, 4):
                 decode.paged_attention(q, pages, fmt, meta, scale=0.1, num_splits=num_splits)
@@ -380,6 +382,14 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
             empty = torch.empty(0, dtype=torch.int64)
             windowed = dataclasses.replace(meta, window=WindowPlan(empty, empty, per_seq[0], per_seq[1], [0, 1], [2, 1], 2))
             dense_prefill.paged_attention(q, pages, fmt, windowed, scale=0.1, window=rings)
+    return launches.compiled
+
+
+def stack_bytes(kernel) -> int:
+    """The largest per-thread stack frame (spilled registers, local arrays) ptxas reports for a kernel: the
+    driver reserves it for every thread a GPU can hold, so tens of KB take gigabytes at launch."""
+    info, _ = assemble(kernel)
+    return max((int(n) for n in re.findall(r"(\d+) bytes stack frame", info)), default=0)
 
 
 def count_variants(spec: str) -> dict:
@@ -425,6 +435,8 @@ def main() -> None:
     parser.add_argument("--compile-all", action="store_true", help="compile every kernel for each format, dtype, head_dim")
     parser.add_argument("--dtypes", default="bfloat16,float16,float32", help="with --compile-all: query dtypes")
     parser.add_argument("--head-dims", default="64,128,256", help="with --compile-all")
+    parser.add_argument("--stack-limit", type=int, default=None,
+                        help="with --compile-all: fail a format whose kernels take more stack a thread (bytes)")
     parser.add_argument("--warp-split", action="store_true",
                         help="the warp-split decode kernel: each format's default, the original orientation, lower register caps; "
                              "both orientations reading a recent window")
@@ -524,8 +536,14 @@ def main() -> None:
             for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
                 for head_dim in map(int, args.head_dims.split(",")):
                     try:
-                        compile_all(spec, dtype, head_dim)
+                        kernels = compile_all(spec, dtype, head_dim)
                         status = "ok"
+                        if args.stack_limit is not None:
+                            stack = max(map(stack_bytes, kernels))
+                            status = f"ok, stack {stack} bytes"
+                            if stack > args.stack_limit:
+                                failed += 1
+                                status = f"FAILED stack {stack} bytes > {args.stack_limit}"
                     except Exception as e:  # noqa: BLE001  (reported, then the exit code says so)
                         failed += 1
                         status = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"

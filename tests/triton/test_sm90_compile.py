@@ -29,6 +29,17 @@ def test_every_kernel_compiles_for_sm90_for_every_format():
     assert r.stdout.count(": ok") == len(FORMATS), r.stdout
 
 
+def test_float32_kernels_spill_to_a_few_kb_of_stack_at_most():
+    """float32 queries take IEEE products on the CUDA cores with their operands in registers: the 128 x 128 tiles
+    of 16-bit queries spilled 17-26 KB a thread there, which the driver reserves for every thread the GPU holds
+    (an H100 ran out of memory at launch). `tuning.FLOAT32_TILE_N` keeps it small; the largest left is
+    TurboQuant's dequantize from a dense recent window (its rotation, 5.7 KB)."""
+    r = kernel_report("--compile-all", "--formats", "off;turboquant", "--dtypes", "float32", "--head-dims", "128",
+                      "--stack-limit", "8192")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(": ok, stack") == 2, r.stdout
+
+
 def test_dense_decode_tiles_fit_four_programs_per_multiprocessor_without_spills(tmp_path):
     """`tuning.CTAS_PER_SM["dense"]` (4) assumes at most 128 registers per thread at 4 warps."""
     out = tmp_path / "report.json"

@@ -59,6 +59,20 @@ def test_prefill_is_never_split_and_keeps_its_128_row_tiles(monkeypatch):
         assert splits == 32 and tiles.block_m == 16
 
 
+def test_float32_queries_get_32_keys_a_step_on_a_gpu():
+    """Their products run on the CUDA cores with operands in registers (`tuning.FLOAT32_TILE_N`); 16-bit queries
+    keep the matrix-unit tiles."""
+    from pagedkv.ops.triton.tuning import TileConfig, choose_tiles, split_tiles
+
+    cuda = torch.device("cuda", 0)
+    assert choose_tiles(2048, 1, 4, 128, cuda, dtype=torch.float32) == TileConfig(32, 32, 8, 2)      # prefill
+    assert choose_tiles(2048, 1, 4, 128, cuda, dtype=torch.bfloat16) == TileConfig(128, 128, 8, 2)
+    assert choose_tiles(8, 8, 4, 128, cuda, pages="packed", dtype=torch.float32) == TileConfig(16, 32, 4, 2)
+    assert choose_tiles(8, 8, 4, 128, cuda, pages="packed", dtype=torch.float16) == TileConfig(16, 128, 4, 2)
+    assert split_tiles(4, 128, "packed", 4, dtype=torch.float32) == TileConfig(16, 32, 4, 2)
+    assert split_tiles(4, 128, "packed", 4, dtype=torch.bfloat16) == TileConfig(16, 128, 4, 2)
+
+
 def test_tiles_step_down_until_they_fit_the_gpu_and_the_fit_is_remembered():
     """A GPU with less shared memory than the tiles need (Triton raises OutOfResources at launch) gets
     smaller tiles: fewer stages first, then fewer keys per step; the fit is remembered for later calls."""

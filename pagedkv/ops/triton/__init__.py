@@ -173,7 +173,7 @@ def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap
         return prefill_gluon.paged_attention(query, pages, fmt, meta, scale=scale)
     group = num_q_heads // fmt.num_kv_heads
     num_splits, tiles = plan_attention(num_tokens, meta.block_table.shape[0], group, head_dim, fmt, capacity,
-                                       query.device)
+                                       query.device, query.dtype)
     if num_splits > 1:
         kernel, impl, extra = "split", split_k.paged_attention, {"num_splits": num_splits}
     else:

@@ -130,7 +130,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
     num_seqs = meta.block_table.shape[0]
     group = num_q_heads // view.num_kv_heads
     tiles = tiles or choose_tiles(num_tokens, num_seqs, group, head_dim, query.device,
-                                  pages=page_class(fmt))
+                                  pages=page_class(fmt), dtype=query.dtype)
     block_q = tiles.block_m // group
     out = torch.empty_like(query)
     if num_tokens == 0:

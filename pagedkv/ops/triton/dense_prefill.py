@@ -295,6 +295,7 @@ def paged_attention(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt: Pa
         return attention.paged_attention(query, scratch, dense, dense_meta, scale=scale,
                                          sliding_window=sliding_window, softcap=softcap, tiles=t, rotations=rotations)
 
-    tiles = choose_tiles(query.shape[0], meta.block_table.shape[0], group, fmt.head_dim, query.device)
-    # float32 tiles may not fit shared memory: smaller ones, as the other kernels step down
+    tiles = choose_tiles(query.shape[0], meta.block_table.shape[0], group, fmt.head_dim, query.device,
+                         dtype=query.dtype)
+    # tiles that do not fit a GPU's shared memory (99 KB a program on sm_89) step down, as the other kernels' do
     return launch_fitting(launch, tiles, group, ("dense-prefill", query.device, query.dtype, dense.spec, fmt.head_dim))

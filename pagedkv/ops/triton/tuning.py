@@ -46,14 +46,25 @@ def is_decode_like(num_tokens: int, num_seqs: int) -> bool:
 DENSE_PREFILL = True
 
 
+# Keys a step of the varlen and split-K kernels for float32 queries. Their products are IEEE float32 on the CUDA
+# cores (`attention.dot_precision`), operands held in registers: compiled for sm_90 at head_dim 128, 128 keys x 128
+# query rows spill 20-26 KB a thread, and the local memory that reserves for every resident thread ran an H100 out
+# of memory at launch (TurboQuant prefill through dense scratch, 16 test processes on the GPU); with 32 keys and at
+# most 32 rows the stack stays under 1.3 KB (split-K's 16 rows: under 0.4 KB). Only correctness is asked of
+# float32 on a GPU (serving runs in bfloat16 / float16, on the Gluon kernels).
+FLOAT32_TILE_N = 32
+
+
 def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int, device: torch.device,
-                 pages: str = "dense") -> TileConfig:
-    """`pages`: `page_class` of the format."""
+                 pages: str = "dense", dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    """`pages`: `page_class` of the format; `dtype`: the queries'."""
     rows = max(16, triton.next_power_of_2(group))
     if device.type != "cuda":  # the interpreter: small tiles keep CPU tests quick
         return TileConfig(rows, 16, 4, 1)
     if is_decode_like(num_tokens, num_seqs):
-        return decode_tiles(rows, head_dim, pages)
+        return decode_tiles(rows, head_dim, pages, dtype)
+    if dtype == torch.float32:
+        return TileConfig(max(32, rows), FLOAT32_TILE_N, 8, 2)
     if head_dim <= 128:
         return TileConfig(max(128, rows), 128, 8, 2)
     return TileConfig(max(64, rows), 64, 4, 2)
@@ -67,21 +78,24 @@ def page_class(fmt) -> str:
     return "int8" if kind == "kvquant" and fmt.bits == 8 else "packed"
 
 
-def decode_tiles(rows: int, head_dim: int, pages: str) -> TileConfig:
+def decode_tiles(rows: int, head_dim: int, pages: str, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
     """Dense and int8 pages: 64 keys per step; packed pages: 128 keys; 4 warps, 2 stages. head_dim 256:
-    64 keys, so that two programs still fit a multiprocessor's shared memory."""
+    64 keys, so that two programs still fit a multiprocessor's shared memory. float32 queries: FLOAT32_TILE_N."""
+    if dtype == torch.float32:
+        return TileConfig(rows, FLOAT32_TILE_N, 4, 2)
     if head_dim > 128:
         return TileConfig(rows, 64, 4, 2)
     return TileConfig(rows, 128 if pages == "packed" else 64, 4, 2)
 
 
-def split_tiles(group: int, head_dim: int, pages: str = "dense", num_splits: int = 2) -> TileConfig:
+def split_tiles(group: int, head_dim: int, pages: str = "dense", num_splits: int = 2,
+                dtype: torch.dtype = torch.bfloat16) -> TileConfig:
     """Tiles of the split-K kernel: the decode tiles, except that quantized pages, and dense pages split
     more than 4 ways (few programs, each streaming one long range), read 128 keys per step (measured on an
     H200 at batch 1, 32,768 tokens, 32 splits: 49.8 us against 57.5 with 64 keys; at batch 32, 4,096 tokens,
     2 splits, 64 keys stay faster: 132 against 138 us)."""
-    tiles = decode_tiles(max(16, triton.next_power_of_2(group)), head_dim, pages)
-    if head_dim <= 128 and (pages != "dense" or num_splits > 4):
+    tiles = decode_tiles(max(16, triton.next_power_of_2(group)), head_dim, pages, dtype)
+    if head_dim <= 128 and (pages != "dense" or num_splits > 4) and dtype != torch.float32:
         tiles = TileConfig(tiles.block_m, 128, 4, 2)
     return tiles
 
@@ -238,19 +252,19 @@ def warp_split_tiles(fmt) -> DecodeTiles:
 
 
 def plan_attention(num_tokens: int, num_seqs: int, group: int, head_dim: int, fmt, capacity_tokens: int,
-                   device: torch.device) -> tuple[int, TileConfig]:
+                   device: torch.device, dtype: torch.dtype = torch.bfloat16) -> tuple[int, TileConfig]:
     """(num_splits, tiles) of one attention call: for decode-like batches, split-K (with its own tiles)
     when the (sequence, KV head) programs would leave the GPU partly idle (`splits_for`); else the
     varlen kernel's tiles. Prefill is never split: the split kernel's 16-row tiles would read every key
     once per 16 query rows instead of once per 128 (measured on an H200: a 2,048-token dense chunk 2.7x
     slower, TurboQuant prefill slower still, as its keys are decoded on every read)."""
     pages = page_class(fmt)
-    tiles = choose_tiles(num_tokens, num_seqs, group, head_dim, device, pages=pages)
+    tiles = choose_tiles(num_tokens, num_seqs, group, head_dim, device, pages=pages, dtype=dtype)
     if not is_decode_like(num_tokens, num_seqs):
         return 1, tiles
     num_splits = choose_num_splits(num_seqs * fmt.num_kv_heads, capacity_tokens, device, pages, head_dim)
     if num_splits > 1:
-        tiles = split_tiles(group, head_dim, pages, num_splits)
+        tiles = split_tiles(group, head_dim, pages, num_splits, dtype)
     return num_splits, tiles
 
 
