@@ -106,9 +106,12 @@ DENSE_IDS_AHEAD = False
 # 174 (172), (64, 8192) 679 / 675 / 676-677 (675), (128, 2048) 353 / 343-344 / 348 (343), one sequence of 32,768
 # tokens 50.0-50.2 / 49.2-49.4 / 48.9-49.1 at 32 x 4 splits (50.0). Served through the kernel table on another
 # H100 (session 41), time / SDPA across -> plan: (1, 32768) 1.016 -> 1.000, (32, 4096) 1.027 -> 1.012, (64, 8192)
-# 1.013 -> 1.006, (128, 2048) 1.039 -> 1.009; the same-memory run's `off` 0.5% faster. Off until an H200 times it
-# (`bash bench/h200_run.sh h200-inner`); `paged_attention_dense(plan=True)` serves it meanwhile
-DENSE_INNER = False
+# 1.013 -> 1.006, (128, 2048) 1.039 -> 1.009; the same-memory run's `off` 0.5% faster. On an H200 (session 42,
+# `bash bench/h200_run.sh h200-inner`, then two more runs of each alternating), time / SDPA across -> plan:
+# (1, 32768) 0.991-1.000 -> 0.981-0.986, (32, 4096) 1.018-1.020 -> 1.003-1.011, (64, 8192) 1.006-1.008 ->
+# 0.996-1.000, (128, 2048) 1.064-1.070 -> 1.009-1.013; the same-memory run's `off` 15,075 -> 15,098 tokens/s.
+# Served since; False: splits across programs (`paged_attention_dense(plan=False)`)
+DENSE_INNER = True
 DENSE_INNER_MAX = 4
 DENSE_WAVE_FILL = 0.9
 # One-warp programs of a Gluon decode kernel a multiprocessor holds at once, by their registers a lane, for head_dim
