@@ -43,10 +43,10 @@
 #                                                  # (`decode_gluon.DENSE_IDS_AHEAD`), twice, then its GPU test
 #   OUT=/some/dir bash bench/h200_run.sh off-inner  # the dense decode with its splits inside a program (no reduce
 #                                                  # kernel) beside the served one, twice, then its GPU test
-#   OUT=/some/dir bash bench/h200_run.sh off-served  # the dense decode laid out by dense_plan: GPU tests, table
-#                                                  # row with it on, probe beside the splits across programs
-#   OUT=/some/dir bash bench/h200_run.sh h200-inner  # on an H200: the served decode table, `off` with the dense plan,
-#                                                  # the same-memory run, and `off`'s with the plan (DENSE_INNER)
+#   OUT=/some/dir bash bench/h200_run.sh off-served  # the dense decode laid out by dense_plan (served): GPU tests,
+#                                                  # table row, probe beside the splits across programs
+#   OUT=/some/dir bash bench/h200_run.sh h200-inner  # on an H200: the served decode table and same-memory run, then
+#                                                  # `off`'s with the splits across programs (DENSE_INNER False)
 #   OUT=/some/dir bash bench/h200_run.sh off-layouts  # the dense decode's layouts where `off` is still over SDPA
 #   OUT=/some/dir PYTEST_WORKERS=16 bash bench/h200_run.sh gpu-suite  # every kernel test on the GPU, each result
 #                                                  # named as it ends (carry .venv-gpuwheels)
@@ -109,9 +109,11 @@ served_table_and_memory() {  # the decode table as served and the same-memory ru
     run 150 python "${SAME_MEMORY[@]}" --formats off turboquant q4 --out "$OUT/memory"
     python bench/engine_steps.py "$OUT/memory/engine_memory.json"
 }
-with_dense_inner() {  # with_dense_inner LIMIT_SECONDS SCRIPT ARGS...: a bench script with decode_gluon.DENSE_INNER on
-    local limit=$1 script=$2; shift 2
-    run "$limit" python -c "import runpy, sys; from pagedkv.ops.triton import decode_gluon; decode_gluon.DENSE_INNER = True
+with_dense_inner() {  # with_dense_inner True|False LIMIT_SECONDS SCRIPT ARGS...: a bench script with
+                      # decode_gluon.DENSE_INNER set (True, served since session 42: the dense plan; False: the
+                      # splits across programs it replaced)
+    local value=$1 limit=$2 script=$3; shift 3
+    run "$limit" python -c "import runpy, sys; from pagedkv.ops.triton import decode_gluon; decode_gluon.DENSE_INNER = $value
 sys.path.insert(0, 'bench'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "$script" "$@"
 }
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
@@ -371,22 +373,23 @@ off-inner)   # the dense decode with its splits inside a program (`paged_attenti
             OUT="$OUT" python bench/gluon_probe.py
     done
     ;;
-off-served)   # the dense decode laid out by `decode_gluon.dense_plan` (splits inside a program; DENSE_INNER, off until
-              # an H200 times it): its GPU tests, the kernel table's `off` row with it on, and the probe beside the
-              # splits across programs (served today) at the table's shapes and two of the same-memory run's batches
+off-served)   # the dense decode laid out by `decode_gluon.dense_plan` (splits inside a program; DENSE_INNER, served
+              # since session 42): its GPU tests, the kernel table's `off` row, and the probe beside the splits
+              # across programs at the table's shapes and two of the same-memory run's batches
     run 200 python -m pytest -q -rf "${workers[@]}" tests/triton/test_decode_gluon.py tests/triton/test_triton_cuda_graph.py \
         -k "inside_a_program or off-off or replays"
-    with_dense_inner 150 bench/kernel_bench.py --formats off --skip prefill,write --out "$OUT/kernels_off_plan"
+    run 150 python bench/kernel_bench.py --formats off --skip prefill,write --out "$OUT/kernels_off_plan"
     run 120 env FORMAT=off NAME=plan SHAPES='[[32, 4096], [64, 8192], [1, 32768], [128, 2048], [40, 1536], [48, 1536]]' \
         SPLITS='{"1": [128], "32": [4], "64": [2], "128": [2], "40": [3], "48": [2]}' \
         VARIANTS='{"across": {"ordered": true}, "plan": {"ordered": true, "plan": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
-h200-inner)   # on an H200, DENSE_INNER's decision and issue 10's table in one call (~7 min): the decode table and
-              # the same-memory run as served, then `off`'s table row and same-memory run with the dense plan on
+h200-inner)   # on an H200, issue 10's table and the dense plan beside what it replaced, in one call (~7 min): the
+              # decode table and the same-memory run as served (the dense plan), then `off`'s table row and
+              # same-memory run with the splits across programs (DENSE_INNER False)
     nvidia-smi --query-gpu=name --format=csv,noheader
     served_table_and_memory
-    with_dense_inner 60 bench/kernel_bench.py --formats off --skip prefill,write --out "$OUT/kernels_off_plan"
-    with_dense_inner 90 "${SAME_MEMORY[@]}" --formats off --out "$OUT/memory_off_plan"
+    with_dense_inner False 60 bench/kernel_bench.py --formats off --skip prefill,write --out "$OUT/kernels_off_across"
+    with_dense_inner False 90 "${SAME_MEMORY[@]}" --formats off --out "$OUT/memory_off_across"
     ;;
 off-layouts)   # the dense decode's layouts at (32, 4096) and (64, 8192), where `off` is still over SDPA's time: the
                # plan beside three warps' rings, other heads x inner splits, and splits across on top
