@@ -49,7 +49,8 @@
 #                                                  # `off`'s with the splits across programs (DENSE_INNER False)
 #   OUT=/some/dir bash bench/h200_run.sh off-layouts  # the dense decode's layouts where `off` is still over SDPA
 #   OUT=/some/dir PYTEST_WORKERS=16 bash bench/h200_run.sh gpu-suite  # every kernel test on the GPU, each result
-#                                                  # named as it ends (carry .venv-gpuwheels)
+#                                                  # named as it ends (carry .venv-gpuwheels); gpu-engine: the
+#                                                  # engine's, tiers' and tensor-parallel GPU tests the same way
 #   OUT=/some/dir bash bench/h200_run.sh h200-pending  # on an H200, what issue 10's open targets wait for, in one call
 #                                                  # (~9 min): the kernel table, the same-memory run, off-ids, h200-cap96
 #   OUT=/some/dir bash bench/h200_run.sh ncu-splits  # Nsight Compute: TurboQuant's decode at 2 and 3 splits, its probes
@@ -402,15 +403,21 @@ off-layouts)   # the dense decode's layouts at (32, 4096) and (64, 8192), where 
         "h2i2s3": {"ordered": true, "heads": 2, "inner": 2, "stages": 3, "splits": {"32": [2], "64": [1]}}}' \
         OUT="$OUT" python bench/gluon_probe.py
     ;;
-gpu-suite)   # every kernel test on the GPU (tests/triton but test_sm90_compile.py, which compiles for sm_90 on any
-             # machine), the window and device tests (PYTEST_WORKERS processes); each test's result as it ends goes to
-             # $OUT/gpu_suite.txt (so a run cut at its limit still names its failures), then the failures; the tests
+gpu-suite|gpu-engine)   # gpu-suite: every kernel test on the GPU (tests/triton but test_sm90_compile.py, which
+             # compiles for sm_90 on any machine), the window and device tests; gpu-engine: the engine's, tiers' and
+             # tensor-parallel GPU tests (PYTEST_WORKERS processes). Each test's result as it ends goes to
+             # $OUT/$1.txt (so a run cut at its limit still names its failures), then the failures; the tests
              # of the default model (marker `model`) are left out: its wheel is not carried
-    run 560 bash -c "python -m pytest -v -rf ${workers[*]} -p no:cacheprovider -m 'not model' tests/triton \
-        tests/test_recent_window.py tests/test_devices.py --ignore tests/triton/test_sm90_compile.py \
-        > '$OUT/gpu_suite.txt' 2>&1"
-    grep -E "(FAILED|ERROR)( |$)" "$OUT/gpu_suite.txt" | sort | uniq | head -60
-    tail -3 "$OUT/gpu_suite.txt"
+    if [ "$1" = gpu-suite ]; then
+        files="tests/triton tests/test_recent_window.py tests/test_devices.py --ignore tests/triton/test_sm90_compile.py"
+    else
+        files="tests/test_engine_gpu.py tests/test_engine_async.py tests/test_engine_cuda_graph.py tests/test_tiers_gpu.py
+            tests/test_parallel_gpu.py"
+    fi
+    run 560 bash -c "python -m pytest -v -rf ${workers[*]} -p no:cacheprovider -m 'not model' $files \
+        > '$OUT/$1.txt' 2>&1"
+    grep -E "(FAILED|ERROR)( |$)" "$OUT/$1.txt" | sort | uniq | head -60
+    tail -3 "$OUT/$1.txt"
     ;;
 h200-pending)   # what sessions on H100s left for an H200, in one call: the decode table as served (issue 10's
                 # kernel targets), the same-memory run (q4 2.5x with session 38's tail rule, TurboQuant 2.0x), `off`
