@@ -50,8 +50,9 @@ DENSE_PREFILL = True
 # cores (`attention.dot_precision`), operands held in registers: compiled for sm_90 at head_dim 128, 128 keys x 128
 # query rows spill 20-26 KB a thread, and the local memory that reserves for every resident thread ran an H100 out
 # of memory at launch (TurboQuant prefill through dense scratch, 16 test processes on the GPU); with 32 keys and at
-# most 32 rows the stack stays under 1.3 KB (split-K's 16 rows: under 0.4 KB). Only correctness is asked of
-# float32 on a GPU (serving runs in bfloat16 / float16, on the Gluon kernels).
+# most 32 rows the stack stays under 1.3 KB over the pages, 2.9 KB with TurboQuant's rotations in registers (dense
+# scratch), split-K's 16 rows under 0.4 KB (`bench/kernel_report.py --compile-all --dtypes float32 --stack-limit`).
+# Only correctness is asked of float32 on a GPU (serving runs in bfloat16 / float16, on the Gluon kernels).
 FLOAT32_TILE_N = 32
 
 
