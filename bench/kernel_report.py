@@ -117,9 +117,12 @@ def sass_instructions(sass: str) -> list[tuple[int, str]]:
 
 
 def ptxas_usage(info: str) -> dict:
-    """Registers per thread and spill-store bytes from a `ptxas -v` report."""
+    """Registers per thread, spill-store bytes and the largest stack frame a thread (spilled registers, local
+    arrays: the driver reserves it for every thread a GPU can hold, so tens of KB take gigabytes at launch) from a
+    `ptxas -v` report."""
     return {"registers": int(re.search(r"Used (\d+) registers", info).group(1)),
-            "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info))}
+            "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
+            "stack_bytes": max((int(n) for n in re.findall(r"(\d+) bytes stack frame", info)), default=0)}
 
 
 def sass_loops(sass: str) -> list[list[str]]:
@@ -385,13 +388,6 @@ def compile_all(spec: str, dtype: torch.dtype, head_dim: int, num_q_heads: int =
     return launches.compiled
 
 
-def stack_bytes(kernel) -> int:
-    """The largest per-thread stack frame (spilled registers, local arrays) ptxas reports for a kernel: the
-    driver reserves it for every thread a GPU can hold, so tens of KB take gigabytes at launch."""
-    info, _ = assemble(kernel)
-    return max((int(n) for n in re.findall(r"(\d+) bytes stack frame", info)), default=0)
-
-
 def count_variants(spec: str) -> dict:
     """Compile the decode and split-K attention kernels for batches of several sizes and block-table widths
     (1, 2, 3, 16 sequences; 1 to 17 blocks each); return how many kernels each one compiled."""
@@ -539,7 +535,7 @@ def main() -> None:
                         kernels = compile_all(spec, dtype, head_dim)
                         status = "ok"
                         if args.stack_limit is not None:
-                            stack = max(map(stack_bytes, kernels))
+                            stack = max(ptxas_usage(assemble(k)[0])["stack_bytes"] for k in kernels)
                             status = f"ok, stack {stack} bytes"
                             if stack > args.stack_limit:
                                 failed += 1
