@@ -411,8 +411,8 @@ gpu-suite|gpu-engine)   # gpu-suite: every kernel test on the GPU (tests/triton 
     if [ "$1" = gpu-suite ]; then
         files="tests/triton tests/test_recent_window.py tests/test_devices.py --ignore tests/triton/test_sm90_compile.py"
     else
-        files="tests/test_engine_gpu.py tests/test_engine_async.py tests/test_engine_cuda_graph.py tests/test_tiers_gpu.py
-            tests/test_parallel_gpu.py"
+        files="tests/test_engine_gpu.py tests/test_engine_async.py tests/test_engine_cuda_graph.py"
+        files="$files tests/test_tiers_gpu.py tests/test_parallel_gpu.py"
     fi
     run 560 bash -c "python -m pytest -v -rf ${workers[*]} -p no:cacheprovider -m 'not model' $files \
         > '$OUT/$1.txt' 2>&1"
