@@ -1,16 +1,21 @@
 """The engine's real `Scheduler` without a model: steps, preemptions and recomputed tokens of a workload, and
 its time under a step-cost model fitted on an H200. It answers in a second what a same-memory GPU run answers in
-twenty: which admission lookahead packs a workload best, and what the best one could reach.
+twenty: which admission lookahead packs a workload best, and how fast a format's decode kernel must read its pages
+for a given ratio to `off`.
 
 Every step reserves the scheduled slots as the model runner does and appends one token to each sequence whose
-computed tokens caught up; a step that does not fit preempts, as the engine does. Step time (`StepCost`):
-a fixed part (the model's weights and small kernels), a part per decoding sequence (its attention and cache
-write: per page format), and a part per prefilled token (recomputed prompts included). Fitted on the H200
-same-memory runs of 2026-12-03 (8-layer Llama-3-8B shape, `bench/results/h200/engine_memory_sweep.json`): the
-modelled tokens/s of its 15 runs are within 7.4% of the measured ones (mean +0.9%).
+computed tokens caught up; a step that does not fit preempts, as the engine does. Step time (`StepCost`): a fixed
+part (the model's weights and small kernels), a part per decoding sequence, the decode kernel's read of every
+decoding sequence's pages (bytes per token / the format's read rate, `RATES`), and a part per prefilled token
+(recomputed prompts included). Fitted on the H200 same-memory run of 2026-12-06 (8-layer Llama-3-8B shape,
+`bench/results/h200/engine_memory_session42.json`; the read rates are session 33's kernels at the run's batches
+and 1,536 tokens): at lookahead 640 the model takes the run's steps and preemptions (`off` 7,172 and 42 against 7,178
+and 42; TurboQuant 3,079 and 36 against 3,081 and 36; q4 2,057 and 26 against 2,058 and 26) and gives 15,426, 28,747
+and 39,754 output tokens/s against 15,075, 27,919 and 37,520 measured (+2.3%, +3.0%, +6.0%).
 
     python bench/scheduler_sim.py                       # the same-memory run, lookahead 0-1024, every format
     python bench/scheduler_sim.py --lookahead 512 640 --formats turboquant q4 --out bench/results/h200
+    python bench/scheduler_sim.py --lookahead 640 --rate turboquant=3.0 --rate q4=3.0   # faster decode kernels
 """
 
 from __future__ import annotations
@@ -36,18 +41,28 @@ from pagedkv.prefix import PrefixCache  # noqa: E402
 
 @dataclass(frozen=True)
 class StepCost:
-    fixed_s: float = 2.3e-3          # a step's weights and small kernels (8-layer Llama-3-8B shape, H200)
-    per_decode_s: float = 0.011e-3   # each decoding sequence at ~1,536 tokens of context
-    per_prefill_token_s: float = 8e-6
+    fixed_s: float = 1.62e-3          # a step's weights and small kernels (8-layer Llama-3-8B shape, H200)
+    per_decode_s: float = 0.6e-6      # each decoding sequence (the matrix products' rows, sampling)
+    per_context_token_s: float = 0.0  # the decode kernel's read of one token of a decoding sequence's pages
+    per_prefill_token_s: float = 5.8e-6
 
-    def __call__(self, num_decodes: int, num_prefill_tokens: int) -> float:
-        return self.fixed_s + self.per_decode_s * num_decodes + self.per_prefill_token_s * num_prefill_tokens
+    def __call__(self, num_decodes: int, num_prefill_tokens: int, num_context_tokens: int = 0) -> float:
+        return (self.fixed_s + self.per_decode_s * num_decodes + self.per_context_token_s * num_context_tokens
+                + self.per_prefill_token_s * num_prefill_tokens)
 
 
-# the per-sequence decode cost fitted per format on the same-memory run
-FORMATS = {"off": StepCost(per_decode_s=0.016e-3), "turboquant": StepCost(), "q4": StepCost(per_decode_s=0.0078e-3)}
+# the rate (TB/s) each format's decode kernel read its pages at in one decode step at the same-memory run's batch
+# and 1,536 tokens of context (H200, session 33: `off` at batch 40, q4 at 144, TurboQuant at 100)
+RATES = {"off": 4.05, "turboquant": 2.49, "q4": 2.68}
+FORMATS = tuple(RATES)
 # the same-memory run's model: Llama-3-8B attention (8 KV heads, head_dim 128), 8 layers
 NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 8, 128, 8
+
+
+def step_cost(fmt: str, rate_tb_s: float | None = None) -> StepCost:
+    """The fitted step cost of `fmt` pages, its decode kernel reading at `rate_tb_s` (default `RATES[fmt]`)."""
+    rate = RATES[fmt] if rate_tb_s is None else rate_tb_s
+    return StepCost(per_context_token_s=page_bytes_per_token(fmt) / (rate * 1e12))
 
 
 def page_bytes_per_token(fmt: str, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
@@ -96,12 +111,13 @@ def simulate(scheduler: Scheduler, requests, arrivals=None, cost: StepCost | Non
         except CacheCapacityError:  # what the engine does when a step does not fit after all
             scheduler.preempt_last()
             continue
+        if cost is not None:  # a decode reads its context and the token it writes
+            context = sum(s.num_computed_tokens + 1 for s, n in zip(batch.seqs, batch.num_new_tokens) if n == 1)
+            decodes = sum(n == 1 for n in batch.num_new_tokens)
+            seconds += cost(decodes, batch.num_tokens - decodes, context)
         scheduler.after_step(batch)
         largest = max(largest, len(batch.seqs))
         fed += batch.num_tokens
-        if cost is not None:
-            decodes = sum(n == 1 for n in batch.num_new_tokens)
-            seconds += cost(decodes, batch.num_tokens - decodes)
         for seq in batch.seqs:
             if seq.num_computed_tokens == len(seq.token_ids):
                 seq.token_ids.append(7)
@@ -149,16 +165,26 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--measured", default="bench/results/h200/engine_memory_sweep.json",
+    p.add_argument("--rate", action="append", default=[], metavar="FORMAT=TB/S",
+                   help=f"the rate a format's decode kernel reads its pages at (default {RATES})")
+    p.add_argument("--measured", default="bench/results/h200/engine_memory_session42.json",
                    help="same-memory GPU runs to draw beside the model (skipped if missing)")
     p.add_argument("--out", default=None, help="folder for scheduler_sim.json and scheduler_sim.png")
     args = p.parse_args(argv)
+    rates = dict(RATES)
+    for item in args.rate:
+        fmt, _, value = item.partition("=")
+        if fmt not in RATES or not value:
+            p.error(f"--rate {item!r}: give FORMAT=TB/S with FORMAT one of {', '.join(RATES)}")
+        rates[fmt] = float(value)
+    args.rates = rates
     requests = [(args.prompt_tokens, args.new_tokens, args.new_tokens)] * args.requests
     results = {"args": vars(args), "runs": {}}
-    print("| format | lookahead | steps | preemptions | tokens fed | modelled s | modelled output tokens/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for fmt in args.formats:
-        num_blocks, cost = blocks_in(fmt, int(args.same_memory * 2**30)), FORMATS[fmt]
+    print("| format | read at (TB/s) | lookahead | steps | preemptions | tokens fed | modelled s | modelled output "
+          "tokens/s | vs `off` |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for fmt in sorted(args.formats, key=lambda f: f != "off"):  # `off` first: the ratios' base
+        num_blocks, cost = blocks_in(fmt, int(args.same_memory * 2**30)), step_cost(fmt, rates[fmt])
         results["runs"][fmt] = {}
         for lookahead in args.lookahead:
             start = time.perf_counter()
@@ -166,9 +192,12 @@ def main(argv=None) -> int:
                                        admission_lookahead_tokens=lookahead, max_num_seqs=args.requests)
             r = simulate(scheduler, requests, cost=cost)
             r["tokens_per_s"] = args.requests * args.new_tokens / r["seconds"]
+            base = results["runs"].get("off", {}).get(str(lookahead))
+            ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else ""
             results["runs"][fmt][str(lookahead)] = r
-            print(f"| {fmt} | {lookahead} | {r['steps']} | {r['preemptions']} | {r['tokens_fed']} | {r['seconds']:.2f} | "
-                  f"{r['tokens_per_s']:.0f} |  ({time.perf_counter() - start:.1f}s)", flush=True)
+            print(f"| {fmt} | {rates[fmt]:g} | {lookahead} | {r['steps']} | {r['preemptions']} | {r['tokens_fed']} | "
+                  f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {ratio} |  ({time.perf_counter() - start:.1f}s)",
+                  flush=True)
     measured = Path(args.measured)
     if measured.exists():
         results["measured"] = {}
