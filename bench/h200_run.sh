@@ -38,6 +38,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh ncu-work  # Nsight Compute: TurboQuant's decode beside its work-only probe
 #                                                  # (NCU_SHAPE, default 100x1536, 2 splits): stalls, pipes
 #   OUT=/some/dir bash bench/h200_run.sh tail-rule  # same-memory q4 with the longest-first second-wave guard and without
+#   OUT=/some/dir bash bench/h200_run.sh budgets   # the same-memory run at step token budgets 16384, 2048, 512
 #   OUT=/some/dir bash bench/h200_run.sh h200-cap96  # TurboQuant, 3 splits at 96 registers beside 2 at 128; work alone
 #   OUT=/some/dir bash bench/h200_run.sh off-ids   # the dense decode with block ids a step ahead beside the served one
 #                                                  # (`decode_gluon.DENSE_IDS_AHEAD`), twice, then its GPU test
@@ -343,6 +344,16 @@ tail-rule)   # the same-memory run (q4, then off for the ratio) with longest-fir
         --formats q4 --ordered-tail-waves 1.0 --out "$OUT"
     cp "$OUT/engine_memory.json" "$OUT/engine_memory_no_tail_rule.json" 2>/dev/null
     for f in tail_rule no_tail_rule; do python bench/engine_steps.py "$OUT/engine_memory_$f.json"; done
+    ;;
+budgets)   # the same-memory run at step token budgets (BUDGETS, default 16384 2048 512): whether prompts chunked small
+           # enough to ride along decode steps (whose matrix products are bound by the weights' reads) pay for the
+           # eager mixed steps they make
+    for b in ${BUDGETS:-16384 2048 512}; do
+        run 200 python "${SAME_MEMORY[@]}" --formats ${FORMATS:-off turboquant q4} --max-num-batched-tokens "$b" \
+            --out "$OUT"
+        cp "$OUT/engine_memory.json" "$OUT/engine_memory_budget$b.json" 2>/dev/null
+    done
+    for b in ${BUDGETS:-16384 2048 512}; do python bench/engine_steps.py "$OUT/engine_memory_budget$b.json"; done
     ;;
 h200-cap96)   # TurboQuant at three splits capped at 96 registers (all resident) beside the served two at 128, and the
               # work alone at each: whether the H200, where the work bounds the kernel, gains from the extra programs
