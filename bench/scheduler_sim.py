@@ -16,6 +16,7 @@ and 39,754 output tokens/s against 15,075, 27,919 and 37,520 measured (+2.3%, +3
     python bench/scheduler_sim.py                       # the same-memory run, lookahead 0-1024, every format
     python bench/scheduler_sim.py --lookahead 512 640 --formats turboquant q4 --out bench/results/h200
     python bench/scheduler_sim.py --lookahead 640 --rate turboquant=3.0 --rate q4=3.0   # faster decode kernels
+    python bench/scheduler_sim.py --lookahead 640 --roofline --max-num-batched-tokens 256 --mixed-step-ms 5
 """
 
 from __future__ import annotations
@@ -45,10 +46,23 @@ class StepCost:
     per_decode_s: float = 0.6e-6      # each decoding sequence (the matrix products' rows, sampling)
     per_context_token_s: float = 0.0  # the decode kernel's read of one token of a decoding sequence's pages
     per_prefill_token_s: float = 5.8e-6
+    # roofline: the matrix products take the longer of the weights' read (weights_s) and their arithmetic
+    # (per_prefill_token_s a row, decodes and prompt tokens alike) on top of other_s, so that prompt tokens ride
+    # along a decode step's rows for free up to ~250; mixed_floor_s: a step holding prompt tokens takes at least
+    # this long (an eager step's host time: only decode steps replay CUDA graphs)
+    roofline: bool = False
+    weights_s: float = 1.45e-3
+    other_s: float = 0.2e-3
+    mixed_floor_s: float = 0.0
 
     def __call__(self, num_decodes: int, num_prefill_tokens: int, num_context_tokens: int = 0) -> float:
-        return (self.fixed_s + self.per_decode_s * num_decodes + self.per_context_token_s * num_context_tokens
-                + self.per_prefill_token_s * num_prefill_tokens)
+        attention = self.per_context_token_s * num_context_tokens
+        if self.roofline:
+            t = self.other_s + max(self.weights_s, self.per_prefill_token_s * (num_decodes + num_prefill_tokens))
+        else:
+            t = self.fixed_s + self.per_decode_s * num_decodes + self.per_prefill_token_s * num_prefill_tokens
+        t += attention
+        return max(t, self.mixed_floor_s) if num_prefill_tokens else t
 
 
 # the rate (TB/s) each format's decode kernel read its pages at in one decode step at the same-memory run's batch
@@ -59,10 +73,11 @@ FORMATS = tuple(RATES)
 NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS = 8, 128, 8
 
 
-def step_cost(fmt: str, rate_tb_s: float | None = None) -> StepCost:
-    """The fitted step cost of `fmt` pages, its decode kernel reading at `rate_tb_s` (default `RATES[fmt]`)."""
+def step_cost(fmt: str, rate_tb_s: float | None = None, **options) -> StepCost:
+    """The fitted step cost of `fmt` pages, its decode kernel reading at `rate_tb_s` (default `RATES[fmt]`);
+    `options`: other `StepCost` fields (roofline, mixed_floor_s)."""
     rate = RATES[fmt] if rate_tb_s is None else rate_tb_s
-    return StepCost(per_context_token_s=page_bytes_per_token(fmt) / (rate * 1e12))
+    return StepCost(per_context_token_s=page_bytes_per_token(fmt) / (rate * 1e12), **options)
 
 
 def page_bytes_per_token(fmt: str, num_kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM,
@@ -167,6 +182,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--rate", action="append", default=[], metavar="FORMAT=TB/S",
                    help=f"the rate a format's decode kernel reads its pages at (default {RATES})")
+    p.add_argument("--roofline", action="store_true",
+                   help="matrix products bound by the weights' read or by their rows, whichever is longer: prompt "
+                        "chunks ride along decode steps (see StepCost)")
+    p.add_argument("--mixed-step-ms", type=float, default=0.0, metavar="MS",
+                   help="a step holding prompt tokens takes at least MS (an eager step's host time)")
     p.add_argument("--measured", default="bench/results/h200/engine_memory_session42.json",
                    help="same-memory GPU runs to draw beside the model (skipped if missing)")
     p.add_argument("--out", default=None, help="folder for scheduler_sim.json and scheduler_sim.png")
@@ -184,7 +204,8 @@ def main(argv=None) -> int:
           "tokens/s | vs `off` |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for fmt in sorted(args.formats, key=lambda f: f != "off"):  # `off` first: the ratios' base
-        num_blocks, cost = blocks_in(fmt, int(args.same_memory * 2**30)), step_cost(fmt, rates[fmt])
+        num_blocks, cost = blocks_in(fmt, int(args.same_memory * 2**30)), step_cost(fmt, rates[fmt], roofline=args.roofline,
+                                                                         mixed_floor_s=args.mixed_step_ms / 1e3)
         results["runs"][fmt] = {}
         for lookahead in args.lookahead:
             start = time.perf_counter()

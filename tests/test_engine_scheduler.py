@@ -147,3 +147,19 @@ def test_the_model_free_run_reproduces_the_h200_same_memory_steps():
     assert abs(r["steps"] - 3081) <= 10 and abs(r["preemptions"] - 36) <= 5
     assert 0.9 * 27919 < 256 * 1024 / r["seconds"] < 1.1 * 27919
     assert runs[3.8]["steps"] == r["steps"] and runs[3.8]["seconds"] < 0.95 * r["seconds"]
+
+
+def test_the_roofline_step_cost_lets_prompt_tokens_ride_along_decodes():
+    """bench/scheduler_sim.py's roofline cost: below the rows whose arithmetic outlasts the weights' read, prompt tokens
+    in a decode step cost nothing; past it they cost their arithmetic; an eager step's floor applies only to steps that
+    hold prompt tokens; the linear cost charges every prompt token."""
+    roof = scheduler_sim.StepCost(roofline=True, mixed_floor_s=5e-3)
+    decode = roof(100, 0)
+    assert decode == pytest.approx(roof.other_s + roof.weights_s)
+    assert roof(100, 100) == pytest.approx(5e-3)                      # free on the GPU, but eager: the floor
+    free = scheduler_sim.StepCost(roofline=True)
+    assert free(100, 100) == pytest.approx(decode)
+    assert free(100, 1000) == pytest.approx(free.other_s + free.per_prefill_token_s * 1100)
+    linear = scheduler_sim.StepCost()
+    assert linear(100, 100) - linear(100, 0) == pytest.approx(100 * linear.per_prefill_token_s)
+    assert scheduler_sim.step_cost("off", roofline=True).per_context_token_s == pytest.approx(32768 / 4.05e12)
