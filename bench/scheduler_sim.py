@@ -204,8 +204,8 @@ def main(argv=None) -> int:
           "tokens/s | vs `off` |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for fmt in sorted(args.formats, key=lambda f: f != "off"):  # `off` first: the ratios' base
-        num_blocks, cost = blocks_in(fmt, int(args.same_memory * 2**30)), step_cost(fmt, rates[fmt], roofline=args.roofline,
-                                                                         mixed_floor_s=args.mixed_step_ms / 1e3)
+        num_blocks = blocks_in(fmt, int(args.same_memory * 2**30))
+        cost = step_cost(fmt, rates[fmt], roofline=args.roofline, mixed_floor_s=args.mixed_step_ms / 1e3)
         results["runs"][fmt] = {}
         for lookahead in args.lookahead:
             start = time.perf_counter()
