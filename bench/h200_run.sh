@@ -348,12 +348,12 @@ tail-rule)   # the same-memory run (q4, then off for the ratio) with longest-fir
 budgets)   # the same-memory run at step token budgets (BUDGETS, default 16384 2048 512): whether prompts chunked small
            # enough to ride along decode steps (whose matrix products are bound by the weights' reads) pay for the
            # eager mixed steps they make
-    for b in ${BUDGETS:-16384 2048 512}; do
+    budgets=${BUDGETS:-16384 2048 512}
+    for b in $budgets; do
         run 200 python "${SAME_MEMORY[@]}" --formats ${FORMATS:-off turboquant q4} --max-num-batched-tokens "$b" \
-            --out "$OUT"
-        cp "$OUT/engine_memory.json" "$OUT/engine_memory_budget$b.json" 2>/dev/null
+            --out "$OUT/budget$b"
     done
-    for b in ${BUDGETS:-16384 2048 512}; do python bench/engine_steps.py "$OUT/engine_memory_budget$b.json"; done
+    for b in $budgets; do python bench/engine_steps.py "$OUT/budget$b/engine_memory.json"; done
     ;;
 h200-cap96)   # TurboQuant at three splits capped at 96 registers (all resident) beside the served two at 128, and the
               # work alone at each: whether the H200, where the work bounds the kernel, gains from the extra programs

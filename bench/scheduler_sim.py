@@ -127,9 +127,8 @@ def simulate(scheduler: Scheduler, requests, arrivals=None, cost: StepCost | Non
             scheduler.preempt_last()
             continue
         if cost is not None:  # a decode reads its context and the token it writes
-            context = sum(s.num_computed_tokens + 1 for s, n in zip(batch.seqs, batch.num_new_tokens) if n == 1)
-            decodes = sum(n == 1 for n in batch.num_new_tokens)
-            seconds += cost(decodes, batch.num_tokens - decodes, context)
+            spans = [s.num_computed_tokens + 1 for s, n in zip(batch.seqs, batch.num_new_tokens) if n == 1]
+            seconds += cost(len(spans), batch.num_tokens - len(spans), sum(spans))
         scheduler.after_step(batch)
         largest = max(largest, len(batch.seqs))
         fed += batch.num_tokens
