@@ -12,10 +12,12 @@ kernels' total, per format.
     python bench/engine_profile.py --formats q4 --kernels --no-compile-layers   # decoder layers eager
     python bench/engine_profile.py --formats q4 --requests 16 --kernels --trace bench/results/h200   # + GPU idle
 
-`--trace DIR` then runs one more prefill step of new prompts under `torch.profiler` with the host's Python stack,
-writes its chrome trace to DIR/prefill_step_trace_FORMAT.json.gz and prints where the GPU waited
+`--trace DIR` also traces an eager decode step and a mixed step (one new prompt beside the decodes) under
+`torch.profiler` with the host's Python stack (DIR/decode_step_trace_FORMAT.json.gz, mixed_step_trace_...), then runs
+one more prefill step of new prompts so (DIR/prefill_step_trace_FORMAT.json.gz), printing where the GPU waited in each
 (`bench/trace_gaps.py`), and runs another with `torch.cuda.set_sync_debug_mode("warn")`: every call that makes the
-host wait for the GPU inside a step is printed with its line.
+host wait for the GPU inside a step is printed with its line. `--plain-steps N` times N eager decode steps and N
+mixed ones with no profiler at all (what an engine without CUDA graphs for such steps pays).
 """
 
 from __future__ import annotations
@@ -76,6 +78,28 @@ def kernel_times(fn, n: int, top: int, label: str) -> float:
     return total
 
 
+def plain_steps(engine, n: int, fmt: str, batch: int, mixed: list | None = None, params=None) -> None:
+    """Wall time of `n` eager engine steps one at a time, no profiler (each waits for the GPU): decode steps of the
+    running requests, or with `mixed` (n prompts) steps that each admit one of them beside the decodes. Prints the
+    median and the range (ms)."""
+    import statistics
+
+    times, rids = [], []
+    for i in range(n):
+        if mixed is not None:
+            rids.append(engine.add_request(mixed[i], params))
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    kind = "mixed step (one prompt admitted beside the decodes)" if mixed is not None else "decode step"
+    print(f"--- {fmt}: eager {kind}, batch ~{batch}, no profiler: median {statistics.median(times):.2f} ms "
+          f"(min {min(times):.2f}, max {max(times):.2f}, {n} steps)", flush=True)
+    for r in rids:
+        engine.abort(r)
+
+
 def trace_step(fn, path: Path, top: int) -> None:
     """One call of `fn` under torch.profiler (CPU and CUDA, Python stacks), its chrome trace written to `path`
     (gzip), then its GPU idle stretches printed."""
@@ -115,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="also trace one more prefill step (chrome trace into DIR, GPU idle stretches printed) and run "
                         "another with CUDA sync debugging on")
+    p.add_argument("--plain-steps", type=int, default=0, metavar="N",
+                   help="also time N eager decode steps and N eager mixed steps (one new prompt each) without a profiler")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="the decoder layers compiled with torch.compile (default: EngineConfig's, on with CUDA graphs)")
     engine_gpu.add_layer_options(p)
@@ -153,6 +179,17 @@ def main(argv=None) -> int:
             engine.step()   # the first step that decodes every request runs outside the profile
         measure(engine.step, 4, args.top, f"{fmt}: eager decode step, batch {args.requests}, "
                 f"{args.prompt_tokens} tokens of context")
+        if args.plain_steps:
+            plain_steps(engine, args.plain_steps, fmt, args.requests)
+            plain_steps(engine, args.plain_steps, fmt, args.requests,
+                        mixed=random_prompts(args.plain_steps, args.prompt_tokens, model.config.vocab_size, seed=55),
+                        params=params)
+        if args.trace is not None:
+            args.trace.mkdir(parents=True, exist_ok=True)
+            trace_step(engine.step, args.trace / f"decode_step_trace_{fmt}.json.gz", args.top)
+            extra = random_prompts(1, args.prompt_tokens, model.config.vocab_size, seed=66)
+            rids.append(engine.add_request(extra[0], params))
+            trace_step(engine.step, args.trace / f"mixed_step_trace_{fmt}.json.gz", args.top)
         for r in rids:
             engine.abort(r)
         while engine.has_unfinished():

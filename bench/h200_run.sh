@@ -39,6 +39,7 @@
 #                                                  # (NCU_SHAPE, default 100x1536, 2 splits): stalls, pipes
 #   OUT=/some/dir bash bench/h200_run.sh tail-rule  # same-memory q4 with the longest-first second-wave guard and without
 #   OUT=/some/dir bash bench/h200_run.sh budgets   # the same-memory run at step token budgets 16384, 2048, 512
+#   OUT=/some/dir bash bench/h200_run.sh eager-steps  # eager decode and mixed steps (no CUDA graph) timed and traced
 #   OUT=/some/dir bash bench/h200_run.sh h200-cap96  # TurboQuant, 3 splits at 96 registers beside 2 at 128; work alone
 #   OUT=/some/dir bash bench/h200_run.sh off-ids   # the dense decode with block ids a step ahead beside the served one
 #                                                  # (`decode_gluon.DENSE_IDS_AHEAD`), twice, then its GPU test
@@ -355,6 +356,16 @@ budgets)   # the same-memory run at step token budgets (BUDGETS, default 16384 2
     done
     for b in $budgets; do python bench/engine_steps.py "$OUT/budget$b/engine_memory.json"; done
     ;;
+eager-steps)   # what a step that replays no CUDA graph costs (mixed steps: a prompt admitted beside the decodes):
+               # eager decode and mixed steps at the same-memory batch timed without a profiler, compiled layers on
+               # and off, then traced (host Python stacks, where the GPU waits: bench/trace_gaps.py)
+    for layers in --compile-layers --no-compile-layers; do
+        run 200 python bench/engine_profile.py --formats ${FORMATS:-turboquant off} --requests 100 --prompt-tokens 1024 \
+            --plain-steps 8 --top 25 $layers
+    done
+    run 150 python bench/engine_profile.py --formats turboquant --requests 100 --prompt-tokens 1024 --top 25 \
+        --trace "$OUT"
+    ;;
 h200-cap96)   # TurboQuant at three splits capped at 96 registers (all resident) beside the served two at 128, and the
               # work alone at each: whether the H200, where the work bounds the kernel, gains from the extra programs
     run 150 env FORMAT=turboquant SHAPES='[[100, 1536], [96, 1536], [112, 1536], [64, 8192], [32, 4096], [128, 2048]]' \
@@ -464,7 +475,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|h200-cap96|off-ids|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|eager-steps|h200-cap96|off-ids|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
     exit 2
     ;;
 esac
