@@ -332,14 +332,8 @@ class PagedKVCache(Cache):
         qsl = [0]
         for n in num_new_tokens:
             qsl.append(qsl[-1] + n)
-        max_blocks = max((len(self.seqs[s].block_ids) for s in seq_ids), default=0)
-        table = torch.zeros(len(seq_ids), max(max_blocks, 1), dtype=torch.int32)
-        for i, s in enumerate(seq_ids):
-            ids = self.seqs[s].block_ids
-            if ids:
-                table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         self.plan = AttentionMetadata(
-            block_table=table.to(device),
+            block_table=torch.from_numpy(self._block_table(seq_ids)).to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             slot_mapping=torch.as_tensor(slot_list, dtype=torch.int64).to(device),
@@ -354,6 +348,16 @@ class PagedKVCache(Cache):
         self._plan_is_implicit = False
         self._last_layer_written = -1
         return self.plan
+
+    def _block_table(self, seq_ids: list[int]) -> np.ndarray:
+        """[len(seq_ids), longest row (at least 1)] int32: each sequence's block ids from column 0, zeros after them.
+        Filled from one flat array through a row-major mask (a `torch.tensor` per row took 1 ms for 100 rows)."""
+        rows = [self.seqs[s].block_ids for s in seq_ids]
+        lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        table = np.zeros((len(rows), max(int(lens.max(initial=0)), 1)), dtype=np.int32)
+        table[np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(rows), dtype=np.int32, count=int(lens.sum()))
+        return table
 
     @staticmethod
     def _token_order(seq_lens: list[int], num_new_tokens: list[int], token_mask, device) -> torch.Tensor | None:
