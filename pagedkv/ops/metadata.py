@@ -78,6 +78,12 @@ class AttentionMetadata:
     phase_hint:      the phase its planner knows the step to be (an engine's "verify" step), else None
     window:          the dense recent window's plan, or None (no window)
     token_order:     [num_tokens] int32, the query tokens longest attention span first (`LONGEST_FIRST`), or None
+    parts:           (decodes, chunks) for a step laid out for a CUDA graph of decodes and prefill chunks
+                     (`engine.cuda_graph`, mixed steps): the metadata of its first rows, one new token per sequence
+                     (the decode kernels), and of the rest, prefill chunks (the fused varlen kernel over the pages,
+                     which sizes its launch from shapes alone and skips query rows past the last chunk), so that one
+                     capture serves any chunk lengths and contexts; else None. The GPU kernels attend in these two
+                     launches; the whole (which the cache writes through) stays a plain batch for the other paths.
     The `*_cpu` lists are host copies, so no kernel launch needs a device sync to size itself.
     """
 
@@ -93,6 +99,7 @@ class AttentionMetadata:
     phase_hint: str | None = None
     window: WindowPlan | None = None
     token_order: torch.Tensor | None = None
+    parts: "tuple[AttentionMetadata, AttentionMetadata] | None" = None
 
     @property
     def num_seqs(self) -> int:

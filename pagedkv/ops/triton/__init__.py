@@ -130,6 +130,8 @@ def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap,
     from . import dense_prefill
 
     options = dict(scale=scale, sliding_window=sliding_window, softcap=softcap, window=window)
+    if meta.parts is not None:
+        return _mixed_attention(query, pages, fmt, meta.parts, **options)
     step = dense_prefill.step_of(fmt, meta)
     if step is None:
         return _kernel_attention(query, pages, fmt, meta, **options)
@@ -140,6 +142,23 @@ def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap,
     out = torch.empty_like(query)
     out[:split] = _kernel_attention(query[:split], pages, fmt, step.decodes, **options)
     out[split:] = dense_prefill.paged_attention(query[split:], pages, fmt, step.chunks, plan=step.plan, **options)
+    return out
+
+
+def _mixed_attention(query, pages, fmt, parts, *, scale, sliding_window, softcap, window):
+    """A step laid out for a mixed CUDA graph (`AttentionMetadata.parts`): its decode rows through the decode kernels,
+    the prefill chunks after them through the fused varlen kernel; both launches sized from shapes alone."""
+    from . import attention
+
+    assert window is None, "mixed CUDA graph steps do not read a dense recent window"
+    decodes, chunks = parts
+    n = decodes.block_table.shape[0]
+    out = torch.empty_like(query)
+    if n:
+        out[:n] = _kernel_attention(query[:n], pages, fmt, decodes, scale=scale, sliding_window=sliding_window,
+                                    softcap=softcap, window=None)
+    out[n:] = attention.paged_attention(query[n:], pages, fmt, chunks, scale=scale, sliding_window=sliding_window,
+                                        softcap=softcap)
     return out
 
 
