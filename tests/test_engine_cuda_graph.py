@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import pagedkv.ops
 import pagedkv.ops.triton
 from pagedkv import LLM, SamplingParams
-from pagedkv.engine.cuda_graph import CUDAGraphRunner
+from pagedkv.engine.cuda_graph import CUDAGraphRunner, MixedGraphRunner
 from pagedkv.ops import reference
 
 
@@ -28,6 +28,13 @@ def _tensor_driven_write(pages, fmt, key, value, meta):
 
 
 def _tensor_driven_attention(query, pages, fmt, meta, window=None, **kwargs):
+    if meta.parts is not None:  # a mixed step: decode rows, then the chunks' rows (padding after them stays zero)
+        decodes, chunks = meta.parts
+        n, m = decodes.block_table.shape[0], int(chunks.query_start_loc[-1])
+        out = torch.zeros_like(query)
+        out[:n] = _tensor_driven_attention(query[:n], pages, fmt, decodes, **kwargs)
+        out[n:n + m] = _tensor_driven_attention(query[n:n + m], pages, fmt, chunks, **kwargs)
+        return out
     exact = dataclasses.replace(meta, seq_lens_cpu=meta.seq_lens.tolist(),
                                 query_start_loc_cpu=meta.query_start_loc.tolist())
     if window is not None:  # the dense recent window: ring rows and first blocks from the plan's tensors too
@@ -42,7 +49,7 @@ class _Replay:
         self.replay = fn
 
 
-class EagerReplayRunner(CUDAGraphRunner):
+class EagerReplay:
     """Captures nothing: replay runs the forward again over the static buffers, which must be the tensors
     the graphs were captured over (pages and rings neither reallocated nor grown by the replay)."""
 
@@ -59,6 +66,14 @@ class EagerReplayRunner(CUDAGraphRunner):
             assert self._current_pages_key() == self._pages_key, "a replay cannot reallocate tensors"
 
         return _Replay(replay), logits
+
+
+class EagerReplayRunner(EagerReplay, CUDAGraphRunner):
+    pass
+
+
+class EagerReplayMixedRunner(EagerReplay, MixedGraphRunner):
+    pass
 
 
 @pytest.fixture
@@ -84,12 +99,16 @@ def requests():
 
 def graph_llm(model, batch_sizes=(1, 2, 4), **options):
     """An LLM whose decode steps go through the graph runner, with the stand-in replay; max_num_seqs is
-    the largest bucket unless given."""
+    the largest bucket unless given. With cuda_graph_chunk_tokens, mixed steps go through the mixed runner."""
     options.setdefault("max_num_seqs", max(batch_sizes))
     llm = LLM(model, cuda_graph_batch_sizes=batch_sizes, **options)
-    runner = llm.engine.runner
-    runner.graphs = EagerReplayRunner(model, llm.engine.cache, runner.cache_kwarg, batch_sizes,
-                                      max_blocks_per_seq=llm.engine.cache.blocks_for(llm.engine.max_model_len))
+    runner, cache = llm.engine.runner, llm.engine.cache
+    max_blocks = cache.blocks_for(llm.engine.max_model_len)
+    runner.graphs = EagerReplayRunner(model, cache, runner.cache_kwarg, batch_sizes, max_blocks_per_seq=max_blocks)
+    if options.get("cuda_graph_chunk_tokens"):
+        runner.mixed_graphs = EagerReplayMixedRunner(model, cache, runner.cache_kwarg, batch_sizes,
+                                                     max_blocks_per_seq=max_blocks,
+                                                     chunk_tokens=options["cuda_graph_chunk_tokens"])
     return llm
 
 
@@ -352,3 +371,57 @@ def test_sequences_taking_ring_rows_in_graph_steps_are_captured_again(tensor_dri
     assert torch.equal(rows, rows[:1].expand_as(rows))
     # the eager step's matmuls are over one row, the bucket's over four: float32 rounding apart, no more
     torch.testing.assert_close(rows[0], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["in_turn", "async"])
+@pytest.mark.parametrize("options", [dict(num_blocks=64, block_size=4), dict(dynamic=True, block_size=4)])
+def test_mixed_steps_replay_the_mixed_runner_and_match_eager(tensor_driven_kernels, options, async_scheduling):
+    """A small step budget chunks prompts beside the decodes: those steps go through the mixed runner (decode rows,
+    then up to two chunks padded to 8 rows, logits of the decodes and of the chunks that finish their prompt), and
+    every request gets the eager engine's tokens; steps whose chunks do not fit its layout run eagerly."""
+    model = tiny_llama()
+    prompts, params = requests()
+    eager = LLM(model, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=10, **options).generate(prompts,
+                                                                                                          params)
+    llm = graph_llm(model, max_num_batched_tokens=10, cuda_graph_chunk_tokens=8, async_scheduling=async_scheduling,
+                    **options)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
+    stats = llm.stats()
+    assert stats["cuda_graph_mixed_replays"] >= 5, stats
+    assert stats["cuda_graph_replays"] > 10 and stats["blocks_used"] == 0
+
+
+def test_mixed_runner_layout():
+    """The host side of one mixed step: decode rows, the bucket's padding, two chunks packed after the bucket's rows
+    and padded, their query offsets, table rows and the kept rows (decodes, then the chunk that samples)."""
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.engine.sequence import Sequence
+
+    cache = PagedKVCache(num_blocks=32, block_size=4)
+    model = tiny_llama()
+    runner = MixedGraphRunner(model, cache, "cache", (1, 2, 4), max_blocks_per_seq=8, chunk_tokens=8)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    decode = Sequence("a", 0, [1, 2, 3, 4, 5, 6], params)
+    first, second = Sequence("b", 1, [7] * 9, params), Sequence("c", 2, [8, 9, 10], params)
+    for seq, done in ((decode, 5), (first, 4), (second, 0)):
+        cache.add_sequence(seq.seq_id)
+        cache.reserve([seq.seq_id], [done])
+        seq.num_computed_tokens = done
+    seqs, counts = [decode, first, second], [1, 5, 3]
+    slots = cache.reserve([s.seq_id for s in seqs], counts)
+    held = [cache.seqs[s.seq_id] for s in seqs]
+    host = runner.host[0]
+    runner._fill_host(host, seqs[:1], held[:1], slots[:1], 2, [[6]], None)
+    rows = runner._fill_chunks(host, seqs[1:], held[1:], slots[1:], counts[1:], 1, 2, [False, True])
+    assert rows == [0, 2, 7]
+    ints = host.np_ints
+    assert ints[0, :2 + 8].tolist() == [6, 0, 7, 7, 7, 7, 7, 8, 9, 10]
+    assert ints[1, :2 + 8].tolist() == [5, 0, 4, 5, 6, 7, 8, 0, 1, 2]
+    assert ints[2, 1] == -1 and ints[2, 2:7].tolist() == slots[1] and ints[2, 7:10].tolist() == slots[2]
+    assert ints[2, 10:].tolist() == [-1] * (len(ints[2]) - 10)   # padding rows write nowhere
+    assert host.np_seq_lens[:4].tolist() == [6, 1, 9, 3]
+    assert host.np_per_seq[-1, :3].tolist() == [0, 5, 8]
+    assert host.np_block_table[2, :3].tolist() == held[1].block_ids[:3]
+    assert host.np_block_table[3, :1].tolist() == held[2].block_ids[:1]
+    assert ints[host.keep_row, :4].tolist() == [0, 9, 6, 0]   # the decode, the sampled chunk's last row, the other

@@ -54,6 +54,10 @@ from .sequence import Sequence
 
 
 class CUDAGraphRunner:
+    # prefill chunk rows after each bucket's decode rows (`MixedGraphRunner`): none here
+    chunk_tokens = 0
+    chunk_seqs = 0
+
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cache_kwarg: str, batch_sizes: tuple[int, ...],
                  max_blocks_per_seq: int, query_len: int = 1):
         self.model = model
@@ -65,21 +69,25 @@ class CUDAGraphRunner:
         self.query_len = q = query_len
         self.window = window = cache.window  # the dense recent window (`recent_tokens`), or None
         self.ordered = metadata.LONGEST_FIRST  # the kernels launch the longest sequences first (a token order row)
+        chunks = dict(chunk_tokens=self.chunk_tokens, chunk_seqs=self.chunk_seqs)
         self.static = _StepInputs(max_bs, max_blocks_per_seq, self.device, query_len=q, window=window is not None,
-                                  order=self.ordered)
+                                  order=self.ordered, **chunks)
         self.input_ids = self.static.ints[0:1]  # [1, max_bs * query_len]
         self.position_ids = self.static.ints[1:2]  # [1, max_bs * query_len]
         self.slot_mapping = self.static.ints[2]
         self.seq_lens = self.static.seq_lens
         self.block_table = self.static.block_table
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device) * q
+        # (a mixed runner's whole step holds its chunk sequences' rows past these: placeholders, see `parts`)
+        self.query_start_loc = torch.arange(max_bs + 1 + self.chunk_seqs, dtype=torch.int32, device=self.device) * q
         # pinned host twins, filled in numpy and copied up without waiting; two, used in turn, so a step can
         # be prepared while the copy of the step before it is still queued
         self.host = [_StepInputs(max_bs, max_blocks_per_seq, pin=self.device.type == "cuda", query_len=q,
-                                 window=window is not None, order=self.ordered) for _ in range(2)]
+                                 window=window is not None, order=self.ordered, **chunks) for _ in range(2)]
         self._turn = 0
         # per bucket: the prefix of the flat buffer its graph reads, on the device and in each host twin
-        self._copies = {bs: (self.static.prefix(bs), [host.prefix(bs) for host in self.host]) for bs in self.batch_sizes}
+        rows = {bs: bs + self.chunk_seqs for bs in self.batch_sizes}
+        self._copies = {bs: (self.static.prefix(rows[bs]), [host.prefix(rows[bs]) for host in self.host])
+                        for bs in self.batch_sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -300,6 +308,146 @@ class CUDAGraphRunner:
         return self.logits[bs][:n * q]
 
 
+# prefill chunks (sequences) a mixed CUDA graph step holds at most
+MIXED_CHUNK_SEQS = 2
+
+
+class MixedGraphRunner(CUDAGraphRunner):
+    """Mixed steps replayed from CUDA graphs: a bucket's decodes, laid out as `CUDAGraphRunner`'s, then the prefill
+    chunks of at most `chunk_seqs` sequences and `chunk_tokens` tokens in all, packed after the bucket's decode rows
+    and padded to chunk_tokens rows (no slot, no sequence: their outputs are never read). Attention runs in two
+    launches from device metadata alone (`AttentionMetadata.parts`: the decode kernels, then the fused varlen kernel
+    over the chunks' context), so one capture per bucket serves any chunk lengths and contexts. The graph keeps the
+    logits of the rows in `keep`: the decodes', then the last row of each chunk that samples (its prompt's last
+    token), then the other chunks'; a replay returns those of the sampled sequences, in batch order.
+
+    Without it such a step (every step that admits a prompt while others decode) runs eagerly: the forward's Python,
+    ~15-20 ms a step at 8 layers of Llama-3-8B shape on an H200, while the GPU's part is a few ms. Chunks small
+    enough to ride along decode steps (whose matrix products are bound by the weights' reads) then cost little
+    (`bench/scheduler_sim.py --roofline`)."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cache_kwarg: str, batch_sizes: tuple[int, ...],
+                 max_blocks_per_seq: int, chunk_tokens: int, chunk_seqs: int = MIXED_CHUNK_SEQS):
+        self.chunk_tokens, self.chunk_seqs = chunk_tokens, chunk_seqs
+        super().__init__(model, cache, cache_kwarg, batch_sizes, max_blocks_per_seq)
+        self.keep = self.static.keep
+        self.chunk_qsl = self.static.chunk_qsl
+
+    def is_capturable(self) -> bool:
+        return self.window is None and super().is_capturable()
+
+    def can_run_mixed(self, num_decodes: int, chunk_tokens: list[int]) -> bool:
+        """Whether a step of `num_decodes` decodes and then chunks of these many tokens fits the captured layout."""
+        return (0 < len(chunk_tokens) <= self.chunk_seqs and sum(chunk_tokens) <= self.chunk_tokens
+                and min(chunk_tokens) > 0 and self.can_run(max(num_decodes, 1)))
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        worst = self.max_blocks * self.cache.block_size
+        k, c, block_size = self.chunk_seqs, self.chunk_tokens, self.cache.block_size
+        slots = self.slot_mapping[:bs + c]
+        decodes = AttentionMetadata(
+            block_table=self.block_table[:bs], seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            slot_mapping=slots[:bs], token_index=None, seq_lens_cpu=[worst] * bs,
+            query_start_loc_cpu=list(range(bs + 1)), block_size=block_size,
+            token_order=self.static.order[:bs] if self.ordered else None)
+        chunks = AttentionMetadata(
+            block_table=self.block_table[bs:bs + k], seq_lens=self.seq_lens[bs:bs + k],
+            query_start_loc=self.chunk_qsl[:k + 1], slot_mapping=slots[bs:], token_index=None,
+            seq_lens_cpu=[worst] * k, query_start_loc_cpu=[0] + [c] * k, block_size=block_size)
+        return AttentionMetadata(
+            block_table=self.block_table[:bs + k], seq_lens=self.seq_lens[:bs + k],
+            query_start_loc=self.query_start_loc[:bs + k + 1], slot_mapping=slots, token_index=None,
+            seq_lens_cpu=[worst] * (bs + k), query_start_loc_cpu=list(range(bs + 1)) + [bs + c] * k,
+            block_size=block_size, phase_hint="mixed", parts=(decodes, chunks))
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        num_tokens = bs + self.chunk_tokens
+        out = self.model(input_ids=self.input_ids[:, :num_tokens], position_ids=self.position_ids[:, :num_tokens],
+                         logits_to_keep=self.keep[:bs + self.chunk_seqs], use_cache=True,
+                         **{self.cache_kwarg: self.cache})
+        return out.logits[0]  # [bs + chunk_seqs, vocab]: the rows of `keep`
+
+    def run_mixed(self, seqs: list[Sequence], num_new_tokens: list[int], num_decodes: int, sampled: list[bool],
+                  pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
+        """One step of `seqs`: the first `num_decodes` feed their last token, the others num_new_tokens[i] tokens of
+        a prefill chunk; sampled[j]: whether chunk j reaches its last token. `pending` as `ModelRunner.run`'s (tokens
+        of the step in flight, filled into their rows on the device). Returns the logits of the decodes and of the
+        sampled chunks, in order (the replay queued, not awaited). Raises CacheCapacityError (cache untouched)."""
+        n = num_decodes
+        if self._pages_key != self._current_pages_key():
+            self.capture()
+        seq_ids = [s.seq_id for s in seqs]
+        num_blocks = self.cache.pool.num_blocks
+        slots = self.cache.reserve(seq_ids, list(num_new_tokens))
+        try:
+            held = [self.cache.seqs[i] for i in seq_ids]
+            if self.cache.pool.num_blocks != num_blocks:  # the reservation grew the pool (new page tensors)
+                self.capture()
+            bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, max(n, 1))]
+            turn = self._turn
+            self._turn ^= 1
+            host = self.host[turn]
+            self._fill_host(host, seqs[:n], held[:n], slots[:n], bs, [[s.token_ids[-1]] for s in seqs[:n]], None)
+            rows = self._fill_chunks(host, seqs[n:], held[n:], slots[n:], num_new_tokens[n:], n, bs, sampled)
+            static, hosts = self._copies[bs]
+            static.copy_(hosts[turn], non_blocking=True)
+            if pending is not None:
+                self._fill_pending(seqs, num_new_tokens, rows, pending)
+            self.replay(bs)
+        except Exception:  # leave the cache as it was: the reserved slots were never written
+            for seq_id, count in zip(seq_ids, num_new_tokens):
+                self.cache.trim(count, seq_id)
+            raise
+        self.num_replays += 1
+        return self.logits[bs][:n + sum(sampled)]
+
+    def _fill_chunks(self, host: "_StepInputs", seqs: list[Sequence], held: list[CacheSequence],
+                     slots: list[list[int]], counts: list[int], num_decodes: int, bs: int,
+                     sampled: list[bool]) -> list[int]:
+        """The chunks' part of `host` after bucket bs's decode rows (and the `keep` row for both); returns each
+        sequence's first token row in the step (decodes: their row)."""
+        ints, lens, table = host.np_ints, host.np_seq_lens, host.np_block_table
+        k, c, m = self.chunk_seqs, self.chunk_tokens, len(seqs)
+        qsl = [0]
+        for count in counts:
+            qsl.append(qsl[-1] + count)
+        t = qsl[-1]
+        starts = [h.num_tokens - count for h, count in zip(held, counts)]
+        ints[0, bs:bs + t] = [tok for s, a, count in zip(seqs, starts, counts) for tok in s.token_ids[a:a + count]]
+        ints[1, bs:bs + t] = np.concatenate([np.arange(a, a + count) for a, count in zip(starts, counts)])
+        ints[2, bs:bs + t] = [slot for per in slots for slot in per]
+        ints[0:2, bs + t:bs + c] = 0
+        ints[2, bs + t:bs + c] = -1  # padding rows: no slot
+        lens[bs:bs + m] = [h.num_tokens for h in held]
+        lens[bs + m:bs + k] = 0
+        host.np_per_seq[-1, :k + 1] = qsl + [t] * (k - m)
+        block_size = self.cache.block_size
+        for j, h in enumerate(held):  # written whole: a chunk's row is not kept for the next step
+            nb = -(-h.num_tokens // block_size)
+            table[bs + j, :nb] = h.block_ids[:nb]
+        host.rows[bs:bs + k] = [None] * k
+        host.num_written[bs:bs + k] = 0
+        last = [bs + qsl[j + 1] - 1 for j in range(m)]
+        keep = (list(range(num_decodes)) + [r for r, s in zip(last, sampled) if s]
+                + [r for r, s in zip(last, sampled) if not s])
+        ints[host.keep_row, :bs + k] = keep + [0] * (bs + k - len(keep))
+        return list(range(num_decodes)) + [bs + a for a in qsl[:-1]]
+
+    def _fill_pending(self, seqs: list[Sequence], counts: list[int], rows: list[int],
+                      pending: tuple[torch.Tensor, dict[int, int]]) -> None:
+        """Input rows of sequences whose last token is still in flight (PLACEHOLDER on the host) and among the ones
+        they feed (a decode's only one, a chunk's last): from the device."""
+        tokens, sources = pending
+        fills = []
+        for seq, count, row in zip(seqs, counts, rows):
+            i = sources.get(id(seq))
+            offset = len(seq.token_ids) - 1 - seq.num_computed_tokens
+            if i is not None and offset < count:
+                fills.append((row + offset, i))
+        if fills:
+            at, src = zip(*fills)
+            self.input_ids[0, torch.tensor(at, device=self.device)] = tokens[torch.tensor(src, device=tokens.device)]
+
 class _StepInputs:
     """A step's inputs as views of one flat buffer, so one copy moves them all (host twin: pinned).
 
@@ -308,33 +456,46 @@ class _StepInputs:
     slots of the kept new tokens, `WindowPlan.slot_mapping`, and their index among the step's tokens,
     `token_index`) and per_seq two more (ring rows, first blocks read from the ring). The block table comes
     last, so the inputs of a bucket of bs rows are the buffer's first `prefix(bs)` bytes. With `order`, ints has a
-    last row: the step's tokens longest attention span first (`AttentionMetadata.token_order`). On the host,
-    `rows[i]` is the cache sequence whose blocks table row i holds and `num_written[i]` how many of them.
+    last row: the step's tokens longest attention span first (`AttentionMetadata.token_order`). With chunk_tokens
+    (mixed steps, `MixedGraphRunner`), ints has chunk_tokens more columns (the chunks' rows after the decodes') and
+    one more row before the order (`keep`: the rows whose logits the step keeps), per_seq and the block table
+    chunk_seqs more rows (the chunks' sequences after the decodes'), and per_seq one more row (`chunk_qsl`: the
+    chunks' query offsets). On the host, `rows[i]` is the cache sequence whose blocks table row i holds and
+    `num_written[i]` how many of them.
     """
 
     def __init__(self, max_bs: int, max_blocks: int, device: torch.device | None = None, pin: bool = False,
-                 query_len: int = 1, window: bool = False, order: bool = False):
-        max_tokens = max_bs * query_len
+                 query_len: int = 1, window: bool = False, order: bool = False, chunk_tokens: int = 0,
+                 chunk_seqs: int = 0):
+        max_tokens = max_bs * query_len + chunk_tokens
+        max_rows = max_bs + chunk_seqs
         self.query_len = query_len
+        self.window = window
         num_ints, num_per_seq = (5, 3) if window else (3, 1)
-        num_ints += order
+        mixed = chunk_tokens > 0
+        num_ints += mixed + order
+        num_per_seq += mixed
         ints_end = num_ints * max_tokens * 8
-        self.table_start = ints_end + -(-num_per_seq * max_bs * 4 // 8) * 8
+        self.table_start = ints_end + -(-num_per_seq * max_rows * 4 // 8) * 8
         self.row_bytes = max_blocks * 4
-        self.flat = torch.zeros(self.table_start + max_bs * self.row_bytes, dtype=torch.uint8, device=device,
+        self.flat = torch.zeros(self.table_start + max_rows * self.row_bytes, dtype=torch.uint8, device=device,
                                 pin_memory=pin)
         self.ints = self.flat[:ints_end].view(torch.int64).view(num_ints, max_tokens)
-        per_seq_end = ints_end + num_per_seq * max_bs * 4
-        self.per_seq = self.flat[ints_end:per_seq_end].view(torch.int32).view(num_per_seq, max_bs)
+        per_seq_end = ints_end + num_per_seq * max_rows * 4
+        self.per_seq = self.flat[ints_end:per_seq_end].view(torch.int32).view(num_per_seq, max_rows)
         self.seq_lens = self.per_seq[0]
         self.order = self.ints[-1] if order else None
-        self.block_table = self.flat[self.table_start:].view(torch.int32).view(max_bs, max_blocks)
+        # mixed steps: the rows whose logits are kept (an int row before the order) and the chunks' query offsets
+        self.keep_row = num_ints - 1 - order if mixed else None
+        self.keep = self.ints[self.keep_row] if mixed else None
+        self.chunk_qsl = self.per_seq[-1] if mixed else None
+        self.block_table = self.flat[self.table_start:].view(torch.int32).view(max_rows, max_blocks)
         if self.flat.device.type == "cpu":
             self.np_ints, self.np_per_seq, self.np_block_table = (
                 t.numpy() for t in (self.ints, self.per_seq, self.block_table))
             self.np_seq_lens = self.np_per_seq[0]
-        self.rows: list[CacheSequence | None] = [None] * max_bs
-        self.num_written = np.zeros(max_bs, dtype=np.int64)
+        self.rows: list[CacheSequence | None] = [None] * max_rows
+        self.num_written = np.zeros(max_rows, dtype=np.int64)
         self.clear()
 
     def prefix(self, bs: int) -> torch.Tensor:
@@ -349,7 +510,7 @@ class _StepInputs:
         self.per_seq[0].fill_(self.query_len)
         if self.order is not None:  # every token once, in grid order
             self.order.copy_(torch.arange(self.order.numel()))
-        if self.per_seq.shape[0] > 1:
+        if self.window:
             self.ints[3].fill_(ring_padding[0])
             self.per_seq[1].fill_(ring_padding[1])
             self.per_seq[2].fill_(ring_padding[2])

@@ -521,6 +521,7 @@ class LLMEngine:
             "block_size": cache.block_size,
             "kv_format": str(cache.config.kv_format),
             "cuda_graph_replays": graphs.num_replays if graphs else 0,
+            "cuda_graph_mixed_replays": self.runner.mixed_graphs.num_replays if self.runner.mixed_graphs else 0,
             "steps_queued_ahead": self.num_steps_ahead,
         }
         out.update(self.prefix.as_dict())

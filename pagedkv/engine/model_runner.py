@@ -3,7 +3,8 @@
 The batch's new tokens are packed into one row (`input_ids`, `position_ids`: [1, num_tokens]); the cache
 plans the step (`begin_step`: slots, block tables, `query_start_loc`), so one forward mixes prefill
 chunks and decodes. Only the rows of sequences that reach their last token produce logits. On CUDA,
-pure decode batches replay a captured CUDA graph instead of running the model in Python.
+pure decode batches replay a captured CUDA graph instead of running the model in Python, and with
+`EngineConfig.cuda_graph_chunk_tokens` so do steps of decodes and then small prefill chunks (`MixedGraphRunner`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ..cache import PagedKVCache
 from ..errors import CacheCapacityError
 from ..hf import cache_kwarg
 from .config import EngineConfig
-from .cuda_graph import CUDAGraphRunner
+from .cuda_graph import CUDAGraphRunner, MixedGraphRunner
 from .scheduler import ScheduledBatch
 
 
@@ -45,7 +46,7 @@ class ModelRunner:
         self.cache = cache
         self.cache_kwarg = cache_kwarg(model)
         self.device = next(model.parameters()).device
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.mixed_graphs = None
         if config.compiles_layers(self.device, tensor_parallel=hasattr(cache, "peers")):  # a sharded cache
             from ..hf import compile_layers
 
@@ -54,11 +55,15 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))
+            if config.cuda_graph_chunk_tokens:
+                self.mixed_graphs = MixedGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
+                                                     max_blocks_per_seq=cache.blocks_for(max_model_len),
+                                                     chunk_tokens=config.cuda_graph_chunk_tokens)
 
     def disable_graphs(self, exc: Exception) -> None:
         warnings.warn(f"pagedkv: CUDA graphs are off for this engine, decoding eagerly ({type(exc).__name__}: {exc})",
                       RuntimeWarning, stacklevel=3)
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.mixed_graphs = None
 
     def enable_verify_graphs(self, num_speculative_tokens: int) -> None:
         """Verify steps of exactly 1 + k tokens per sequence replay CUDA graphs too (when decode steps do)."""
@@ -69,12 +74,26 @@ class ModelRunner:
 
     def rolled_back(self, seq_id: int, num_blocks: int) -> None:
         """A rollback left cache sequence `seq_id` with `num_blocks` blocks (the graph runners' tables catch up)."""
-        for graphs in (self.graphs, self.verify_graphs):
+        for graphs in (self.graphs, self.verify_graphs, self.mixed_graphs):
             if graphs is not None:
                 graphs.rolled_back(seq_id, num_blocks)
 
     def can_replay(self, batch: ScheduledBatch) -> bool:
         return self.graphs is not None and batch.is_decode and self.graphs.can_run(len(batch.seqs))
+
+    def mixed_decodes(self, batch: ScheduledBatch) -> int | None:
+        """How many decodes lead a step that a mixed CUDA graph replays (decodes, then prefill chunks that fit its
+        layout; no drafts, no prompt log-probabilities), else None."""
+        graphs = self.mixed_graphs
+        if graphs is None or batch.is_verify:
+            return None
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        n = 0
+        while n < len(seqs) and counts[n] == 1 and seqs[n].num_computed_tokens > 0:
+            n += 1
+        if n == len(seqs) or any(s.params.prompt_logprobs is not None for s in seqs[n:]):
+            return None
+        return n if graphs.can_run_mixed(n, counts[n:]) else None
 
     def can_replay_verify(self, batch: ScheduledBatch) -> bool:
         """Every sequence decodes with exactly the verify graphs' k drafted tokens."""
@@ -92,8 +111,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending: tuple[torch.Tensor, dict[int, int]] | None = None
             ) -> tuple[torch.Tensor, list[int], bool, dict[int, torch.Tensor]]:
-        """Forward `batch`; returns (logits, index in batch.seqs of each sampled sequence, whether a CUDA graph
-        was replayed, prompt logits).
+        """Forward `batch`; returns (logits, index in batch.seqs of each sampled sequence, whether a decode CUDA graph
+        was replayed (the engine may queue the next decode step behind it), prompt logits).
 
         `pending`: (tokens, {id(seq): i}) when the step before is still in flight: a sequence in the map has
         PLACEHOLDER as its last token, whose value is tokens[i] on the device (that step's sampled tokens, not
@@ -119,6 +138,17 @@ class ModelRunner:
             except CacheCapacityError:
                 raise
             except Exception as exc:  # a model or kernel that cannot be captured: stay correct, run eagerly
+                self.disable_graphs(exc)
+        n = self.mixed_decodes(batch)
+        if n is not None:
+            try:
+                sampled = set(sample_idx)
+                logits = self.mixed_graphs.run_mixed(seqs, counts, n, [i in sampled for i in range(n, len(seqs))],
+                                                     pending)
+                return logits, sample_idx, False, {}   # the engine goes on as after an eager step
+            except CacheCapacityError:
+                raise
+            except Exception as exc:
                 self.disable_graphs(exc)
         if self.can_replay_verify(batch):
             try:
