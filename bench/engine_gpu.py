@@ -317,7 +317,7 @@ def attention_free():
 def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int | list[int],
                     max_num_batched_tokens: int, admission_lookahead_tokens: int = 1024, swap: bool = False,
                     compile_layers: bool | None = None, graph_batch_sizes: list[int] | None = None,
-                    profile_kernels: bool = False) -> dict:
+                    profile_kernels: bool = False, mixed_graph_tokens: int = 0) -> dict:
     """`LLM.generate` over pages of `fmt` holding at most `budget_bytes` (all layers), every request admitted
     as the pages allow: output tokens/s, preemptions, how many blocks the budget bought, and the run's timeline
     (one row per engine step, see `engine_generate_run`). swap: a preempted request's blocks go to a host tier
@@ -331,6 +331,8 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     options = dict(cpu_cache_gb=budget_bytes / 2**30, swap_on_preemption=True) if swap else {}
     if graph_batch_sizes:
         options["cuda_graph_batch_sizes"] = tuple(graph_batch_sizes)
+    if mixed_graph_tokens:
+        options["cuda_graph_mixed_tokens"] = mixed_graph_tokens
     llm = LLM(model, kv_format=fmt, num_blocks=num_blocks, max_num_seqs=len(prompts),
               max_num_batched_tokens=max_num_batched_tokens, admission_lookahead_tokens=admission_lookahead_tokens,
               compile_layers=compile_layers, async_scheduling=ASYNC_SCHEDULING, **options)
@@ -350,12 +352,14 @@ def same_memory_run(model, fmt: str, budget_bytes: int, prompts: list[list[int]]
     else:
         out = engine_generate_run(llm, prompts, new_tokens, timeline=True)
     stats = {k: (llm.stats().get(k) or 0) - (warm.get(k) or 0)
-             for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays", "tier_host_hits",
-                       "tier_offloaded_blocks")}
+             for k in ("preemptions", "steps", "steps_queued_ahead", "cuda_graph_replays", "cuda_graph_mixed_replays",
+                       "tier_host_hits", "tier_offloaded_blocks")}
     out.update(format=fmt, num_blocks=num_blocks, bytes_per_token=bytes_per_token, async_scheduling=llm.engine.async_scheduling,
                tokens_that_fit=num_blocks * block_size, preemptions=stats["preemptions"],
                admission_lookahead_tokens=admission_lookahead_tokens, swap_on_preemption=swap, steps=stats["steps"],
                steps_queued_ahead=stats["steps_queued_ahead"], cuda_graph_replays=stats["cuda_graph_replays"],
+               cuda_graph_mixed_replays=stats["cuda_graph_mixed_replays"], max_num_batched_tokens=max_num_batched_tokens,
+               cuda_graph_mixed_tokens=mixed_graph_tokens,
                mean_batch=out["output_tokens"] / max(1, stats["steps"]),
                blocks_swapped_in=stats["tier_host_hits"], blocks_offloaded=stats["tier_offloaded_blocks"])
     del llm
@@ -566,6 +570,9 @@ def main(argv=None) -> int:
                    help="same-memory run: each request's prompt and output lengths uniform over their mean x (1 +- F)")
     p.add_argument("--graph-batch-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="same-memory run: the CUDA graph buckets (default: the engine's, every 8 up to 256)")
+    p.add_argument("--cuda-graph-mixed-tokens", type=int, default=0, metavar="C",
+                   help="same-memory run: steps of decodes and prompt chunks of up to C tokens replay mixed CUDA graphs "
+                        "(`EngineConfig.cuda_graph_mixed_tokens`; pair with a small --max-num-batched-tokens)")
     add_layer_options(p)
     p.add_argument("--ordered-tail-waves", type=float, default=None, metavar="W",
                    help="`tuning.ORDERED_TAIL_WAVES` for this run (1.0: longest-first split counts may end just past "
@@ -695,7 +702,8 @@ def main_same_memory(model, args, results: dict, t_start: float) -> int:
                         r = same_memory_run(model, fmt, budget, prompts, new_tokens, args.max_num_batched_tokens,
                                             lookahead, swap=mode == "swap", compile_layers=args.compile_layers,
                                             graph_batch_sizes=args.graph_batch_sizes,
-                                            profile_kernels=args.profile_kernels)
+                                            profile_kernels=args.profile_kernels,
+                                            mixed_graph_tokens=args.cuda_graph_mixed_tokens)
                     name = (fmt + (f", lookahead {lookahead}" if len(lookaheads) > 1 else "")
                             + (f", {mode}" if len(modes) > 1 else "") + (", attention free" if free else ""))
                     results["same_memory"][name] = r

@@ -99,16 +99,16 @@ def requests():
 
 def graph_llm(model, batch_sizes=(1, 2, 4), **options):
     """An LLM whose decode steps go through the graph runner, with the stand-in replay; max_num_seqs is
-    the largest bucket unless given. With cuda_graph_chunk_tokens, mixed steps go through the mixed runner."""
+    the largest bucket unless given. With cuda_graph_mixed_tokens, mixed steps go through the mixed runner."""
     options.setdefault("max_num_seqs", max(batch_sizes))
     llm = LLM(model, cuda_graph_batch_sizes=batch_sizes, **options)
     runner, cache = llm.engine.runner, llm.engine.cache
     max_blocks = cache.blocks_for(llm.engine.max_model_len)
     runner.graphs = EagerReplayRunner(model, cache, runner.cache_kwarg, batch_sizes, max_blocks_per_seq=max_blocks)
-    if options.get("cuda_graph_chunk_tokens"):
+    if options.get("cuda_graph_mixed_tokens"):
         runner.mixed_graphs = EagerReplayMixedRunner(model, cache, runner.cache_kwarg, batch_sizes,
                                                      max_blocks_per_seq=max_blocks,
-                                                     chunk_tokens=options["cuda_graph_chunk_tokens"])
+                                                     step_tokens=options["cuda_graph_mixed_tokens"])
     return llm
 
 
@@ -377,13 +377,13 @@ def test_sequences_taking_ring_rows_in_graph_steps_are_captured_again(tensor_dri
 @pytest.mark.parametrize("options", [dict(num_blocks=64, block_size=4), dict(dynamic=True, block_size=4)])
 def test_mixed_steps_replay_the_mixed_runner_and_match_eager(tensor_driven_kernels, options, async_scheduling):
     """A small step budget chunks prompts beside the decodes: those steps go through the mixed runner (decode rows,
-    then up to two chunks padded to 8 rows, logits of the decodes and of the chunks that finish their prompt), and
-    every request gets the eager engine's tokens; steps whose chunks do not fit its layout run eagerly."""
+    then up to two chunks padded to the bucket's chunk rows, logits of the decodes and of the chunks that finish their
+    prompt), and every request gets the eager engine's tokens; steps of three chunks run eagerly."""
     model = tiny_llama()
     prompts, params = requests()
     eager = LLM(model, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=10, **options).generate(prompts,
                                                                                                           params)
-    llm = graph_llm(model, max_num_batched_tokens=10, cuda_graph_chunk_tokens=8, async_scheduling=async_scheduling,
+    llm = graph_llm(model, max_num_batched_tokens=10, cuda_graph_mixed_tokens=10, async_scheduling=async_scheduling,
                     **options)
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
@@ -400,7 +400,8 @@ def test_mixed_runner_layout():
 
     cache = PagedKVCache(num_blocks=32, block_size=4)
     model = tiny_llama()
-    runner = MixedGraphRunner(model, cache, "cache", (1, 2, 4), max_blocks_per_seq=8, chunk_tokens=8)
+    runner = MixedGraphRunner(model, cache, "cache", (1, 2, 4), max_blocks_per_seq=8, step_tokens=10)
+    assert runner.chunk_rows == {1: 9, 2: 8, 4: 7}   # a step of 10 tokens past the bucket before
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     decode = Sequence("a", 0, [1, 2, 3, 4, 5, 6], params)
     first, second = Sequence("b", 1, [7] * 9, params), Sequence("c", 2, [8, 9, 10], params)

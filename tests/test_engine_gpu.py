@@ -56,6 +56,28 @@ def test_cuda_graph_decode_matches_eager_decode(kv_format, compile_layers):
     assert stats["blocks_used"] == 0
 
 
+@pytest.mark.parametrize("kv_format", ["off", "q4", "turboquant"])
+def test_mixed_cuda_graph_steps_match_eager_steps(kv_format):
+    """cuda_graph_mixed_tokens: steps of decodes and prompt chunks (a step budget of 48 tokens) replay the mixed
+    graphs, captured over compiled layers, and give the eager engine's tokens."""
+    model = small_llama()
+    prompts, params = workload()
+    options = dict(kv_format=kv_format, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=48)
+    eager = LLM(model, enforce_eager=True, **options)
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    del eager
+    llm = LLM(model, cuda_graph_batch_sizes=(1, 2, 4, 8), cuda_graph_mixed_tokens=48, **options)
+    outputs = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert stats["cuda_graph_mixed_replays"] > 5 and stats["cuda_graph_replays"] > 20, stats
+    assert llm.engine.cache.paged_stats()["reference_attention_calls"] == 0
+    same = sum(a == b for o, e in zip(outputs, expected) for a, b in zip(o.token_ids, e))
+    total = sum(len(e) for e in expected)
+    assert same / total > 0.97, [(o.token_ids, e) for o, e in zip(outputs, expected)]
+    assert sum(o.token_ids == e for o, e in zip(outputs, expected)) >= 6
+    assert stats["blocks_used"] == 0
+
+
 @pytest.mark.parametrize("kv_format", ["off", "q8", "turboquant"])
 def test_cuda_graph_verify_steps_match_eager_decode(kv_format):
     """Speculative decoding on CUDA: verify steps of 1 + k tokens per sequence are captured and replayed

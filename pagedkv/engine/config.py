@@ -48,11 +48,12 @@ class EngineConfig:
     graphs run one step ahead either way. None (default): on for a model on CUDA (not with tensor parallelism);
     steps with speculative decoding, n > 1 samples, log-probabilities or penalties run in turn. H200, the same-memory
     run: 1.005x (`off`), 1.018x (TurboQuant), 1.009x (q4) the output tokens/s of steps in turn.
-    cuda_graph_chunk_tokens: mixed steps (decodes, then prefill chunks of at most 2 sequences and this many tokens in
-    all) replay CUDA graphs too (`engine.cuda_graph.MixedGraphRunner`), one per decode bucket, the chunks padded to
-    this many rows; 0 (default): they run eagerly, as every step with a prompt chunk does. Pair it with a step budget
-    (max_num_batched_tokens) about this much over the decode batch, so that prompts are chunked to ride along decode
-    steps. Not timed on a GPU yet; off by default until it is.
+    cuda_graph_mixed_tokens: mixed steps of at most this many tokens (decodes, then prefill chunks of at most 2
+    sequences) replay CUDA graphs too (`engine.cuda_graph.MixedGraphRunner`): each decode bucket's graph holds its
+    decodes and, padded, the chunk tokens a step of this many can add to more decodes than the bucket before holds;
+    0 (default): such steps run eagerly, as every step with a prompt chunk does. Set max_num_batched_tokens to the
+    same small budget (a few hundred tokens over the decode batch), so that prompts are chunked to ride along decode
+    steps, whose matrix products are bound by the weights' reads. Not timed on a GPU yet; off by default until it is.
     """
 
     max_num_seqs: int = 256
@@ -68,12 +69,12 @@ class EngineConfig:
     swap_on_preemption: bool = False
     compile_layers: bool | None = None
     async_scheduling: bool | None = None
-    cuda_graph_chunk_tokens: int = 0
+    cuda_graph_mixed_tokens: int = 0
 
     def __post_init__(self):
-        if isinstance(self.cuda_graph_chunk_tokens, bool) or not isinstance(self.cuda_graph_chunk_tokens, int) \
-                or self.cuda_graph_chunk_tokens < 0:
-            raise ConfigError(f"cuda_graph_chunk_tokens={self.cuda_graph_chunk_tokens!r} must be an integer >= 0 (0: "
+        if isinstance(self.cuda_graph_mixed_tokens, bool) or not isinstance(self.cuda_graph_mixed_tokens, int) \
+                or self.cuda_graph_mixed_tokens < 0:
+            raise ConfigError(f"cuda_graph_mixed_tokens={self.cuda_graph_mixed_tokens!r} must be an integer >= 0 (0: "
                               "mixed steps run eagerly)")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)

@@ -313,9 +313,11 @@ MIXED_CHUNK_SEQS = 2
 
 
 class MixedGraphRunner(CUDAGraphRunner):
-    """Mixed steps replayed from CUDA graphs: a bucket's decodes, laid out as `CUDAGraphRunner`'s, then the prefill
-    chunks of at most `chunk_seqs` sequences and `chunk_tokens` tokens in all, packed after the bucket's decode rows
-    and padded to chunk_tokens rows (no slot, no sequence: their outputs are never read). Attention runs in two
+    """Mixed steps of at most `step_tokens` tokens replayed from CUDA graphs: a bucket's decodes, laid out as
+    `CUDAGraphRunner`'s, then prefill chunks of at most `chunk_seqs` sequences, packed after the bucket's decode rows
+    and padded to the bucket's chunk rows (no slot, no sequence: their outputs are never read). A bucket of bs rows
+    serves n decodes for n past the bucket before it (prev), so its graph holds step_tokens - prev - 1 chunk rows: the
+    most a step of step_tokens tokens can add to them (a bucket with none is not captured). Attention runs in two
     launches from device metadata alone (`AttentionMetadata.parts`: the decode kernels, then the fused varlen kernel
     over the chunks' context), so one capture per bucket serves any chunk lengths and contexts. The graph keeps the
     logits of the rows in `keep`: the decodes', then the last row of each chunk that samples (its prompt's last
@@ -327,9 +329,16 @@ class MixedGraphRunner(CUDAGraphRunner):
     (`bench/scheduler_sim.py --roofline`)."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cache_kwarg: str, batch_sizes: tuple[int, ...],
-                 max_blocks_per_seq: int, chunk_tokens: int, chunk_seqs: int = MIXED_CHUNK_SEQS):
-        self.chunk_tokens, self.chunk_seqs = chunk_tokens, chunk_seqs
-        super().__init__(model, cache, cache_kwarg, batch_sizes, max_blocks_per_seq)
+                 max_blocks_per_seq: int, step_tokens: int, chunk_seqs: int = MIXED_CHUNK_SEQS):
+        sizes = sorted(batch_sizes)
+        rows = {bs: step_tokens - prev - 1 for bs, prev in zip(sizes, [0] + sizes[:-1])}
+        self.chunk_rows = {bs: c for bs, c in rows.items() if c > 0}
+        if not self.chunk_rows:
+            raise ValueError(f"a mixed step of {step_tokens} tokens leaves no chunk rows to any bucket of {sizes}")
+        self.chunk_tokens, self.chunk_seqs = max(self.chunk_rows.values()), chunk_seqs
+        # the buckets past the last with chunk rows stay for sizing (their decode rows), not captured
+        super().__init__(model, cache, cache_kwarg, tuple(sizes), max_blocks_per_seq)
+        self.batch_sizes = sorted(self.chunk_rows)
         self.keep = self.static.keep
         self.chunk_qsl = self.static.chunk_qsl
 
@@ -337,13 +346,15 @@ class MixedGraphRunner(CUDAGraphRunner):
         return self.window is None and super().is_capturable()
 
     def can_run_mixed(self, num_decodes: int, chunk_tokens: list[int]) -> bool:
-        """Whether a step of `num_decodes` decodes and then chunks of these many tokens fits the captured layout."""
-        return (0 < len(chunk_tokens) <= self.chunk_seqs and sum(chunk_tokens) <= self.chunk_tokens
-                and min(chunk_tokens) > 0 and self.can_run(max(num_decodes, 1)))
+        """Whether a step of `num_decodes` decodes and then chunks of these many tokens fits a captured layout."""
+        if not (0 < len(chunk_tokens) <= self.chunk_seqs and min(chunk_tokens) > 0 and self.can_run(max(num_decodes, 1))):
+            return False
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, max(num_decodes, 1))]
+        return sum(chunk_tokens) <= self.chunk_rows[bs]
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         worst = self.max_blocks * self.cache.block_size
-        k, c, block_size = self.chunk_seqs, self.chunk_tokens, self.cache.block_size
+        k, c, block_size = self.chunk_seqs, self.chunk_rows[bs], self.cache.block_size
         slots = self.slot_mapping[:bs + c]
         decodes = AttentionMetadata(
             block_table=self.block_table[:bs], seq_lens=self.seq_lens[:bs], query_start_loc=self.query_start_loc[:bs + 1],
@@ -361,7 +372,7 @@ class MixedGraphRunner(CUDAGraphRunner):
             block_size=block_size, phase_hint="mixed", parts=(decodes, chunks))
 
     def _forward(self, bs: int) -> torch.Tensor:
-        num_tokens = bs + self.chunk_tokens
+        num_tokens = bs + self.chunk_rows[bs]
         out = self.model(input_ids=self.input_ids[:, :num_tokens], position_ids=self.position_ids[:, :num_tokens],
                          logits_to_keep=self.keep[:bs + self.chunk_seqs], use_cache=True,
                          **{self.cache_kwarg: self.cache})
@@ -407,7 +418,7 @@ class MixedGraphRunner(CUDAGraphRunner):
         """The chunks' part of `host` after bucket bs's decode rows (and the `keep` row for both); returns each
         sequence's first token row in the step (decodes: their row)."""
         ints, lens, table = host.np_ints, host.np_seq_lens, host.np_block_table
-        k, c, m = self.chunk_seqs, self.chunk_tokens, len(seqs)
+        k, c, m = self.chunk_seqs, self.chunk_rows[bs], len(seqs)
         qsl = [0]
         for count in counts:
             qsl.append(qsl[-1] + count)

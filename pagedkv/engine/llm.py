@@ -14,7 +14,7 @@ from .sampling_params import SamplingParams
 ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "prefix_caching", "enforce_eager",
                   "cuda_graph_batch_sizes", "max_model_len", "cpu_cache_gb", "kv_cache_dir", "disk_cache_gb",
                   "swap_on_preemption", "admission_lookahead_tokens", "compile_layers", "async_scheduling",
-                  "cuda_graph_chunk_tokens")
+                  "cuda_graph_mixed_tokens")
 
 
 class LLM:
@@ -24,7 +24,7 @@ class LLM:
     model (then pass its `tokenizer`, or give prompts as token ids). device / dtype: where and how a model
     named by path is loaded (default: cuda + bf16 when available, else cpu + fp32). Engine options:
     max_num_seqs, max_num_batched_tokens, prefix_caching, enforce_eager, cuda_graph_batch_sizes,
-    max_model_len, compile_layers, async_scheduling, cuda_graph_chunk_tokens, and the prefix cache's tiers cpu_cache_gb, kv_cache_dir, disk_cache_gb,
+    max_model_len, compile_layers, async_scheduling, cuda_graph_mixed_tokens, and the prefix cache's tiers cpu_cache_gb, kv_cache_dir, disk_cache_gb,
     swap_on_preemption (see `EngineConfig`). Every other keyword is a `PagedKVCache` option (block_size,
     num_blocks, dynamic, kv_format, kernels, ...), unless `cache` gives a ready cache for a loaded `model`.
     speculative: speculative decoding, e.g. "ngram", "ngram:k=6", "draft:model=default,layers=8", a dict of

@@ -4,7 +4,7 @@ The batch's new tokens are packed into one row (`input_ids`, `position_ids`: [1,
 plans the step (`begin_step`: slots, block tables, `query_start_loc`), so one forward mixes prefill
 chunks and decodes. Only the rows of sequences that reach their last token produce logits. On CUDA,
 pure decode batches replay a captured CUDA graph instead of running the model in Python, and with
-`EngineConfig.cuda_graph_chunk_tokens` so do steps of decodes and then small prefill chunks (`MixedGraphRunner`).
+`EngineConfig.cuda_graph_mixed_tokens` so do steps of decodes and then small prefill chunks (`MixedGraphRunner`).
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))
-            if config.cuda_graph_chunk_tokens:
+            if config.cuda_graph_mixed_tokens:
                 self.mixed_graphs = MixedGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                                      max_blocks_per_seq=cache.blocks_for(max_model_len),
-                                                     chunk_tokens=config.cuda_graph_chunk_tokens)
+                                                     step_tokens=config.cuda_graph_mixed_tokens)
 
     def disable_graphs(self, exc: Exception) -> None:
         warnings.warn(f"pagedkv: CUDA graphs are off for this engine, decoding eagerly ({type(exc).__name__}: {exc})",
