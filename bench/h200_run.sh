@@ -39,6 +39,7 @@
 #                                                  # (NCU_SHAPE, default 100x1536, 2 splits): stalls, pipes
 #   OUT=/some/dir bash bench/h200_run.sh tail-rule  # same-memory q4 with the longest-first second-wave guard and without
 #   OUT=/some/dir bash bench/h200_run.sh budgets   # the same-memory run at step token budgets 16384, 2048, 512
+#   OUT=/some/dir bash bench/h200_run.sh mixed-graphs  # same-memory run with mixed steps in CUDA graphs (budget 320)
 #   OUT=/some/dir bash bench/h200_run.sh eager-steps  # eager decode and mixed steps (no CUDA graph) timed and traced
 #   OUT=/some/dir bash bench/h200_run.sh h200-cap96  # TurboQuant, 3 splits at 96 registers beside 2 at 128; work alone
 #   OUT=/some/dir bash bench/h200_run.sh off-ids   # the dense decode with block ids a step ahead beside the served one
@@ -356,6 +357,16 @@ budgets)   # the same-memory run at step token budgets (BUDGETS, default 16384 2
     done
     for b in $budgets; do python bench/engine_steps.py "$OUT/budget$b/engine_memory.json"; done
     ;;
+mixed-graphs)   # mixed steps replayed from CUDA graphs (cuda_graph_mixed_tokens): their GPU tests, then the same-memory
+                # run with a step budget of MIXED_TOKENS (default 320) and its graphs, then as served (budget 16,384)
+    mixed=${MIXED_TOKENS:-320}
+    run 150 python -m pytest -q -rf -p no:cacheprovider tests/test_engine_gpu.py tests/triton/test_mixed_parts.py \
+        -k "mixed"
+    run 240 python "${SAME_MEMORY[@]}" --formats ${FORMATS:-off turboquant q4} --max-num-batched-tokens "$mixed" \
+        --cuda-graph-mixed-tokens "$mixed" --out "$OUT/mixed$mixed"
+    run 200 python "${SAME_MEMORY[@]}" --formats ${FORMATS:-off turboquant q4} --out "$OUT/served"
+    for d in "mixed$mixed" served; do python bench/engine_steps.py "$OUT/$d/engine_memory.json"; done
+    ;;
 eager-steps)   # what a step that replays no CUDA graph costs (mixed steps: a prompt admitted beside the decodes):
                # eager decode and mixed steps at the same-memory batch timed without a profiler, compiled layers on
                # and off, then traced (host Python stacks, where the GPU waits: bench/trace_gaps.py)
@@ -475,7 +486,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|eager-steps|h200-cap96|off-ids|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
     exit 2
     ;;
 esac
