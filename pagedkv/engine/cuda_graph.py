@@ -457,7 +457,16 @@ class MixedGraphRunner(CUDAGraphRunner):
                 fills.append((row + offset, i))
         if fills:
             at, src = zip(*fills)
-            self.input_ids[0, torch.tensor(at, device=self.device)] = tokens[torch.tensor(src, device=tokens.device)]
+            self.input_ids[0, self._queued(at, self.device)] = tokens[self._queued(src, tokens.device)]
+
+    @staticmethod
+    def _queued(values, device: torch.device) -> torch.Tensor:
+        """An int64 tensor of `values` on `device`, its copy queued (pinned): a plain copy from host memory would
+        wait for the step in flight."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
 
 class _StepInputs:
     """A step's inputs as views of one flat buffer, so one copy moves them all (host twin: pinned).
