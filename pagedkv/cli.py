@@ -104,6 +104,9 @@ def register_serve(subparsers) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan and queue each step before reading the tokens of the one in flight, so the host's "
                         "work overlaps the GPU's (default: on CUDA, without --tensor-parallel)")
+    g.add_argument("--cuda-graph-mixed-tokens", type=int, default=0, metavar="N",
+                   help="steps of decodes and prompt chunks of at most N tokens replay CUDA graphs too; pair with "
+                        "--max-num-batched-tokens N (default 0: such steps run eagerly)")
     g.add_argument("--cpu-cache-gb", type=float, default=0.0, metavar="GB",
                    help="host memory for prefix-cache blocks evicted from the device pool (default 0: off)")
     g.add_argument("--kv-cache-dir", default=None, metavar="DIR",
@@ -135,7 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_model_len=args.max_model_len, cpu_cache_gb=args.cpu_cache_gb,
                        kv_cache_dir=args.kv_cache_dir, disk_cache_gb=args.disk_cache_gb,
                        swap_on_preemption=args.swap_on_preemption, compile_layers=args.compile_layers,
-                       async_scheduling=args.async_scheduling)
+                       async_scheduling=args.async_scheduling, cuda_graph_mixed_tokens=args.cuda_graph_mixed_tokens)
     EngineConfig(**engine_opts)  # validate before loading a model
     speculative = speculative_options(args)
     if args.tensor_parallel != 1 and speculative is not None:
