@@ -39,7 +39,7 @@
 #                                                  # (NCU_SHAPE, default 100x1536, 2 splits): stalls, pipes
 #   OUT=/some/dir bash bench/h200_run.sh tail-rule  # same-memory q4 with the longest-first second-wave guard and without
 #   OUT=/some/dir bash bench/h200_run.sh budgets   # the same-memory run at step token budgets 16384, 2048, 512
-#   OUT=/some/dir bash bench/h200_run.sh mixed-graphs  # same-memory run with mixed steps in CUDA graphs (budget 320)
+#   OUT=/some/dir bash bench/h200_run.sh mixed-graphs  # same-memory run with mixed steps in CUDA graphs (budget 256)
 #   OUT=/some/dir bash bench/h200_run.sh eager-steps  # eager decode and mixed steps (no CUDA graph) timed and traced
 #   OUT=/some/dir bash bench/h200_run.sh h200-cap96  # TurboQuant, 3 splits at 96 registers beside 2 at 128; work alone
 #   OUT=/some/dir bash bench/h200_run.sh off-ids   # the dense decode with block ids a step ahead beside the served one
@@ -358,8 +358,8 @@ budgets)   # the same-memory run at step token budgets (BUDGETS, default 16384 2
     for b in $budgets; do python bench/engine_steps.py "$OUT/budget$b/engine_memory.json"; done
     ;;
 mixed-graphs)   # mixed steps replayed from CUDA graphs (cuda_graph_mixed_tokens): their GPU tests, then the same-memory
-                # run with a step budget of MIXED_TOKENS (default 320) and its graphs, then as served (budget 16,384)
-    mixed=${MIXED_TOKENS:-320}
+                # run with a step budget of MIXED_TOKENS (default 256) and its graphs, then as served (budget 16,384)
+    mixed=${MIXED_TOKENS:-256}
     run 150 python -m pytest -q -rf -p no:cacheprovider tests/test_engine_gpu.py tests/triton/test_mixed_parts.py \
         -k "mixed"
     run 240 python "${SAME_MEMORY[@]}" --formats ${FORMATS:-off turboquant q4} --max-num-batched-tokens "$mixed" \

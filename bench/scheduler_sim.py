@@ -17,6 +17,7 @@ and 39,754 output tokens/s against 15,075, 27,919 and 37,520 measured (+2.3%, +3
     python bench/scheduler_sim.py --lookahead 512 640 --formats turboquant q4 --out bench/results/h200
     python bench/scheduler_sim.py --lookahead 640 --rate turboquant=3.0 --rate q4=3.0   # faster decode kernels
     python bench/scheduler_sim.py --lookahead 640 --roofline --max-num-batched-tokens 256 --mixed-step-ms 5
+    python bench/scheduler_sim.py --lookahead 640 --roofline --max-num-batched-tokens 320 --mixed-graph-tokens 320
 """
 
 from __future__ import annotations
@@ -54,11 +55,17 @@ class StepCost:
     weights_s: float = 1.45e-3
     other_s: float = 0.2e-3
     mixed_floor_s: float = 0.0
+    # mixed CUDA graphs (`EngineConfig.cuda_graph_mixed_tokens`): a step holding prompt tokens computes at least this
+    # many rows (its graph's padded chunk rows; a bucket's decodes plus the chunk rows a step of this many can add)
+    mixed_rows: int = 0
 
     def __call__(self, num_decodes: int, num_prefill_tokens: int, num_context_tokens: int = 0) -> float:
         attention = self.per_context_token_s * num_context_tokens
+        rows = num_decodes + num_prefill_tokens
+        if num_prefill_tokens:
+            rows = max(rows, self.mixed_rows)
         if self.roofline:
-            t = self.other_s + max(self.weights_s, self.per_prefill_token_s * (num_decodes + num_prefill_tokens))
+            t = self.other_s + max(self.weights_s, self.per_prefill_token_s * rows)
         else:
             t = self.fixed_s + self.per_decode_s * num_decodes + self.per_prefill_token_s * num_prefill_tokens
         t += attention
@@ -186,6 +193,9 @@ def main(argv=None) -> int:
                         "chunks ride along decode steps (see StepCost)")
     p.add_argument("--mixed-step-ms", type=float, default=0.0, metavar="MS",
                    help="a step holding prompt tokens takes at least MS (an eager step's host time)")
+    p.add_argument("--mixed-graph-tokens", type=int, default=0, metavar="S",
+                   help="mixed steps replay graphs padded to S rows (cuda_graph_mixed_tokens; pair with "
+                        "--max-num-batched-tokens S and --roofline)")
     p.add_argument("--measured", default="bench/results/h200/engine_memory_session42.json",
                    help="same-memory GPU runs to draw beside the model (skipped if missing)")
     p.add_argument("--out", default=None, help="folder for scheduler_sim.json and scheduler_sim.png")
@@ -204,7 +214,8 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for fmt in sorted(args.formats, key=lambda f: f != "off"):  # `off` first: the ratios' base
         num_blocks = blocks_in(fmt, int(args.same_memory * 2**30))
-        cost = step_cost(fmt, rates[fmt], roofline=args.roofline, mixed_floor_s=args.mixed_step_ms / 1e3)
+        cost = step_cost(fmt, rates[fmt], roofline=args.roofline, mixed_floor_s=args.mixed_step_ms / 1e3,
+                         mixed_rows=args.mixed_graph_tokens)
         results["runs"][fmt] = {}
         for lookahead in args.lookahead:
             start = time.perf_counter()
