@@ -401,7 +401,7 @@ def test_mixed_runner_layout():
     cache = PagedKVCache(num_blocks=32, block_size=4)
     model = tiny_llama()
     runner = MixedGraphRunner(model, cache, "cache", (1, 2, 4), max_blocks_per_seq=8, step_tokens=10)
-    assert runner.chunk_rows == {1: 9, 2: 8, 4: 7}   # a step of 10 tokens past the bucket before
+    assert runner.chunk_rows == {1: 10, 2: 8, 4: 7}   # a step of 10 tokens past the bucket before
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     decode = Sequence("a", 0, [1, 2, 3, 4, 5, 6], params)
     first, second = Sequence("b", 1, [7] * 9, params), Sequence("c", 2, [8, 9, 10], params)

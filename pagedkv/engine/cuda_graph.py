@@ -317,7 +317,8 @@ class MixedGraphRunner(CUDAGraphRunner):
     `CUDAGraphRunner`'s, then prefill chunks of at most `chunk_seqs` sequences, packed after the bucket's decode rows
     and padded to the bucket's chunk rows (no slot, no sequence: their outputs are never read). A bucket of bs rows
     serves n decodes for n past the bucket before it (prev), so its graph holds step_tokens - prev - 1 chunk rows: the
-    most a step of step_tokens tokens can add to them (a bucket with none is not captured). Attention runs in two
+    most a step of step_tokens tokens can add to them (the first bucket step_tokens: a step may hold chunks alone; a
+    bucket with none is not captured). Attention runs in two
     launches from device metadata alone (`AttentionMetadata.parts`: the decode kernels, then the fused varlen kernel
     over the chunks' context), so one capture per bucket serves any chunk lengths and contexts. The graph keeps the
     logits of the rows in `keep`: the decodes', then the last row of each chunk that samples (its prompt's last
@@ -331,7 +332,8 @@ class MixedGraphRunner(CUDAGraphRunner):
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, cache_kwarg: str, batch_sizes: tuple[int, ...],
                  max_blocks_per_seq: int, step_tokens: int, chunk_seqs: int = MIXED_CHUNK_SEQS):
         sizes = sorted(batch_sizes)
-        rows = {bs: step_tokens - prev - 1 for bs, prev in zip(sizes, [0] + sizes[:-1])}
+        # the first bucket also serves steps of chunks alone (no decode): all step_tokens of them
+        rows = {bs: step_tokens - prev - 1 for bs, prev in zip(sizes, [-1] + sizes[:-1])}
         self.chunk_rows = {bs: c for bs, c in rows.items() if c > 0}
         if not self.chunk_rows:
             raise ValueError(f"a mixed step of {step_tokens} tokens leaves no chunk rows to any bucket of {sizes}")
