@@ -53,7 +53,8 @@ class EngineConfig:
     decodes and, padded, the chunk tokens a step of this many can add to more decodes than the bucket before holds;
     0 (default): such steps run eagerly, as every step with a prompt chunk does. Set max_num_batched_tokens to the
     same small budget (a few hundred tokens over the decode batch), so that prompts are chunked to ride along decode
-    steps, whose matrix products are bound by the weights' reads. Not timed on a GPU yet; off by default until it is.
+    steps, whose matrix products are bound by the weights' reads. Not with tensor parallelism (whose ranks replay the
+    decode runner's graphs in step). Not timed on a GPU yet; off by default until it is.
     """
 
     max_num_seqs: int = 256

@@ -55,7 +55,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))
-            if config.cuda_graph_mixed_tokens:
+            if config.cuda_graph_mixed_tokens and not hasattr(cache, "peers"):  # not with tensor parallelism
                 self.mixed_graphs = MixedGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                                      max_blocks_per_seq=cache.blocks_for(max_model_len),
                                                      step_tokens=config.cuda_graph_mixed_tokens)
