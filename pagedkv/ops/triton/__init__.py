@@ -149,6 +149,7 @@ def _mixed_attention(query, pages, fmt, parts, *, scale, sliding_window, softcap
     """A step laid out for a mixed CUDA graph (`AttentionMetadata.parts`): its decode rows through the decode kernels,
     the prefill chunks after them through the fused varlen kernel; both launches sized from shapes alone."""
     from . import attention
+    from .tuning import choose_tiles, launch_fitting, page_class
 
     assert window is None, "mixed CUDA graph steps do not read a dense recent window"
     decodes, chunks = parts
@@ -157,8 +158,18 @@ def _mixed_attention(query, pages, fmt, parts, *, scale, sliding_window, softcap
     if n:
         out[:n] = _kernel_attention(query[:n], pages, fmt, decodes, scale=scale, sliding_window=sliding_window,
                                     softcap=softcap, window=None)
-    out[n:] = attention.paged_attention(query[n:], pages, fmt, chunks, scale=scale, sliding_window=sliding_window,
-                                        softcap=softcap)
+    rows = query[n:]
+    num_tokens, num_q_heads, head_dim = rows.shape
+    group = num_q_heads // fmt.num_kv_heads
+    tiles = choose_tiles(num_tokens, chunks.block_table.shape[0], group, head_dim, query.device, pages=page_class(fmt),
+                         dtype=query.dtype)
+
+    def launch(t):
+        return attention.paged_attention(rows, pages, fmt, chunks, scale=scale, sliding_window=sliding_window,
+                                         softcap=softcap, tiles=t)
+
+    # the varlen kernel's tiles stepped down where shared memory is short, as `_kernel_attention` does (same key)
+    out[n:] = launch_fitting(launch, tiles, group, ("varlen", query.device, query.dtype, fmt.spec, head_dim))
     return out
 
 
