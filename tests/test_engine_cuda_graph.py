@@ -426,3 +426,27 @@ def test_mixed_runner_layout():
     assert host.np_block_table[2, :3].tolist() == held[1].block_ids[:3]
     assert host.np_block_table[3, :1].tolist() == held[2].block_ids[:1]
     assert ints[host.keep_row, :4].tolist() == [0, 9, 6, 0]   # the decode, the sampled chunk's last row, the other
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True])
+def test_bad_mixed_tokens_get_a_clear_error(bad):
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cuda_graph_mixed_tokens"):
+        EngineConfig(cuda_graph_mixed_tokens=bad)
+
+
+def test_buckets_a_mixed_step_leaves_no_chunk_rows_are_not_captured(monkeypatch):
+    """A step of 4 tokens fills bucket 4 (1-4 decodes, or none) with at most 4 chunk tokens: bucket 8 (5-8 decodes)
+    has no room and is not captured."""
+    from pagedkv.cache import PagedKVCache
+
+    runner = MixedGraphRunner(tiny_llama(), PagedKVCache(num_blocks=8, block_size=4), "cache", (4, 8),
+                              max_blocks_per_seq=4, step_tokens=4)
+    assert runner.chunk_rows == {4: 4} and runner.batch_sizes == [4]
+    monkeypatch.setattr(runner, "is_capturable", lambda: True)
+    assert runner.can_run_mixed(0, [4]) and runner.can_run_mixed(3, [1]) and runner.can_run_mixed(4, [2, 2])
+    assert not runner.can_run_mixed(3, [3, 2])     # more chunk tokens than the bucket's rows
+    assert not runner.can_run_mixed(0, [1, 1, 1])  # more chunks than MIXED_CHUNK_SEQS
+    assert not runner.can_run_mixed(5, [1])        # bucket 8 is not captured

@@ -335,8 +335,6 @@ class MixedGraphRunner(CUDAGraphRunner):
         # the first bucket also serves steps of chunks alone (no decode): all step_tokens of them
         rows = {bs: step_tokens - prev - 1 for bs, prev in zip(sizes, [-1] + sizes[:-1])}
         self.chunk_rows = {bs: c for bs, c in rows.items() if c > 0}
-        if not self.chunk_rows:
-            raise ValueError(f"a mixed step of {step_tokens} tokens leaves no chunk rows to any bucket of {sizes}")
         self.chunk_tokens, self.chunk_seqs = max(self.chunk_rows.values()), chunk_seqs
         # the buckets past the last with chunk rows stay for sizing (their decode rows), not captured
         super().__init__(model, cache, cache_kwarg, tuple(sizes), max_blocks_per_seq)
