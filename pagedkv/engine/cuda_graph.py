@@ -265,6 +265,40 @@ class CUDAGraphRunner:
             table[i, start:end] = held[i].block_ids[start:end]
         written[:n] = num_blocks
 
+    def _replay_step(self, seqs: list[Sequence], counts: list[int], num_rows: int, fill, on_device) -> int:
+        """Reserve the step's slots (counts[i] new tokens of seqs[i]), capture again if the pages or rings moved, fill
+        a host twin for the bucket of num_rows rows (`fill(host, held, slots, bs, ring)`), copy it up, run
+        `on_device()` (work queued after the copy, before the replay) and replay; returns the bucket. On any failure
+        the reserved slots are given back (cache untouched) and the error raised."""
+        if self._pages_key != self._current_pages_key():
+            self.capture()
+        seq_ids = [s.seq_id for s in seqs]
+        num_blocks = self.cache.pool.num_blocks
+        slots = self.cache.reserve(seq_ids, counts)
+        try:
+            held = [self.cache.seqs[i] for i in seq_ids]
+            ring = None
+            if self.window is not None:
+                ring = self.window.place(seq_ids, [h.num_tokens - c for h, c in zip(held, counts)], counts)
+            # the reservation grew the pool (new page tensors), or a sequence took a ring row past the rings' capacity
+            if self.cache.pool.num_blocks != num_blocks or (self.window is not None
+                                                            and self.window.num_rows > self.window.scratch_row):
+                self.capture()
+            bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_rows)]
+            turn = self._turn
+            self._turn ^= 1
+            fill(self.host[turn], held, slots, bs, ring)
+            static, host = self._copies[bs]
+            static.copy_(host[turn], non_blocking=True)
+            on_device()
+            self.replay(bs)
+        except Exception:  # leave the cache as it was: the reserved slots were never written
+            for seq_id, count in zip(seq_ids, counts):
+                self.cache.trim(count, seq_id)
+            raise
+        self.num_replays += 1
+        return bs
+
     def run(self, seqs: list[Sequence], token_rows: list[list[int]] | None = None,
             input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One step of `seqs`; returns logits [len(seqs) * query_len, vocab] (the replay is queued, not awaited).
@@ -277,34 +311,15 @@ class CUDAGraphRunner:
         n, q = len(seqs), self.query_len
         if token_rows is None and input_ids is None:
             token_rows = [[s.token_ids[-1]] for s in seqs]
-        if self._pages_key != self._current_pages_key():
-            self.capture()
-        seq_ids = [s.seq_id for s in seqs]
-        num_blocks = self.cache.pool.num_blocks
-        slots = self.cache.reserve(seq_ids, [q] * n)
-        try:
-            held = [self.cache.seqs[i] for i in seq_ids]
-            ring = None
-            if self.window is not None:
-                ring = self.window.place(seq_ids, [h.num_tokens - q for h in held], [q] * n)
-            # the reservation grew the pool (new page tensors), or a sequence took a ring row past the rings' capacity
-            if self.cache.pool.num_blocks != num_blocks or (self.window is not None
-                                                            and self.window.num_rows > self.window.scratch_row):
-                self.capture()
-            bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-            turn = self._turn
-            self._turn ^= 1
-            self._fill_host(self.host[turn], seqs, held, slots, bs, token_rows, ring)
-            static, host = self._copies[bs]
-            static.copy_(host[turn], non_blocking=True)
+
+        def fill(host, held, slots, bs, ring):
+            self._fill_host(host, seqs, held, slots, bs, token_rows, ring)
+
+        def on_device():
             if input_ids is not None:
                 self.input_ids[0, :n].copy_(input_ids)
-            self.replay(bs)
-        except Exception:  # leave the cache as it was: the reserved slots were never written
-            for seq_id in seq_ids:
-                self.cache.trim(q, seq_id)
-            raise
-        self.num_replays += 1
+
+        bs = self._replay_step(seqs, [q] * n, n, fill, on_device)
         return self.logits[bs][:n * q]
 
 
@@ -347,10 +362,10 @@ class MixedGraphRunner(CUDAGraphRunner):
 
     def can_run_mixed(self, num_decodes: int, chunk_tokens: list[int]) -> bool:
         """Whether a step of `num_decodes` decodes and then chunks of these many tokens fits a captured layout."""
-        if not (0 < len(chunk_tokens) <= self.chunk_seqs and min(chunk_tokens) > 0 and self.can_run(max(num_decodes, 1))):
+        rows = max(num_decodes, 1)   # a step of chunks alone runs in the first bucket
+        if not (0 < len(chunk_tokens) <= self.chunk_seqs and min(chunk_tokens) > 0 and self.can_run(rows)):
             return False
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, max(num_decodes, 1))]
-        return sum(chunk_tokens) <= self.chunk_rows[bs]
+        return sum(chunk_tokens) <= self.chunk_rows[self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows)]]
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         worst = self.max_blocks * self.cache.block_size
@@ -384,32 +399,17 @@ class MixedGraphRunner(CUDAGraphRunner):
         a prefill chunk; sampled[j]: whether chunk j reaches its last token. `pending` as `ModelRunner.run`'s (tokens
         of the step in flight, filled into their rows on the device). Returns the logits of the decodes and of the
         sampled chunks, in order (the replay queued, not awaited). Raises CacheCapacityError (cache untouched)."""
-        n = num_decodes
-        if self._pages_key != self._current_pages_key():
-            self.capture()
-        seq_ids = [s.seq_id for s in seqs]
-        num_blocks = self.cache.pool.num_blocks
-        slots = self.cache.reserve(seq_ids, list(num_new_tokens))
-        try:
-            held = [self.cache.seqs[i] for i in seq_ids]
-            if self.cache.pool.num_blocks != num_blocks:  # the reservation grew the pool (new page tensors)
-                self.capture()
-            bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, max(n, 1))]
-            turn = self._turn
-            self._turn ^= 1
-            host = self.host[turn]
+        n, rows = num_decodes, []
+
+        def fill(host, held, slots, bs, ring):
             self._fill_host(host, seqs[:n], held[:n], slots[:n], bs, [[s.token_ids[-1]] for s in seqs[:n]], None)
-            rows = self._fill_chunks(host, seqs[n:], held[n:], slots[n:], num_new_tokens[n:], n, bs, sampled)
-            static, hosts = self._copies[bs]
-            static.copy_(hosts[turn], non_blocking=True)
+            rows[:] = self._fill_chunks(host, seqs[n:], held[n:], slots[n:], num_new_tokens[n:], n, bs, sampled)
+
+        def on_device():
             if pending is not None:
                 self._fill_pending(seqs, num_new_tokens, rows, pending)
-            self.replay(bs)
-        except Exception:  # leave the cache as it was: the reserved slots were never written
-            for seq_id, count in zip(seq_ids, num_new_tokens):
-                self.cache.trim(count, seq_id)
-            raise
-        self.num_replays += 1
+
+        bs = self._replay_step(seqs, list(num_new_tokens), max(n, 1), fill, on_device)
         return self.logits[bs][:n + sum(sampled)]
 
     def _fill_chunks(self, host: "_StepInputs", seqs: list[Sequence], held: list[CacheSequence],
