@@ -13,8 +13,8 @@ kernels' total, per format.
     python bench/engine_profile.py --formats q4 --requests 16 --kernels --trace bench/results/h200   # + GPU idle
 
 `--trace DIR` also traces an eager decode step and a mixed step (one new prompt beside the decodes) under
-`torch.profiler` with the host's Python stack (DIR/decode_step_trace_FORMAT.json.gz, mixed_step_trace_...), then runs
-one more prefill step of new prompts so (DIR/prefill_step_trace_FORMAT.json.gz), printing where the GPU waited in each
+`torch.profiler` with the host's Python stack (DIR/decode_step_trace_FORMAT.json.gz, mixed_step_trace_...), and one
+more prefill step of new prompts (DIR/prefill_step_trace_FORMAT.json.gz), printing where the GPU waited in each
 (`bench/trace_gaps.py`), and runs another with `torch.cuda.set_sync_debug_mode("warn")`: every call that makes the
 host wait for the GPU inside a step is printed with its line. `--plain-steps N` times N eager decode steps and N
 mixed ones with no profiler at all (what an engine without CUDA graphs for such steps pays).
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks this script, measures nothing")
     p.add_argument("--kernels", action="store_true", help="device time by kernel of the steps (torch.profiler)")
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
-                   help="also trace one more prefill step (chrome trace into DIR, GPU idle stretches printed) and run "
-                        "another with CUDA sync debugging on")
+                   help="also trace an eager decode step, a mixed step and one more prefill step (chrome traces into "
+                        "DIR, GPU idle stretches printed) and run another with CUDA sync debugging on")
     p.add_argument("--plain-steps", type=int, default=0, metavar="N",
                    help="also time N eager decode steps and N eager mixed steps (one new prompt each) without a profiler")
     p.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
