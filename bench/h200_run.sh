@@ -39,7 +39,8 @@
 #                                                  # (NCU_SHAPE, default 100x1536, 2 splits): stalls, pipes
 #   OUT=/some/dir bash bench/h200_run.sh tail-rule  # same-memory q4 with the longest-first second-wave guard and without
 #   OUT=/some/dir bash bench/h200_run.sh budgets   # the same-memory run at step token budgets 16384, 2048, 512
-#   OUT=/some/dir bash bench/h200_run.sh mixed-graphs  # same-memory run with mixed steps in CUDA graphs (budget 256)
+#   OUT=/some/dir bash bench/h200_run.sh mixed-graphs  # same-memory run with mixed steps in CUDA graphs (budget 256),
+#                                                  # their GPU tests, the run as served (SERVED=0: not)
 #   OUT=/some/dir bash bench/h200_run.sh eager-steps  # eager decode and mixed steps (no CUDA graph) timed and traced
 #   OUT=/some/dir bash bench/h200_run.sh h200-cap96  # TurboQuant, 3 splits at 96 registers beside 2 at 128; work alone
 #   OUT=/some/dir bash bench/h200_run.sh off-ids   # the dense decode with block ids a step ahead beside the served one
@@ -357,15 +358,19 @@ budgets)   # the same-memory run at step token budgets (BUDGETS, default 16384 2
     done
     for b in $budgets; do python bench/engine_steps.py "$OUT/budget$b/engine_memory.json"; done
     ;;
-mixed-graphs)   # mixed steps replayed from CUDA graphs (cuda_graph_mixed_tokens): their GPU tests, then the same-memory
-                # run with a step budget of MIXED_TOKENS (default 256) and its graphs, then as served (budget 16,384)
+mixed-graphs)   # mixed steps replayed from CUDA graphs (cuda_graph_mixed_tokens): the same-memory run with a step
+                # budget of MIXED_TOKENS (default 256) and its graphs first, then their GPU tests, then the run as
+                # served (budget 16,384) beside it unless SERVED=0 (short device time: session 42's ratios stand in)
     mixed=${MIXED_TOKENS:-256}
-    run 150 python -m pytest -q -rf -p no:cacheprovider tests/test_engine_gpu.py tests/triton/test_mixed_parts.py \
-        -k "mixed"
     run 240 python "${SAME_MEMORY[@]}" --formats ${FORMATS:-off turboquant q4} --max-num-batched-tokens "$mixed" \
         --cuda-graph-mixed-tokens "$mixed" --out "$OUT/mixed$mixed"
-    run 200 python "${SAME_MEMORY[@]}" --formats ${FORMATS:-off turboquant q4} --out "$OUT/served"
-    for d in "mixed$mixed" served; do python bench/engine_steps.py "$OUT/$d/engine_memory.json"; done
+    python bench/engine_steps.py "$OUT/mixed$mixed/engine_memory.json"
+    run 150 python -m pytest -q -rf -p no:cacheprovider tests/test_engine_gpu.py tests/triton/test_mixed_parts.py \
+        -k "mixed"
+    if [ "${SERVED:-1}" != 0 ]; then
+        run 200 python "${SAME_MEMORY[@]}" --formats ${FORMATS:-off turboquant q4} --out "$OUT/served"
+        python bench/engine_steps.py "$OUT/served/engine_memory.json"
+    fi
     ;;
 eager-steps)   # what a step that replays no CUDA graph costs (mixed steps: a prompt admitted beside the decodes):
                # eager decode and mixed steps at the same-memory batch timed without a profiler, compiled layers on
