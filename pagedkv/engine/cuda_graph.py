@@ -268,7 +268,8 @@ class CUDAGraphRunner:
     def _replay_step(self, seqs: list[Sequence], counts: list[int], num_rows: int, fill, on_device) -> int:
         """Reserve the step's slots (counts[i] new tokens of seqs[i]), capture again if the pages or rings moved, fill
         a host twin for the bucket of num_rows rows (`fill(host, held, slots, bs, ring)`), copy it up, run
-        `on_device()` (work queued after the copy, before the replay) and replay; returns the bucket. On any failure
+        `on_device(filled)` with fill's result (work queued after the copy, before the replay) and replay; returns the
+        bucket. On any failure
         the reserved slots are given back (cache untouched) and the error raised."""
         if self._pages_key != self._current_pages_key():
             self.capture()
@@ -287,10 +288,10 @@ class CUDAGraphRunner:
             bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_rows)]
             turn = self._turn
             self._turn ^= 1
-            fill(self.host[turn], held, slots, bs, ring)
+            filled = fill(self.host[turn], held, slots, bs, ring)
             static, host = self._copies[bs]
             static.copy_(host[turn], non_blocking=True)
-            on_device()
+            on_device(filled)
             self.replay(bs)
         except Exception:  # leave the cache as it was: the reserved slots were never written
             for seq_id, count in zip(seq_ids, counts):
@@ -315,7 +316,7 @@ class CUDAGraphRunner:
         def fill(host, held, slots, bs, ring):
             self._fill_host(host, seqs, held, slots, bs, token_rows, ring)
 
-        def on_device():
+        def on_device(_):
             if input_ids is not None:
                 self.input_ids[0, :n].copy_(input_ids)
 
@@ -399,13 +400,13 @@ class MixedGraphRunner(CUDAGraphRunner):
         a prefill chunk; sampled[j]: whether chunk j reaches its last token. `pending` as `ModelRunner.run`'s (tokens
         of the step in flight, filled into their rows on the device). Returns the logits of the decodes and of the
         sampled chunks, in order (the replay queued, not awaited). Raises CacheCapacityError (cache untouched)."""
-        n, rows = num_decodes, []
+        n = num_decodes
 
-        def fill(host, held, slots, bs, ring):
+        def fill(host, held, slots, bs, ring):   # returns the chunks' rows
             self._fill_host(host, seqs[:n], held[:n], slots[:n], bs, [[s.token_ids[-1]] for s in seqs[:n]], None)
-            rows[:] = self._fill_chunks(host, seqs[n:], held[n:], slots[n:], num_new_tokens[n:], n, bs, sampled)
+            return self._fill_chunks(host, seqs[n:], held[n:], slots[n:], num_new_tokens[n:], n, bs, sampled)
 
-        def on_device():
+        def on_device(rows):
             if pending is not None:
                 self._fill_pending(seqs, num_new_tokens, rows, pending)
 

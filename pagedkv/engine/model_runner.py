@@ -47,7 +47,8 @@ class ModelRunner:
         self.cache_kwarg = cache_kwarg(model)
         self.device = next(model.parameters()).device
         self.graphs = self.verify_graphs = self.mixed_graphs = None
-        if config.compiles_layers(self.device, tensor_parallel=hasattr(cache, "peers")):  # a sharded cache
+        tensor_parallel = hasattr(cache, "peers")   # a sharded cache
+        if config.compiles_layers(self.device, tensor_parallel=tensor_parallel):
             from ..hf import compile_layers
 
             n = compile_layers(model)
@@ -55,7 +56,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                           max_blocks_per_seq=cache.blocks_for(max_model_len))
-            if config.cuda_graph_mixed_tokens and not hasattr(cache, "peers"):  # not with tensor parallelism
+            if config.cuda_graph_mixed_tokens and not tensor_parallel:
                 self.mixed_graphs = MixedGraphRunner(model, cache, self.cache_kwarg, config.graph_batch_sizes,
                                                      max_blocks_per_seq=cache.blocks_for(max_model_len),
                                                      step_tokens=config.cuda_graph_mixed_tokens)

@@ -148,8 +148,7 @@ def _paged_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap,
 def _mixed_attention(query, pages, fmt, parts, *, scale, sliding_window, softcap, window):
     """A step laid out for a mixed CUDA graph (`AttentionMetadata.parts`): its decode rows through the decode kernels,
     the prefill chunks after them through the fused varlen kernel; both launches sized from shapes alone."""
-    from . import attention
-    from .tuning import choose_tiles, launch_fitting, page_class
+    from .tuning import choose_tiles, page_class
 
     assert window is None, "mixed CUDA graph steps do not read a dense recent window"
     decodes, chunks = parts
@@ -158,25 +157,17 @@ def _mixed_attention(query, pages, fmt, parts, *, scale, sliding_window, softcap
     if n:
         out[:n] = _kernel_attention(query[:n], pages, fmt, decodes, scale=scale, sliding_window=sliding_window,
                                     softcap=softcap, window=None)
-    rows = query[n:]
-    num_tokens, num_q_heads, head_dim = rows.shape
-    group = num_q_heads // fmt.num_kv_heads
-    tiles = choose_tiles(num_tokens, chunks.block_table.shape[0], group, head_dim, query.device, pages=page_class(fmt),
-                         dtype=query.dtype)
-
-    def launch(t):
-        return attention.paged_attention(rows, pages, fmt, chunks, scale=scale, sliding_window=sliding_window,
-                                         softcap=softcap, tiles=t)
-
-    # the varlen kernel's tiles stepped down where shared memory is short, as `_kernel_attention` does (same key)
-    out[n:] = launch_fitting(launch, tiles, group, ("varlen", query.device, query.dtype, fmt.spec, head_dim))
+    num_tokens, num_q_heads, head_dim = query[n:].shape
+    tiles = choose_tiles(num_tokens, chunks.block_table.shape[0], num_q_heads // fmt.num_kv_heads, head_dim,
+                         query.device, pages=page_class(fmt), dtype=query.dtype)
+    out[n:] = _tiled_attention(query[n:], pages, fmt, chunks, 1, tiles, scale=scale, sliding_window=sliding_window,
+                               softcap=softcap)
     return out
 
 
 def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap, window):
     """The decode, varlen or split-K kernel over the pages themselves."""
-    from . import attention, split_k
-    from .tuning import launch_fitting, plan_attention, warp_split_splits, warp_split_tiles
+    from .tuning import plan_attention, warp_split_splits, warp_split_tiles
 
     num_tokens, num_q_heads, head_dim = query.shape
     capacity = meta.block_table.shape[1] * meta.block_size
@@ -201,9 +192,18 @@ def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap
         from . import prefill_gluon
 
         return prefill_gluon.paged_attention(query, pages, fmt, meta, scale=scale)
-    group = num_q_heads // fmt.num_kv_heads
-    num_splits, tiles = plan_attention(num_tokens, meta.block_table.shape[0], group, head_dim, fmt, capacity,
-                                       query.device, query.dtype)
+    num_splits, tiles = plan_attention(num_tokens, meta.block_table.shape[0], num_q_heads // fmt.num_kv_heads,
+                                       head_dim, fmt, capacity, query.device, query.dtype)
+    return _tiled_attention(query, pages, fmt, meta, num_splits, tiles, scale=scale, sliding_window=sliding_window,
+                            softcap=softcap)
+
+
+def _tiled_attention(query, pages, fmt, meta, num_splits, tiles, *, scale, sliding_window, softcap):
+    """The split-K kernel (num_splits > 1) or the varlen kernel at `tiles`, stepped down to smaller tiles where the
+    GPU's shared memory is short (`tuning.launch_fitting`, remembered per kernel, device, dtype, format, head_dim)."""
+    from . import attention, split_k
+    from .tuning import launch_fitting
+
     if num_splits > 1:
         kernel, impl, extra = "split", split_k.paged_attention, {"num_splits": num_splits}
     else:
@@ -212,6 +212,8 @@ def _kernel_attention(query, pages, fmt, meta, *, scale, sliding_window, softcap
     def launch(t):
         return impl(query, pages, fmt, meta, scale=scale, sliding_window=sliding_window, softcap=softcap, tiles=t, **extra)
 
-    return launch_fitting(launch, tiles, group, (kernel, query.device, query.dtype, fmt.spec, head_dim))
+    _, num_q_heads, head_dim = query.shape
+    return launch_fitting(launch, tiles, num_q_heads // fmt.num_kv_heads,
+                          (kernel, query.device, query.dtype, fmt.spec, head_dim))
 
 
