@@ -392,6 +392,25 @@ def test_mixed_steps_replay_the_mixed_runner_and_match_eager(tensor_driven_kerne
     assert stats["cuda_graph_replays"] > 10 and stats["blocks_used"] == 0
 
 
+def test_mixed_steps_under_preemption_with_async_scheduling_keep_their_graphs(tensor_driven_kernels):
+    """A pool too small for the batch preempts requests, and async scheduling feeds decodes their in-flight token
+    (PLACEHOLDER on the host): a mixed step with fewer decodes than the step before pads their rows with token 0, not
+    with the placeholder left there (an out-of-range embedding index, which turned the graphs off on the CPU and
+    failed a device assert on the GPU). Every request gets the eager engine's tokens."""
+    model = tiny_llama()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(20, 60))] for _ in range(24)]
+    params = [SamplingParams(max_tokens=rng.randrange(2, 40), ignore_eos=True) for _ in range(24)]
+    options = dict(num_blocks=40, block_size=4, max_num_batched_tokens=32)
+    expected = [o.token_ids for o in LLM(model, enforce_eager=True, max_num_seqs=16, **options).generate(prompts, params)]
+    llm = graph_llm(model, batch_sizes=(1, 2, 4, 8, 16), cuda_graph_mixed_tokens=32, async_scheduling=True, **options)
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.stats()
+    assert llm.engine.runner.mixed_graphs is not None, "the graphs were turned off"
+    assert stats["preemptions"] > 0 and stats["cuda_graph_mixed_replays"] > 20, stats
+
+
 def test_mixed_runner_layout():
     """The host side of one mixed step: decode rows, the bucket's padding, two chunks packed after the bucket's rows
     and padded, their query offsets, table rows and the kept rows (decodes, then the chunk that samples)."""

@@ -213,6 +213,8 @@ class CUDAGraphRunner:
         lens[:n] = [h.num_tokens for h in held]  # the new tokens included
         ints[1, :n * q] = (lens[:n, None] - q + np.arange(q)).reshape(-1)
         ints[2, :n * q] = [s for per in slots for s in per]
+        # padding rows: token 0 at position 0, no slot (a row left as it was could hold a mixed step's PLACEHOLDER)
+        ints[0:2, n * q:bs * q] = 0
         ints[2, n * q:bs * q] = -1
         lens[n:bs] = q
         if host.order is not None:
