@@ -411,6 +411,41 @@ def test_mixed_steps_under_preemption_with_async_scheduling_keep_their_graphs(te
     assert stats["preemptions"] > 0 and stats["cuda_graph_mixed_replays"] > 20, stats
 
 
+class _CopyEvent:
+    """A stand-in CUDA event: whether the copy up recorded after it may still be queued."""
+
+    def __init__(self):
+        self.pending = False
+
+    def record(self):
+        self.pending = True
+
+    def synchronize(self):
+        self.pending = False
+
+
+def test_a_host_twin_is_filled_only_after_its_last_copy_up_ran(tensor_driven_kernels):
+    """The engine does not wait for a mixed step that samples nothing (chunks that do not end their prompt), so such
+    steps queue up ahead of the GPU: each runner waits for the copy up of a host twin's previous contents before it
+    fills the twin again (torn inputs failed a device assert on the GPU)."""
+    model = tiny_llama()
+    prompts, params = requests()
+    llm = graph_llm(model, max_num_batched_tokens=10, cuda_graph_mixed_tokens=10, async_scheduling=True,
+                    num_blocks=64, block_size=4)
+    fills = []
+    for runner in (llm.engine.runner.graphs, llm.engine.runner.mixed_graphs):
+        runner._copied = [_CopyEvent(), _CopyEvent()]
+        real = runner._fill_host
+
+        def fill_host(host, *args, runner=runner, real=real):
+            fills.append(runner._copied[runner.host.index(host)].pending)
+            return real(host, *args)
+
+        runner._fill_host = fill_host
+    llm.generate(prompts, params)
+    assert len(fills) > 20 and not any(fills)
+
+
 def test_mixed_runner_layout():
     """The host side of one mixed step: decode rows, the bucket's padding, two chunks packed after the bucket's rows
     and padded, their query offsets, table rows and the kept rows (decodes, then the chunk that samples)."""

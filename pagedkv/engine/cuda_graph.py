@@ -84,6 +84,9 @@ class CUDAGraphRunner:
         self.host = [_StepInputs(max_bs, max_blocks_per_seq, pin=self.device.type == "cuda", query_len=q,
                                  window=window is not None, order=self.ordered, **chunks) for _ in range(2)]
         self._turn = 0
+        # per twin, the event after its last copy up: a twin is filled again only once that copy has run (the engine
+        # does not wait for a mixed step that samples nothing, so steps can queue up far ahead of the GPU)
+        self._copied = [torch.cuda.Event() if self.device.type == "cuda" else None for _ in self.host]
         # per bucket: the prefix of the flat buffer its graph reads, on the device and in each host twin
         rows = {bs: bs + self.chunk_seqs for bs in self.batch_sizes}
         self._copies = {bs: (self.static.prefix(rows[bs]), [host.prefix(rows[bs]) for host in self.host])
@@ -161,6 +164,9 @@ class CUDAGraphRunner:
                 self.window.reserve(max(self.window.num_rows, self.batch_sizes[-1]))
                 row = self.window.scratch_row
                 self._ring_padding = (row * self.window.num_ring_blocks * self.cache.block_size, row, self.max_blocks)
+            for copied in self._copied:   # the twins' copies up have run before they are cleared
+                if copied is not None:
+                    copied.synchronize()
             for inputs in (self.static, *self.host):
                 inputs.clear(self._ring_padding)
             for bs in reversed(self.batch_sizes):
@@ -290,9 +296,14 @@ class CUDAGraphRunner:
             bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_rows)]
             turn = self._turn
             self._turn ^= 1
+            copied = self._copied[turn]
+            if copied is not None:
+                copied.synchronize()
             filled = fill(self.host[turn], held, slots, bs, ring)
             static, host = self._copies[bs]
             static.copy_(host[turn], non_blocking=True)
+            if copied is not None:
+                copied.record()
             on_device(filled)
             self.replay(bs)
         except Exception:  # leave the cache as it was: the reserved slots were never written
