@@ -25,7 +25,8 @@ def float_sums(ttgir: str) -> list[dict]:
     """Each float32 add-reduction of the IR: its axis, shape and layout (parsed when blocked)."""
     layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
     sums = []
-    for m in re.finditer(r'"tt\.reduce"\(%[\w#]+\) <\{axis = (\d+) : i32\}> \(\{(.*?)\}\) : '
+    # (a body never spans into the next reduction: one over integers ends in a type this pattern does not match)
+    for m in re.finditer(r'"tt\.reduce"\(%[\w#]+\) <\{axis = (\d+) : i32\}> \(\{((?:(?!"tt\.reduce").)*?)\}\) : '
                          r'\(tensor<([0-9x]+)xf32, (#\w+)>\)', ttgir, re.S):
         if "arith.addf" not in m.group(2):
             continue

@@ -28,14 +28,26 @@ def nearest_centroid_kernel(y_ptr, thresholds_ptr, out_ptr, N: tl.constexpr, BIT
 
 @triton.jit
 def candidate_errors_kernel(x_ptr, rms_ptr, mult_ptr, thresholds_ptr, codebook_ptr, err_ptr, scale_ptr,
-                            G: tl.constexpr, CH: tl.constexpr, BITS: tl.constexpr):
+                            G: tl.constexpr, CH: tl.constexpr, BITS: tl.constexpr, EXACT_ZERO: tl.constexpr = True):
     g = tl.load(x_ptr + tl.arange(0, G)[:, None] * 32 + tl.arange(0, 32)[None, :])
     rms = tl.load(rms_ptr + tl.arange(0, G))
     mult = tl.load(mult_ptr + tl.arange(0, CH))
-    err, scale16 = codecs.candidate_errors(codecs.group_pieces(g), rms, mult, thresholds_ptr, codebook_ptr, BITS, False)
+    err, scale16 = codecs.candidate_errors(codecs.group_pieces(g), rms, mult, thresholds_ptr, codebook_ptr, BITS, False,
+                                           EXACT_ZERO)
     at = tl.arange(0, G)[:, None] * CH + tl.arange(0, CH)[None, :]
     tl.store(err_ptr + at, err)
     tl.store(scale_ptr + at, scale16)
+
+
+@triton.jit
+def search_scales_kernel(x_ptr, thresholds_ptr, codebook_ptr, mult_ptr, scale_ptr, found_ptr, G: tl.constexpr,
+                         BITS: tl.constexpr, NUM_MULTIPLIERS: tl.constexpr, CANDIDATES: tl.constexpr):
+    g = tl.load(x_ptr + tl.program_id(0) * G * 32 + tl.arange(0, G)[:, None] * 32 + tl.arange(0, 32)[None, :])
+    scale16, found = codecs.search_scales(g, thresholds_ptr, codebook_ptr, mult_ptr, BITS, NUM_MULTIPLIERS, CANDIDATES,
+                                          False)
+    offs = tl.program_id(0) * G + tl.arange(0, G)
+    tl.store(scale_ptr + offs, scale16)
+    tl.store(found_ptr + offs, found.to(tl.int8))
 
 
 def tables(bits):
@@ -100,14 +112,8 @@ def midpoint_scale(c0: float) -> float | None:
     return float(h[mid][0]) if mid.any() else None
 
 
-@pytest.mark.parametrize("groups", [2, 4, 8])
-@pytest.mark.parametrize("bits", [1, 2, 3, 4])
-def test_candidate_errors_are_the_plain_errors(bits, groups):
-    """Bit for bit, at ties: group 0 holds +-t * scale (and the neighbours) for the scale of candidate 0, +-0 and
-    centroids (error 0 there); group 1 tiny values (denormals: their quotients underflow to +-0 for the larger
-    scales) among ordinary ones; group 2 is all zero (scale 0 -> 1); group 3 random. Where the codebook has one,
-    a scale whose exact product with the smallest positive centroid is a float32 rounding midpoint is a
-    candidate: there a tiny positive value's sign decides the last bit of its error."""
+def candidate_case(bits, groups):
+    """(x [groups, 32], rms, mult, codebook, midpoints) of `test_candidate_errors_are_the_plain_errors`."""
     cb, t = tables(bits)
     rng = torch.Generator().manual_seed(bits * 10 + groups)
     mult = torch.tensor([1.0, 0.5, 2.0, 4.0, 0.75, 1.25, 8.0, 16.0])
@@ -126,7 +132,18 @@ def test_candidate_errors_are_the_plain_errors(bits, groups):
         rms[1] = mid                      # candidate 0 of group 1 scales by `mid`; 1 * 2**-149 / mid underflows
     if groups > 2:
         x[2] = 0.0
-    x = x.contiguous()
+    return x.contiguous(), rms, mult, cb, t
+
+
+@pytest.mark.parametrize("groups", [2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_candidate_errors_are_the_plain_errors(bits, groups):
+    """Bit for bit, at ties: group 0 holds +-t * scale (and the neighbours) for the scale of candidate 0, +-0 and
+    centroids (error 0 there); group 1 tiny values (denormals: their quotients underflow to +-0 for the larger
+    scales) among ordinary ones; group 2 is all zero (scale 0 -> 1); group 3 random. Where the codebook has one,
+    a scale whose exact product with the smallest positive centroid is a float32 rounding midpoint is a
+    candidate: there a tiny positive value's sign decides the last bit of its error."""
+    x, rms, mult, cb, t = candidate_case(bits, groups)
     err = torch.empty(groups, mult.numel())
     scale = torch.empty(groups, mult.numel(), dtype=torch.float16)
     candidate_errors_kernel[(1,)](x, rms, mult, t, cb, err, scale, G=groups, CH=mult.numel(), BITS=bits)
@@ -134,6 +151,67 @@ def test_candidate_errors_are_the_plain_errors(bits, groups):
     assert torch.equal(scale, want_scale)
     same = err.view(torch.int32) == want_err.view(torch.int32)
     assert bool(same.all()), (err[~same], want_err[~same])
+
+
+@pytest.mark.parametrize("groups", [2, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_candidate_errors_without_the_zero_case_where_no_value_is_a_tiny_positive(bits, groups):
+    """EXACT_ZERO=False (what `search_scales` runs for rows with no positive value below `TINY_VALUE`): the same
+    errors bit for bit as plain PyTorch once the tiny positive values are gone (-0, +0, negative denormals stay)."""
+    x, rms, mult, cb, t = candidate_case(bits, groups)
+    x[(x > 0) & (x < codecs.TINY_VALUE.value)] = 0.0
+    err = torch.empty(groups, mult.numel())
+    scale = torch.empty(groups, mult.numel(), dtype=torch.float16)
+    candidate_errors_kernel[(1,)](x, rms, mult, t, cb, err, scale, G=groups, CH=mult.numel(), BITS=bits,
+                                  EXACT_ZERO=False)
+    want_err, want_scale = expected_errors(x, rms, mult, cb, t)
+    assert torch.equal(scale, want_scale)
+    same = err.view(torch.int32) == want_err.view(torch.int32)
+    assert bool(same.all()), (err[~same], want_err[~same])
+
+
+@pytest.mark.parametrize("candidates", [8, 4])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_search_scales_finds_the_first_least_error(bits, candidates):
+    """`search_scales` over the format's 33 candidate scales (full tiles, then a tile for the rest): per group the
+    first candidate of least error, as plain PyTorch finds it; rows with tiny positive values (searched with the
+    y = +0 case) and rows without, groups whose best scale is the last candidate, an all-zero group (scale 0 -> 1)
+    and a group of NaNs (no finite error: not found, scale 0)."""
+    from pagedkv.formats.turboquant import SCALE_GRID
+
+    cb, t = tables(bits)
+    grid = torch.tensor(SCALE_GRID)
+    rows = []
+    for seed in range(6):
+        x, _, _, _, _ = candidate_case(bits, 4)
+        if seed == 1:
+            x = torch.where((x > 0) & (x < codecs.TINY_VALUE.value), 0.0, x)
+        elif seed >= 2:
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(seed)) * 2.0 ** (seed - 4)
+            x[seed % 4, :16] = 0.0
+            x[(seed + 1) % 4] = 0.01 * x[(seed + 1) % 4]    # two spikes: the last candidate (in the tail tile) wins
+            x[(seed + 1) % 4, :2] = 1.0
+        if seed == 5:
+            x[1] = float("nan")
+        rows.append(x)
+    x = torch.stack(rows).contiguous()                                  # [rows, groups, 32]
+    n, groups = x.shape[0], x.shape[1]
+    scale = torch.empty(n, groups, dtype=torch.float16)
+    found = torch.empty(n, groups, dtype=torch.int8)
+    search_scales_kernel[(n,)](x, t, cb, grid, scale, found, G=groups, BITS=bits, NUM_MULTIPLIERS=grid.numel(),
+                               CANDIDATES=candidates)
+    for r in range(n):
+        rms = x[r].pow(2).mean(-1).sqrt()
+        err, scale16 = expected_errors(x[r], rms, grid, cb, t)         # [groups, 33]
+        for gi in range(groups):
+            finite = torch.isfinite(err[gi])
+            if not finite.any():
+                assert found[r, gi] == 0 and scale[r, gi].item() == 0.0, (r, gi)
+                continue
+            best = int(torch.where(finite, err[gi], float("inf")).argmin())   # the first least
+            assert found[r, gi] == 1, (r, gi)
+            assert scale[r, gi].view(torch.int16) == scale16[gi, best].view(torch.int16), \
+                (r, gi, best, scale[r, gi].item(), scale16[gi, best].item())
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
