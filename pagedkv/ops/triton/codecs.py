@@ -577,8 +577,7 @@ def nearest_centroid(y, thresholds_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def candidate_errors(pieces, rms, mult, thresholds_ptr, codebook_ptr, BITS: tl.constexpr, COMPILED: tl.constexpr,
-                     EXACT_ZERO: tl.constexpr = True):
+def candidate_errors(pieces, rms, mult, thresholds_ptr, codebook_ptr, BITS: tl.constexpr, COMPILED: tl.constexpr):
     """(squared errors, fp16 scales), both [G, CH], BITS <= 4: each group's candidate scale rms * mult (rms [G],
     mult [CH]) and the error of its nearest-centroid codes, pieces = `group_pieces` of the rotated values; as
     `turboquant._search_value_scales` per candidate: the fp16 scale (1.0 in place of 0), x / scale to the nearest
@@ -593,11 +592,7 @@ def candidate_errors(pieces, rms, mult, thresholds_ptr, codebook_ptr, BITS: tl.c
     (also where y is -0), so c * scale - x = sign(x) (|c| scale - |x|), rounded alike; where y is +0, x is +0 (any
     sign of c gives the same |d|) or a tiny positive x whose quotient underflowed (|d| is c_0 scale + x, which can
     round apart from c_0 scale - x where fused). So the magnitude of c is all a candidate needs: `half_search` of
-    |y|'s bits plus x's sign bit (`magnitude_key`), with selects, no gathers, no signs per candidate.
-
-    EXACT_ZERO False leaves out the y = +0 case (a compare and a select per element and candidate): for rows with no
-    positive x below `TINY_VALUE` (`search_scales`), where no quotient of a positive x rounds to +0, and x = +0 gives
-    the same square either way."""
+    |y|'s bits plus x's sign bit (`magnitude_key`), with selects, no gathers, no signs per candidate."""
     scale16 = (rms[:, None] * mult[None, :]).to(tl.float16)
     s = scale16.to(tl.float32)
     s = tl.where(s > 0, s, 1.0)
@@ -620,8 +615,7 @@ def candidate_errors(pieces, rms, mult, thresholds_ptr, codebook_ptr, BITS: tl.c
             mag = pick4(b0, b1, c)
         else:
             mag = tl.where(b2, pick4(b0, b1, c + 4), pick4(b0, b1, c))
-        if EXACT_ZERO:
-            mag = tl.where(key == 0, -tl.load(c), mag)                            # y = +0: c = -c_0 (see above)
+        mag = tl.where(key == 0, -tl.load(c), mag)                                # y = +0: c = -c_0 (see above)
         d = tl.fma(mag, tl.broadcast_to(s, mag.shape), tl.broadcast_to(-ax, mag.shape))
         if p == 0:
             d0 = d
@@ -637,10 +631,19 @@ def next_pow2(n):
     return 1 << (n - 1).bit_length()
 
 
-# the least positive x for which `candidate_errors` may leave out y = +0: a quotient of x >= 2^-96 by a value scale
-# (at most 65504, fp16's largest, so its reciprocal is over 2^-17) is over 2^-113, far from rounding to zero, even
-# where a multiply flushed subnormals
-TINY_VALUE = tl.constexpr(2.0 ** -96)
+@triton.jit
+def _candidate_entries(pieces, rms, idx, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS: tl.constexpr,
+                       NUM_MULTIPLIERS: tl.constexpr, COMPILED: tl.constexpr):
+    """[G, len(idx)] (error, index, fp16 scale) of candidates idx as one int64 each, from the high bits down:
+    non-negative floats order as their bits, so the least holds the first least error and its scale; errors of +inf
+    or NaN (and candidates past the grid) enter as (+inf, NUM_MULTIPLIERS, scale 0)."""
+    NONE: tl.constexpr = (0x7F800000 << 32) + (NUM_MULTIPLIERS << 16)
+    real = idx < NUM_MULTIPLIERS
+    mult = tl.load(multipliers_ptr + idx, mask=real, other=0.0)
+    err, scale16 = candidate_errors(pieces, rms, mult, thresholds_ptr, codebook_ptr, BITS, COMPILED)
+    entry = ((err.to(tl.int32, bitcast=True).to(tl.int64) << 32) + (idx[None, :] << 16)
+             + scale16.to(tl.int16, bitcast=True).to(tl.int64))               # (a finite error's scale is >= 0)
+    return tl.where(real[None, :] & (err < float("inf")), entry, NONE)
 
 
 @triton.jit
@@ -651,36 +654,7 @@ def search_scales(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS: tl.con
     the ones past the last full tile in a tile of the next power of two (33 candidates: 4 tiles of 8 and one of 1,
     not 5 of 8); each of the tiles' slots keeps the least (error, index) of the candidates it saw, and the least over
     the slots is the first minimum, as one candidate at a time with a strict < finds it. An error of +inf or NaN never
-    wins; found is False where none did (scale 0). A row with no positive value below `TINY_VALUE` (any real one)
-    skips `candidate_errors`' y = +0 case."""
-    if tl.max(tl.max(((g > 0) & (g < TINY_VALUE)).to(tl.int32), axis=1), axis=0) > 0:
-        scale16, found = _search_scales(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS, NUM_MULTIPLIERS,
-                                        CANDIDATES, COMPILED, True)
-    else:
-        scale16, found = _search_scales(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS, NUM_MULTIPLIERS,
-                                        CANDIDATES, COMPILED, False)
-    return scale16, found
-
-
-@triton.jit
-def _candidate_entries(pieces, rms, idx, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS: tl.constexpr,
-                       NUM_MULTIPLIERS: tl.constexpr, COMPILED: tl.constexpr, EXACT_ZERO: tl.constexpr):
-    """[G, len(idx)] (error, index, fp16 scale) of candidates idx as one int64 each, from the high bits down:
-    non-negative floats order as their bits, so the least holds the first least error and its scale; errors of +inf
-    or NaN (and candidates past the grid) enter as (+inf, NUM_MULTIPLIERS, scale 0)."""
-    NONE: tl.constexpr = (0x7F800000 << 32) + (NUM_MULTIPLIERS << 16)
-    real = idx < NUM_MULTIPLIERS
-    mult = tl.load(multipliers_ptr + idx, mask=real, other=0.0)
-    err, scale16 = candidate_errors(pieces, rms, mult, thresholds_ptr, codebook_ptr, BITS, COMPILED, EXACT_ZERO)
-    entry = ((err.to(tl.int32, bitcast=True).to(tl.int64) << 32) + (idx[None, :] << 16)
-             + scale16.to(tl.int16, bitcast=True).to(tl.int64))               # (a finite error's scale is >= 0)
-    return tl.where(real[None, :] & (err < float("inf")), entry, NONE)
-
-
-@triton.jit
-def _search_scales(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS: tl.constexpr,
-                   NUM_MULTIPLIERS: tl.constexpr, CANDIDATES: tl.constexpr, COMPILED: tl.constexpr,
-                   EXACT_ZERO: tl.constexpr):
+    wins; found is False where none did (scale 0)."""
     rms = group_rms(g, COMPILED)
     pieces = group_pieces(g)
     FULL: tl.constexpr = NUM_MULTIPLIERS // CANDIDATES
@@ -688,14 +662,14 @@ def _search_scales(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS: tl.co
     tl.static_assert(NUM_MULTIPLIERS > 0, "a value-scale search needs candidates")
     for chunk in tl.static_range(FULL):
         entry = _candidate_entries(pieces, rms, chunk * CANDIDATES + tl.arange(0, CANDIDATES), thresholds_ptr,
-                                   codebook_ptr, multipliers_ptr, BITS, NUM_MULTIPLIERS, COMPILED, EXACT_ZERO)
+                                   codebook_ptr, multipliers_ptr, BITS, NUM_MULTIPLIERS, COMPILED)
         if chunk == 0:
             best = entry
         else:
             best = tl.minimum(best, entry)
     if REST > 0:
         tail = _candidate_entries(pieces, rms, FULL * CANDIDATES + tl.arange(0, next_pow2(REST)), thresholds_ptr,
-                                  codebook_ptr, multipliers_ptr, BITS, NUM_MULTIPLIERS, COMPILED, EXACT_ZERO)
+                                  codebook_ptr, multipliers_ptr, BITS, NUM_MULTIPLIERS, COMPILED)
         if FULL > 0:
             least = tl.minimum(tl.min(best, axis=1), tl.min(tail, axis=1))
         else:
