@@ -3,20 +3,19 @@ kind (`engine_memory.json` of a same-memory run, or `engine_gpu.json` of a decod
 label; prints a table (ratios against the first run) and draws grouped bars.
 
     python bench/compare_engine_runs.py --out bench/results/h200/engine_compile_memory.png \
-        "eager layers=bench/results/h200/engine_memory_eager_layers.json" \
-        "compiled layers=bench/results/h200/engine_memory_compiled.json"
+        "eager layers=bench/results/h200/engine_memory_eager_layers.json.gz" \
+        "compiled layers=bench/results/h200/engine_memory_compiled.json.gz"
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plotting import grouped_bars, pyplot, save  # noqa: E402
+from plotting import grouped_bars, pyplot, read_json, save  # noqa: E402
 
 
 def tokens_per_s(run: dict, batch: str | None) -> dict[str, float]:
@@ -37,7 +36,7 @@ def main(argv=None) -> int:
         label, sep, path = item.partition("=")
         if not sep:
             p.error(f"{item!r}: give LABEL=PATH")
-        labelled.append((label, json.loads(Path(path).read_text())))
+        labelled.append((label, read_json(path)))
     first = labelled[0][1]
     batch = args.batch or (None if first.get("same_memory") else str(max(first["args"]["batches"])))
     values = {label: tokens_per_s(run, batch) for label, run in labelled}

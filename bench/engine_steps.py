@@ -5,15 +5,19 @@ steps), the decode-graph steps' median by batch size (`--bins`: a batch padded t
 what the bucket costs), and the slowest steps with what changed in them. A step far slower than its kind (a kernel
 compiled mid-stream, a stall) shows at the top of the list.
 
-    python bench/engine_steps.py bench/results/h200/engine_memory_compiled.json [--slowest 5] [--bins 8]
+    python bench/engine_steps.py bench/results/h200/engine_memory_compiled.json.gz [--slowest 5] [--bins 8]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plotting import read_json  # noqa: E402  (bench/plotting.py, beside this script)
 
 
 def steps(rows: list[list[float]]) -> list[dict]:
@@ -56,7 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--bins", type=int, default=8, help="batch sizes per bin of the decode-graph step medians")
     args = p.parse_args(argv)
     for path in args.runs:
-        run = json.loads(Path(path).read_text())
+        run = read_json(path)
         print(f"== {path}")
         for name, r in (run.get("same_memory") or {}).items():
             rows = r.get("timeline", {}).get("rows")

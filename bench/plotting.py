@@ -1,8 +1,18 @@
-"""What the benchmark scripts' plots share: matplotlib without a display, grouped bars, saving a figure."""
+"""What the benchmark scripts' plots share: matplotlib without a display, grouped bars, saving a figure, and reading
+the results they plot (`read_json`: stored results over ~400 KB are kept gzipped, as `NAME.json.gz`)."""
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
+
+
+def read_json(path) -> dict:
+    """A results file: JSON, or gzipped JSON when its name ends in .gz."""
+    path = Path(path)
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
 
 
 def pyplot():

@@ -8,7 +8,7 @@ computed tokens caught up; a step that does not fit preempts, as the engine does
 part (the model's weights and small kernels), a part per decoding sequence, the decode kernel's read of every
 decoding sequence's pages (bytes per token / the format's read rate, `RATES`), and a part per prefilled token
 (recomputed prompts included). Fitted on the H200 same-memory run of 2026-12-06 (8-layer Llama-3-8B shape,
-`bench/results/h200/engine_memory_session42.json`; the read rates are session 33's kernels at the run's batches
+`bench/results/h200/engine_memory_session42.json.gz`; the read rates are session 33's kernels at the run's batches
 and 1,536 tokens): at lookahead 640 the model takes the run's steps and preemptions (`off` 7,172 and 42 against 7,178
 and 42; TurboQuant 3,079 and 36 against 3,081 and 36; q4 2,057 and 26 against 2,058 and 26) and gives 15,426, 28,747
 and 39,754 output tokens/s against 15,075, 27,919 and 37,520 measured (+2.3%, +3.0%, +6.0%).
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--mixed-graph-tokens", type=int, default=0, metavar="S",
                    help="mixed steps replay graphs padded to S rows (cuda_graph_mixed_tokens; pair with "
                         "--max-num-batched-tokens S and --roofline)")
-    p.add_argument("--measured", default="bench/results/h200/engine_memory_session42.json",
+    p.add_argument("--measured", default="bench/results/h200/engine_memory_session42.json.gz",
                    help="same-memory GPU runs to draw beside the model (skipped if missing)")
     p.add_argument("--out", default=None, help="folder for scheduler_sim.json and scheduler_sim.png")
     args = p.parse_args(argv)
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     measured = Path(args.measured)
     if measured.exists():
         results["measured"] = {}
-        for r in json.loads(measured.read_text())["same_memory"].values():
+        for r in plotting.read_json(measured)["same_memory"].values():
             if not r.get("swap_on_preemption"):
                 results["measured"].setdefault(r["format"], []).append((r["admission_lookahead_tokens"],
                                                                         r["tokens_per_s"]))

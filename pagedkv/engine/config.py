@@ -27,7 +27,7 @@ class EngineConfig:
     growth until they end (prompt + max_tokens), each looked ahead at most this many tokens (one block for
     a request without max_tokens; 0: admit on free blocks alone); growth past it is met by preemption.
     640 by measurement (H200, the same 2 GiB of pages, 256 requests of 1,024 + 1,024 tokens, lookahead 0-1024,
-    `bench/results/h200/engine_memory_sweep.json`, then 512 against 640 in one run, `engine_memory_640.json`: 640
+    `bench/results/h200/engine_memory_sweep.json`, then 512 against 640 in one run, `engine_memory_640.json.gz`: 640
     1.01x / 1.06x / 1.06x faster for `off` / TurboQuant / q4, fewer preemptions for each): a lookahead as long
     as the outputs runs requests that start together in waves that also end together, the last one at a small
     batch (-4% to -11% against 512); none recomputes 3x as many preempted requests (-1% to -7%).
