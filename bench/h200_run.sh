@@ -52,6 +52,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh h200-inner  # on an H200: the served decode table and same-memory run, then
 #                                                  # `off`'s with the splits across programs (DENSE_INNER False)
 #   OUT=/some/dir bash bench/h200_run.sh off-layouts  # the dense decode's layouts where `off` is still over SDPA
+#   OUT=/some/dir bash bench/h200_run.sh write-caps  # TurboQuant's prefill writes under register caps: alone, in a
+#                                                  # prefill step, and the same-memory run without and with one
 #   OUT=/some/dir PYTEST_WORKERS=16 bash bench/h200_run.sh gpu-suite  # every kernel test on the GPU, each result
 #                                                  # named as it ends (carry .venv-gpuwheels); gpu-engine: the
 #                                                  # engine's, tiers' and tensor-parallel GPU tests the same way
@@ -119,6 +121,12 @@ with_dense_inner() {  # with_dense_inner True|False LIMIT_SECONDS SCRIPT ARGS...
                       # splits across programs it replaced)
     local value=$1 limit=$2 script=$3; shift 3
     run "$limit" python -c "import runpy, sys; from pagedkv.ops.triton import decode_gluon; decode_gluon.DENSE_INNER = $value
+sys.path.insert(0, 'bench'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "$script" "$@"
+}
+with_write_cap() {  # with_write_cap None|N LIMIT_SECONDS SCRIPT ARGS...: a bench script with kv_write.TQ_MAX_REGISTERS
+                   # set (None: no cap, as served)
+    local value=$1 limit=$2 script=$3; shift 3
+    run "$limit" python -c "import runpy, sys; from pagedkv.ops.triton import kv_write; kv_write.TQ_MAX_REGISTERS = $value
 sys.path.insert(0, 'bench'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "$script" "$@"
 }
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
@@ -440,6 +448,21 @@ off-layouts)   # the dense decode's layouts at (32, 4096) and (64, 8192), where 
         "h2i2": {"ordered": true, "heads": 2, "inner": 2, "splits": {"32": [2], "64": [1]}},
         "h2i2s3": {"ordered": true, "heads": 2, "inner": 2, "stages": 3, "splits": {"32": [2], "64": [1]}}}' \
         OUT="$OUT" python bench/gluon_probe.py
+    ;;
+write-caps)   # TurboQuant's prefill-sized writes under register caps (kv_write.TQ_MAX_REGISTERS: 90 registers hold
+              # 22 one-warp programs an SM, 64 the block limit's 32): the write alone at each cap, a 16-prompt prefill
+              # step by kernel, then the same-memory run without and with a cap of 64, twice
+    for cap in None 72 64; do
+        with_write_cap "$cap" 100 bench/kernel_bench.py --formats "turboquant;turboquant:k=q4_0,v=q4_0" \
+            --skip decode,prefill --out "$OUT/write_cap_$cap"
+    done
+    for cap in None 64; do
+        with_write_cap "$cap" 100 bench/engine_profile.py --formats turboquant --requests 16 --prompt-tokens 1024 \
+            --kernels --top 6
+    done
+    for cap in None 64 None 64; do
+        with_write_cap "$cap" 80 "${SAME_MEMORY[@]}" --formats turboquant --out "$OUT/memory_write_cap_$cap"
+    done
     ;;
 gpu-suite|gpu-engine)   # gpu-suite: every kernel test on the GPU (tests/triton but test_sm90_compile.py, which
              # compiles for sm_90 on any machine), the window and device tests; gpu-engine: the engine's, tiers' and

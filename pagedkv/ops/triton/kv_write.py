@@ -26,6 +26,10 @@ from .page_view import PageView, page_view, stride3
 # Other formats, and 5- and 8-bit values (`codecs.search_scales_one_by_one`), write with one warp per program.
 TQ_CANDIDATES = 8
 TQ_WARPS = 1
+# a register cap for TurboQuant writes of at least TQ_CAP_TOKENS input tokens (prefill chunks; None: no cap): the one-warp
+# programs hold 90 registers, so an SM keeps 22 of them, not the 32 its block limit allows at 64 (prepared, untimed)
+TQ_MAX_REGISTERS: int | None = None
+TQ_CAP_TOKENS = 256
 
 
 @triton.jit
@@ -105,4 +109,6 @@ def write_kv(pages: dict[str, torch.Tensor], fmt: PageFormat, key: torch.Tensor,
         NUM_MULTIPLIERS=0 if view.scale_multipliers is None else view.scale_multipliers.numel(),
         CANDIDATES=TQ_CANDIDATES, COMPILED=compiled(),
         num_warps=TQ_WARPS * max(1, head_dim // 128) if view.kind == TURBOQUANT and view.v_bits <= 4 else 1,
+        **({"maxnreg": TQ_MAX_REGISTERS} if TQ_MAX_REGISTERS and view.kind == TURBOQUANT
+           and num_input_tokens >= TQ_CAP_TOKENS else {}),
     )
