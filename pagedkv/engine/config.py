@@ -54,7 +54,8 @@ class EngineConfig:
     0 (default): such steps run eagerly, as every step with a prompt chunk does. Set max_num_batched_tokens to the
     same small budget (a few hundred tokens over the decode batch), so that prompts are chunked to ride along decode
     steps, whose matrix products are bound by the weights' reads. Not with tensor parallelism (whose ranks replay the
-    decode runner's graphs in step). Not timed on a GPU yet; off by default until it is.
+    decode runner's graphs in step). Off by default: on an H100 the same-memory run (budget 256) was slower than with
+    the defaults for every quantized format (q4 27,926 against 33,258 tokens/s; BENCHMARKS.md, session 46).
     """
 
     max_num_seqs: int = 256
