@@ -116,18 +116,20 @@ served_table_and_memory() {  # the decode table as served and the same-memory ru
     run 150 python "${SAME_MEMORY[@]}" --formats off turboquant q4 --out "$OUT/memory"
     python bench/engine_steps.py "$OUT/memory/engine_memory.json"
 }
-with_dense_inner() {  # with_dense_inner True|False LIMIT_SECONDS SCRIPT ARGS...: a bench script with
-                      # decode_gluon.DENSE_INNER set (True, served since session 42: the dense plan; False: the
-                      # splits across programs it replaced)
-    local value=$1 limit=$2 script=$3; shift 3
-    run "$limit" python -c "import runpy, sys; from pagedkv.ops.triton import decode_gluon; decode_gluon.DENSE_INNER = $value
+with_setting() {  # with_setting MODULE.NAME VALUE LIMIT_SECONDS SCRIPT ARGS...: a bench script with the
+                 # pagedkv.ops.triton module's NAME set to VALUE (a Python expression)
+    local setting=$1 value=$2 limit=$3 script=$4; shift 4
+    run "$limit" python -c "import importlib, runpy, sys
+module, name = '$setting'.rsplit('.', 1); setattr(importlib.import_module('pagedkv.ops.triton.' + module), name, $value)
 sys.path.insert(0, 'bench'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "$script" "$@"
 }
-with_write_cap() {  # with_write_cap None|N LIMIT_SECONDS SCRIPT ARGS...: a bench script with kv_write.TQ_MAX_REGISTERS
-                   # set (None: no cap, as served)
-    local value=$1 limit=$2 script=$3; shift 3
-    run "$limit" python -c "import runpy, sys; from pagedkv.ops.triton import kv_write; kv_write.TQ_MAX_REGISTERS = $value
-sys.path.insert(0, 'bench'); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "$script" "$@"
+with_dense_inner() {  # with_dense_inner True|False LIMIT_SECONDS SCRIPT ARGS...: decode_gluon.DENSE_INNER set (True,
+                      # served since session 42: the dense plan; False: the splits across programs it replaced)
+    with_setting decode_gluon.DENSE_INNER "$@"
+}
+with_write_cap() {  # with_write_cap None|N LIMIT_SECONDS SCRIPT ARGS...: kv_write.TQ_MAX_REGISTERS set (None: no cap,
+                    # as served)
+    with_setting kv_write.TQ_MAX_REGISTERS "$@"
 }
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
 case "${1:-kernels}" in

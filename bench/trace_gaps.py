@@ -10,18 +10,18 @@ before it could queue more).
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plotting import read_json  # noqa: E402  (bench/plotting.py, beside this script)
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def load(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
+    trace = read_json(path)
     return [e for e in trace.get("traceEvents", trace) if e.get("ph") == "X" and "dur" in e]
 
 

@@ -157,10 +157,11 @@ def _mixed_attention(query, pages, fmt, parts, *, scale, sliding_window, softcap
     if n:
         out[:n] = _kernel_attention(query[:n], pages, fmt, decodes, scale=scale, sliding_window=sliding_window,
                                     softcap=softcap, window=None)
-    num_tokens, num_q_heads, head_dim = query[n:].shape
+    rows = query[n:]
+    num_tokens, num_q_heads, head_dim = rows.shape
     tiles = choose_tiles(num_tokens, chunks.block_table.shape[0], num_q_heads // fmt.num_kv_heads, head_dim,
                          query.device, pages=page_class(fmt), dtype=query.dtype)
-    out[n:] = _tiled_attention(query[n:], pages, fmt, chunks, 1, tiles, scale=scale, sliding_window=sliding_window,
+    out[n:] = _tiled_attention(rows, pages, fmt, chunks, 1, tiles, scale=scale, sliding_window=sliding_window,
                                softcap=softcap)
     return out
 

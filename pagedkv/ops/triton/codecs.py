@@ -626,11 +626,6 @@ def candidate_errors(pieces, rms, mult, thresholds_ptr, codebook_ptr, BITS: tl.c
     return halving_sum(acc, COMPILED), scale16
 
 
-@triton.constexpr_function
-def next_pow2(n):
-    return 1 << (n - 1).bit_length()
-
-
 @triton.jit
 def _candidate_entries(pieces, rms, idx, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS: tl.constexpr,
                        NUM_MULTIPLIERS: tl.constexpr, COMPILED: tl.constexpr):
@@ -659,7 +654,7 @@ def search_scales(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS: tl.con
     pieces = group_pieces(g)
     FULL: tl.constexpr = NUM_MULTIPLIERS // CANDIDATES
     REST: tl.constexpr = NUM_MULTIPLIERS - FULL * CANDIDATES
-    tl.static_assert(NUM_MULTIPLIERS > 0, "a value-scale search needs candidates")
+    tl.static_assert(FULL > 0, "at least CANDIDATES candidate scales")
     for chunk in tl.static_range(FULL):
         entry = _candidate_entries(pieces, rms, chunk * CANDIDATES + tl.arange(0, CANDIDATES), thresholds_ptr,
                                    codebook_ptr, multipliers_ptr, BITS, NUM_MULTIPLIERS, COMPILED)
@@ -667,15 +662,12 @@ def search_scales(g, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS: tl.con
             best = entry
         else:
             best = tl.minimum(best, entry)
+    least = tl.min(best, axis=1)
     if REST > 0:
-        tail = _candidate_entries(pieces, rms, FULL * CANDIDATES + tl.arange(0, next_pow2(REST)), thresholds_ptr,
-                                  codebook_ptr, multipliers_ptr, BITS, NUM_MULTIPLIERS, COMPILED)
-        if FULL > 0:
-            least = tl.minimum(tl.min(best, axis=1), tl.min(tail, axis=1))
-        else:
-            least = tl.min(tail, axis=1)
-    else:
-        least = tl.min(best, axis=1)
+        idx = FULL * CANDIDATES + tl.arange(0, triton.next_power_of_2(REST))
+        tail = _candidate_entries(pieces, rms, idx, thresholds_ptr, codebook_ptr, multipliers_ptr, BITS,
+                                  NUM_MULTIPLIERS, COMPILED)
+        least = tl.minimum(least, tl.min(tail, axis=1))
     return (least & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True), ((least >> 16) & 0xFFFF) < NUM_MULTIPLIERS
 
 
