@@ -52,6 +52,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh h200-inner  # on an H200: the served decode table and same-memory run, then
 #                                                  # `off`'s with the splits across programs (DENSE_INNER False)
 #   OUT=/some/dir bash bench/h200_run.sh off-layouts  # the dense decode's layouts where `off` is still over SDPA
+#   OUT=/some/dir bash bench/h200_run.sh tq-lean   # TurboQuant's decode with half-register scale columns and codebook
+#                                                  # tables in registers beside the served one (errors and times)
 #   OUT=/some/dir bash bench/h200_run.sh write-caps  # TurboQuant's prefill writes under register caps: alone, in a
 #                                                  # prefill step, and the same-memory run without and with one
 #   OUT=/some/dir PYTEST_WORKERS=16 bash bench/h200_run.sh gpu-suite  # every kernel test on the GPU, each result
@@ -465,6 +467,21 @@ write-caps)   # TurboQuant's prefill-sized writes under register caps (kv_write.
     for cap in None 64 None 64; do
         with_write_cap "$cap" 80 "${SAME_MEMORY[@]}" --formats turboquant --out "$OUT/memory_write_cap_$cap"
     done
+    ;;
+tq-lean)   # TurboQuant's decode with its scale columns widened from half registers (TQ_HALVES) and, for 3-bit values,
+           # the codebook's byte tables held in registers (TQ_TABLES; uncapped: 145 registers, 12 programs a
+           # multiprocessor) beside the served kernel, at the same-memory run's batches and the table's shapes; then
+           # K q4_0 / V q4_0 with half registers (32 keys a step)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    run 200 env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 1536], [128, 2048], [64, 8192],
+        [32, 4096], [1, 32768]]' SPLITS='{"100": [1, 2, 3], "112": [1, 2], "64": [2, 4], "128": [1, 2], "32": [4, 8],
+        "1": [128]}' VARIANTS='{"lf": {"ordered": true}, "halves": {"ordered": true, "halves": true},
+        "ht": {"ordered": true, "halves": true, "tables": true},
+        "ht145": {"ordered": true, "halves": true, "tables": true, "max_registers": 0},
+        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    run 120 env FORMAT="turboquant:k=q4_0,v=q4_0" NAME=lean44 SHAPES='[[100, 1536], [64, 8192], [32, 4096],
+        [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "halves": {"ordered": true, "halves": true},
+        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
 gpu-suite|gpu-engine)   # gpu-suite: every kernel test on the GPU (tests/triton but test_sm90_compile.py, which
              # compiles for sm_90 on any machine), the window and device tests; gpu-engine: the engine's, tiers' and

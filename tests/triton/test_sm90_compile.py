@@ -245,6 +245,25 @@ def test_the_probes_split_a_turboquant_step_into_its_copies_and_its_work():
         assert copies["spill_bytes"] == work["spill_bytes"] == 0, (copies, work)
 
 
+def test_turboquant_decode_variants_with_half_register_scales_and_codebook_tables_compile_leaner():
+    """TurboQuant's decode with its scale columns widened from half registers (`halves`) runs fewer shifts and fewer
+    loop instructions than as served, the same matrix products, without spills; with the 3-bit codebook's tables held
+    in registers (`tables`), uncapped, the moves of those tables into a register before each look-up are gone, in
+    few enough registers for 12 one-warp programs a multiprocessor (152 or fewer)."""
+    r = kernel_report("--gluon-lean")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [row["format"] for row in rows] == ["turboquant"] * 4 + ["turboquant:k=q4_0,v=q4_0"] * 2
+    for served, halves in ((rows[0], rows[1]), (rows[4], rows[5])):
+        assert halves["loop_ops"]["SHF"] < served["loop_ops"]["SHF"], (served, halves)
+        assert sum(halves["loop_ops"].values()) < sum(served["loop_ops"].values()), (served, halves)
+        assert halves["loop_ops"]["HMMA"] == served["loop_ops"]["HMMA"], (served, halves)
+    assert all(row["spill_bytes"] == 0 for row in rows), rows
+    uncapped = rows[3]
+    assert sum(uncapped["loop_ops"].values()) < sum(rows[1]["loop_ops"].values()) - 20, (rows[1], uncapped)
+    assert uncapped["registers"] <= 152, uncapped
+
+
 def test_the_gluon_prefill_kernel_compiles_to_wgmma_and_tma_without_spills():
     """`prefill_gluon.py` for sm_90 (head_dim 64 and 128, both 16-bit dtypes, blocks of 16 and 64): both products on
     `wgmma` (HGMMA, never the older HMMA), page blocks copied by TMA (UTMALDG, no per-lane cp.async), the query rows

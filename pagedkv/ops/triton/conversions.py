@@ -64,6 +64,20 @@ def _code_nibbles_asm() -> str:
 CODE_NIBBLES_ASM = tl.constexpr(_code_nibbles_asm())
 
 
+def _code_nibbles_table_asm() -> str:
+    """CODE_NIBBLES_ASM with the low-byte and high-byte tables of the codebook's entries 0-3 as operands ($10 and
+    $12, `decode_gluon.code_tables`: loaded once, so they stay in two registers) instead of immediates, which the
+    assembler moved into a register again before each look-up (32 moves a 16-key step of the Gluon decode)."""
+    codebook = [int(x) for x in lloyd_max_codebook(3).half().view(torch.int16).to(torch.int64) & 0xFFFF]
+    _, l1, _, h1 = _f16_byte_words(codebook)
+    head = _code_nibbles_asm().split("\n", 2)
+    return "\n".join([head[0], "mov.b32 l0, $10; mov.b32 l1, 0x%08x; mov.b32 h0, $12; mov.b32 h1, 0x%08x;" % (l1, h1),
+                      head[2]])
+
+
+CODE_NIBBLES_TABLE_ASM = tl.constexpr(_code_nibbles_table_asm())
+
+
 # 4-bit codes, two per byte (channel 2j in the low nibble of byte j, 2j + 1 in the high one), four bytes per
 # call: the low and the high nibbles, each as four float16 (two registers per output).
 NIBBLE_PAIRS_ASM = tl.constexpr("""{ .reg .b32 lo, hi, b; mov.b32 b, 0x64006400;

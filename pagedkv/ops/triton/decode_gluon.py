@@ -38,12 +38,13 @@ checked against the reference path (`tests/triton/test_decode_gluon.py`).
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .conversions import (CODE_NIBBLES_ASM, INT8_ASM, INT8_OFFSET_ASM, NIBBLE_KEY_PAIRS_ASM, NIBBLE_OFFSET_ASM,
-                          SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
+from .conversions import (CODE_NIBBLES_ASM, CODE_NIBBLES_TABLE_ASM, INT8_ASM, INT8_OFFSET_ASM, NIBBLE_KEY_PAIRS_ASM,
+                          NIBBLE_OFFSET_ASM, SIGN_NIBBLES_KEY_PAIRS_ASM, SIGNED_NIBBLE_SPREAD_ASM, SIX_BIT_KEY_PAIRS_ASM,
                           SIX_BIT_SPREAD_ASM)
 from .decode_io import launch_grid, program_coords
 
@@ -73,6 +74,13 @@ TQ_TUNING = {("q8_0", "q3_0"): (128, 16), ("q4_0", "q4_0"): (None, 12)}
 # either way; q6 slower with slot-major pages (as was q4 at 8,192 tokens and more), not timed head-major.
 Q4_PAIRS_BITS = (4,)
 TQ_PAIRS = (("q4_0", "q4_0"),)
+# Prepared, off until timed on a GPU (`bash bench/h200_run.sh tq-lean`), K q8_0 / V q3_0 loop instructions a 16-key
+# step on sm_90: TQ_HALVES widens the scale columns from half registers of their words, no shifts (`column`): 556 ->
+# 544 at 128 registers. TQ_TABLES holds the 3-bit codebook's byte tables in registers (`code_tables`) where the
+# assembler moved an immediate into a register before each look-up: with TQ_HALVES, uncapped, 507 at 145 registers
+# (12 programs a multiprocessor, not 16; capped at 128 the moves come back: 543)
+TQ_TABLES = False
+TQ_HALVES = False
 # The formats whose decode batches with a dense recent window run the Gluon kernels (their page splits, then the
 # window as one more split, `window_splits`) from WINDOW_MIN_TOKENS query tokens on; the others, and smaller
 # batches, run `decode.py`, which reads the window in the same kernel. Timed side by side on an H200 (2026-12-02,
@@ -486,23 +494,56 @@ def tq_query_group(q_at, h_ok, G: gl.constexpr, K_BITS: gl.constexpr):
     return gl.convert_layout(q, B_OP), qsum, start
 
 
+@triton.constexpr_function
+def column_asm(G):
+    """PTX for `column`: the word's halves as registers, its float16 G widened (one conversion of a half register,
+    no shifts)."""
+    word, half = ("lo", "hi")[G // 2], ("a", "b")[G % 2]
+    return (f"{{ .reg .b32 lo, hi; .reg .b16 a, b; mov.b64 {{lo, hi}}, $1; mov.b32 {{a, b}}, {word}; "
+            f"cvt.f32.f16 $0, {half}; }}")
+
+
 @gluon.jit
-def column(words, G: gl.constexpr):
-    """Group G's float16 of each key's four (one 8-byte word per key, [16] along the score rows), float32."""
+def column(words, G: gl.constexpr, HALVES: gl.constexpr = False):
+    """Group G's float16 of each key's four (one 8-byte word per key, [16] along the score rows), float32. HALVES:
+    widened from the word's half register (`column_asm`), not shifted out first."""
+    if HALVES:
+        return gl.inline_asm_elementwise(column_asm(G), "=r,l", [words], dtype=gl.float32, is_pure=True, pack=1)
     h = ((words >> (16 * G)) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
     return h.to(gl.float32)
 
 
 @gluon.jit
-def tq3_value_tiles(m_ring, n_ring, stage):
+def code_tables(cb_ptr):
+    """The low-byte and high-byte tables of the 3-bit codebook's entries 0-3 (`conversions._f16_byte_words`), from
+    its float16 entries in memory (cb_ptr): values the assembler cannot fold into immediates, so they stay in two
+    registers through the loop (CODE_NIBBLES_TABLE_ASM)."""
+    # entries 0-3, 16 bits each, loaded by every lane: a vector register (a uniform one would be moved again at each use)
+    w = gl.load(cb_ptr.to(gl.pointer_type(gl.int64)) + gl.zeros([16, 16], gl.int32, TQ_UNITS))
+    lo = w.to(gl.int32)
+    hi = (w >> 32).to(gl.int32)
+    l0 = (lo & 0xFF) | ((lo >> 8) & 0xFF00) | ((hi & 0xFF) << 16) | (((hi >> 16) & 0xFF) << 24)
+    h0 = ((lo >> 8) & 0xFF) | ((lo >> 16) & 0xFF00) | ((hi << 8) & 0xFF0000) | (((hi >> 24) & 0xFF) << 24)
+    # through a shuffle: a value the assembler cannot prove uniform, so it stays in a vector register
+    l0, h0 = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $2, 0, 31, -1; shfl.sync.idx.b32 $1, $3, 0, 31, -1;",
+                                       "=r,=r,r,r", [l0, h0], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    return l0, h0
+
+
+@gluon.jit
+def tq3_value_tiles(m_ring, n_ring, stage, l0=None, h0=None):
     """The step's 3-bit values from the ring as the eight V^T tiles [16 channels, 16 keys] float16 (tile j: field
     j of every unit, channels 16j + u), rows named g + 8a for unit 2g + a. The ring holds each unit's M word and N
     byte (`packing.pack_code_nibbles`)."""
     m = m_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFFFF
     n = n_ring.index(stage).load(TQ_UNITS).to(gl.int32) & 0xFF
     both = m | (n << 16)   # a unit's word and byte; asm pairs: keys 2q, 2q + 1 (same unit)
-    f = gl.inline_asm_elementwise(CODE_NIBBLES_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [both],
-                                  dtype=(gl.float16,) * 8, is_pure=True, pack=2)   # fields 0, 1, 2, 3, 4, 6, 5, 7
+    if l0 is None:
+        f = gl.inline_asm_elementwise(CODE_NIBBLES_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [both],
+                                      dtype=(gl.float16,) * 8, is_pure=True, pack=2)   # fields 0, 1, 2, 3, 4, 6, 5, 7
+    else:
+        f = gl.inline_asm_elementwise(CODE_NIBBLES_TABLE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [both, l0, h0],
+                                      dtype=(gl.float16,) * 8, is_pure=True, pack=2)
     return (value_tile(f[0]), value_tile(f[1]), value_tile(f[2]), value_tile(f[3]),
             value_tile(f[4]), value_tile(f[6]), value_tile(f[5]), value_tile(f[7]))
 
@@ -584,30 +625,31 @@ def scale_row(s_ring, stage, KIND: gl.constexpr):
 
 
 @gluon.jit
-def key_zero(kz, G: gl.constexpr, K_BITS: gl.constexpr):
+def key_zero(kz, G: gl.constexpr, K_BITS: gl.constexpr, HALVES: gl.constexpr = False):
     """Group G's key zero points [16] as the products of `tq_key_group`'s codes need them: 8-bit codes come
     1152 over, so the zero point is 1152 under."""
-    z = column(kz, G)
+    z = column(kz, G, HALVES)
     if K_BITS == 8:
         z -= KEY_OFFSET8
     return z
 
 
 @gluon.jit
-def tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3, K_BITS: gl.constexpr):
+def tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3, K_BITS: gl.constexpr,
+              HALVES: gl.constexpr = False):
     """S^T [16 keys, 8 heads] of the TurboQuant keys in ring stage `stage` (unmasked, before the softmax scale);
     c0..c3: each group's start of the key products (`tq_query_group`)."""
     ks = scale_row(s_ring, stage, 0)
     kz = scale_row(s_ring, stage, 1)
     s = mma_v2(tq_key_group(k_ring, stage, 0, K_BITS), q0, c0)
-    z = key_zero(kz, 0, K_BITS)
-    s = s * column(ks, 0)[:, None] + (z * column(ks, 0))[:, None] * qs0[None, :]
-    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 1, K_BITS), q1, c1), column(ks, 1),
-                     key_zero(kz, 1, K_BITS), qs1, s)
-    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, c2), column(ks, 2),
-                     key_zero(kz, 2, K_BITS), qs2, s)
-    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 3, K_BITS), q3, c3), column(ks, 3),
-                     key_zero(kz, 3, K_BITS), qs3, s)
+    z = key_zero(kz, 0, K_BITS, HALVES)
+    s = s * column(ks, 0, HALVES)[:, None] + (z * column(ks, 0, HALVES))[:, None] * qs0[None, :]
+    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 1, K_BITS), q1, c1), column(ks, 1, HALVES),
+                     key_zero(kz, 1, K_BITS, HALVES), qs1, s)
+    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 2, K_BITS), q2, c2), column(ks, 2, HALVES),
+                     key_zero(kz, 2, K_BITS, HALVES), qs2, s)
+    s = group_scores(mma_v2(tq_key_group(k_ring, stage, 3, K_BITS), q3, c3), column(ks, 3, HALVES),
+                     key_zero(kz, 3, K_BITS, HALVES), qs3, s)
     return s
 
 
@@ -621,17 +663,18 @@ def rescaled(acc, alpha, RESCALE: gl.constexpr):
 
 @gluon.jit
 def tq_attend_values(p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha,
-                     V_BITS: gl.constexpr, RESCALE: gl.constexpr = True):
+                     V_BITS: gl.constexpr, RESCALE: gl.constexpr = True, l0=None, h0=None,
+                     HALVES: gl.constexpr = False):
     """The eight accumulators (times alpha [1, 8] where RESCALE) plus V^T P^T of the TurboQuant values in ring
     stage `stage` (p: P^T [16 keys, 8 heads] float32, unnormalised). A value tile lies in one scale group (unit
     order): the scales go on P^T, once per group."""
     vs = scale_row(s_ring, stage, 2)
-    p0 = transpose_p((p * column(vs, 0)[:, None]).to(gl.float16))
-    p1 = transpose_p((p * column(vs, 1)[:, None]).to(gl.float16))
-    p2 = transpose_p((p * column(vs, 2)[:, None]).to(gl.float16))
-    p3 = transpose_p((p * column(vs, 3)[:, None]).to(gl.float16))
+    p0 = transpose_p((p * column(vs, 0, HALVES)[:, None]).to(gl.float16))
+    p1 = transpose_p((p * column(vs, 1, HALVES)[:, None]).to(gl.float16))
+    p2 = transpose_p((p * column(vs, 2, HALVES)[:, None]).to(gl.float16))
+    p3 = transpose_p((p * column(vs, 3, HALVES)[:, None]).to(gl.float16))
     if V_BITS == 3:
-        v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage)
+        v0, v1, v2, v3, v4, v5, v6, v7 = tq3_value_tiles(m_ring, n_ring, stage, l0, h0)
     else:
         v0, v1, v2, v3, v4, v5, v6, v7 = tq4_value_tiles(m_ring, stage)
     acc0 = mma_v2(v0, p0, rescaled(acc0, alpha, RESCALE))
@@ -647,14 +690,15 @@ def tq_attend_values(p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, a
 
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_tq_kernel(
-    part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr,
+    part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, cb_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, window_first_ptr, token_order_ptr,
     stride_qt, stride_qh, stride_bt, k_strides, ks_strides, v_strides, vs_strides,
     num_seqs, num_splits, num_slots, qk_scale,
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
-    PROBE: gl.constexpr = 0, IDS_AHEAD: gl.constexpr = False,
+    PROBE: gl.constexpr = 0, IDS_AHEAD: gl.constexpr = False, TABLES: gl.constexpr = False,
+    HALVES: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. PROBE: one of PROBES'
@@ -713,6 +757,10 @@ def decode_tq_kernel(
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     stage = 0
+    l0 = None
+    h0 = None
+    if TABLES and V_BITS == 3:
+        l0, h0 = code_tables(cb_ptr)
     if PAIRS:
         for start in range(kv_lo, kv_hi, 32):
             for st in gl.static_range(2):
@@ -723,17 +771,18 @@ def decode_tq_kernel(
             async_copy.wait_group(2)
             nxt = stage + 1
             sa = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
-                           K_BITS)
+                           K_BITS, HALVES)
             sb = tq_scores(k_ring, s_ring, nxt, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
-                           K_BITS)
+                           K_BITS, HALVES)
             sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
             pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
-                pa, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
+                pa, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
+                l0=l0, h0=h0, HALVES=HALVES)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 pb, m_ring, n_ring, s_ring, nxt, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
-                RESCALE=False)
+                RESCALE=False, l0=l0, h0=h0, HALVES=HALVES)
             stage = (stage + 2) % 4
     else:
         if IDS_AHEAD:
@@ -751,12 +800,13 @@ def decode_tq_kernel(
                 async_copy.wait_group(STAGES - 1)
             if PROBE != PROBE_COPIES and PROBE != PROBE_CODES:
                 s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
-                              K_BITS)
+                              K_BITS, HALVES)
                 s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
                 p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
                 alpha = alpha[None, :]
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
-                    p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS)
+                    p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
+                    l0=l0, h0=h0, HALVES=HALVES)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
 
@@ -802,13 +852,15 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
                        offsets32: bool | None = None, probe: str | None = None,
-                       ids_ahead: bool = False) -> torch.Tensor:
+                       ids_ahead: bool = False, tables: bool | None = None,
+                       halves: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
     `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`);
     `probe`: a timing probe in place of attention (PROBES; 16 keys a step), its output not attention's;
-    `ids_ahead`: block ids a step ahead (16 keys a step: pass pairs=False for K q4_0 / V q4_0; a probe)."""
+    `ids_ahead`: block ids a step ahead (16 keys a step: pass pairs=False for K q4_0 / V q4_0; a probe); `tables`,
+    `halves`: TQ_TABLES, TQ_HALVES (None: as set there)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -833,7 +885,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     assert probe is None or not pairs, "the probes take steps of 16 keys: pass pairs=False"
     grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_tq_kernel[grid](
-        *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale,
+        *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale, view.aux("codebook_f16"),
         meta.block_table, meta.seq_lens, meta.query_start_loc, window_first, order,
         q.stride(0), q.stride(1), meta.block_table.stride(0),
         stride3(view.k), stride3(view.k_scale), stride3(view.v), stride3(view.v_scale),
@@ -841,7 +893,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
-        PROBE=PROBES[probe] if probe else 0, IDS_AHEAD=ids_ahead, num_warps=1,
+        PROBE=PROBES[probe] if probe else 0, IDS_AHEAD=ids_ahead, TABLES=TQ_TABLES if tables is None else tables,
+        HALVES=TQ_HALVES if halves is None else halves, num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
