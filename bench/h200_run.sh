@@ -470,15 +470,22 @@ write-caps)   # TurboQuant's prefill-sized writes under register caps (kv_write.
     ;;
 tq-lean)   # TurboQuant's decode with its scale columns widened from half registers (TQ_HALVES) and, for 3-bit values,
            # the codebook's byte tables held in registers (TQ_TABLES; uncapped: 145 registers, 12 programs a
-           # multiprocessor) beside the served kernel, at the same-memory run's batches and the table's shapes; then
-           # K q4_0 / V q4_0 with half registers (32 keys a step)
+           # multiprocessor) beside the served kernel, and the same as work-only probes (no copies: what an H100,
+           # bound by the reads, hides), at the same-memory run's batches and the table's shapes; then K q4_0 / V q4_0
+           # with half registers (32 keys a step)
     nvidia-smi --query-gpu=name --format=csv,noheader
-    run 200 env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 1536], [128, 2048], [64, 8192],
-        [32, 4096], [1, 32768]]' SPLITS='{"100": [1, 2, 3], "112": [1, 2], "64": [2, 4], "128": [1, 2], "32": [4, 8],
-        "1": [128]}' VARIANTS='{"lf": {"ordered": true}, "halves": {"ordered": true, "halves": true},
-        "ht": {"ordered": true, "halves": true, "tables": true},
+    run 200 env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
+        SPLITS='{"100": [1, 2, 3], "112": [1, 2], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
+        "halves": {"ordered": true, "halves": true}, "ht": {"ordered": true, "halves": true, "tables": true},
         "ht145": {"ordered": true, "halves": true, "tables": true, "max_registers": 0},
+        "work": {"ordered": true, "probe": "work"}, "workhalves": {"ordered": true, "probe": "work", "halves": true},
+        "workht145": {"ordered": true, "probe": "work", "halves": true, "tables": true, "max_registers": 0},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    run 120 env FORMAT=turboquant NAME=lean_table SHAPES='[[64, 1536], [128, 2048], [1, 32768]]' \
+        SPLITS='{"64": [2, 4], "128": [1, 2], "1": [128]}' VARIANTS='{"lf": {"ordered": true},
+        "halves": {"ordered": true, "halves": true},
+        "ht145": {"ordered": true, "halves": true, "tables": true, "max_registers": 0}}' OUT="$OUT" \
+        python bench/gluon_probe.py
     run 120 env FORMAT="turboquant:k=q4_0,v=q4_0" NAME=lean44 SHAPES='[[100, 1536], [64, 8192], [32, 4096],
         [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "halves": {"ordered": true, "halves": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
