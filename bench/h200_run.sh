@@ -54,6 +54,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh off-layouts  # the dense decode's layouts where `off` is still over SDPA
 #   OUT=/some/dir bash bench/h200_run.sh tq-lean   # TurboQuant's decode with half-register scale columns and codebook
 #                                                  # tables in registers beside the served one (errors and times)
+#   OUT=/some/dir bash bench/h200_run.sh h200-lean  # on an H200: the served table and same-memory run, then the lean
+#                                                  # TurboQuant variants and three splits at 96 registers
 #   OUT=/some/dir bash bench/h200_run.sh write-caps  # TurboQuant's prefill writes under register caps: alone, in a
 #                                                  # prefill step, and the same-memory run without and with one
 #   OUT=/some/dir PYTEST_WORKERS=16 bash bench/h200_run.sh gpu-suite  # every kernel test on the GPU, each result
@@ -132,6 +134,20 @@ with_dense_inner() {  # with_dense_inner True|False LIMIT_SECONDS SCRIPT ARGS...
 with_write_cap() {  # with_write_cap None|N LIMIT_SECONDS SCRIPT ARGS...: kv_write.TQ_MAX_REGISTERS set (None: no cap,
                     # as served)
     with_setting kv_write.TQ_MAX_REGISTERS "$@"
+}
+tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served (twice), with half-register scales
+                   # (TQ_HALVES), with codebook tables too (TQ_TABLES) at 128 registers and uncapped, at three splits
+                   # capped at 96 registers, and the work-only probes of the served and lean kernels
+    run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
+        SPLITS='{"100": [1, 2, 3], "112": [1, 2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
+        "halves": {"ordered": true, "halves": true}, "ht": {"ordered": true, "halves": true, "tables": true},
+        "ht145": {"ordered": true, "halves": true, "tables": true, "max_registers": 0},
+        "cap96": {"ordered": true, "max_registers": 96, "splits": {"100": [3], "112": [3], "64": [4], "32": [8]}},
+        "hcap96": {"ordered": true, "halves": true, "max_registers": 96, "splits": {"100": [3], "112": [3], "64": [4],
+        "32": [8]}},
+        "work": {"ordered": true, "probe": "work"}, "workhalves": {"ordered": true, "probe": "work", "halves": true},
+        "workht145": {"ordered": true, "probe": "work", "halves": true, "tables": true, "max_registers": 0},
+        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
 }
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
 case "${1:-kernels}" in
@@ -474,13 +490,7 @@ tq-lean)   # TurboQuant's decode with its scale columns widened from half regist
            # bound by the reads, hides), at the same-memory run's batches and the table's shapes; then K q4_0 / V q4_0
            # with half registers (32 keys a step)
     nvidia-smi --query-gpu=name --format=csv,noheader
-    run 200 env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
-        SPLITS='{"100": [1, 2, 3], "112": [1, 2], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
-        "halves": {"ordered": true, "halves": true}, "ht": {"ordered": true, "halves": true, "tables": true},
-        "ht145": {"ordered": true, "halves": true, "tables": true, "max_registers": 0},
-        "work": {"ordered": true, "probe": "work"}, "workhalves": {"ordered": true, "probe": "work", "halves": true},
-        "workht145": {"ordered": true, "probe": "work", "halves": true, "tables": true, "max_registers": 0},
-        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    tq_lean_probe 200
     run 120 env FORMAT=turboquant NAME=lean_table SHAPES='[[64, 1536], [128, 2048], [1, 32768]]' \
         SPLITS='{"64": [2, 4], "128": [1, 2], "1": [128]}' VARIANTS='{"lf": {"ordered": true},
         "halves": {"ordered": true, "halves": true},
@@ -489,6 +499,13 @@ tq-lean)   # TurboQuant's decode with its scale columns widened from half regist
     run 120 env FORMAT="turboquant:k=q4_0,v=q4_0" NAME=lean44 SHAPES='[[100, 1536], [64, 8192], [32, 4096],
         [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "halves": {"ordered": true, "halves": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    ;;
+h200-lean)   # on an H200, in one call (~8 min): issue 10's decode table as served and the same-memory run, then
+             # TurboQuant's lean variants and three splits capped at 96 registers at the run's batches (tq-lean's
+             # first probe)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    served_table_and_memory
+    tq_lean_probe 200
     ;;
 gpu-suite|gpu-engine)   # gpu-suite: every kernel test on the GPU (tests/triton but test_sm90_compile.py, which
              # compiles for sm_90 on any machine), the window and device tests; gpu-engine: the engine's, tiers' and
