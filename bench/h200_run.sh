@@ -137,7 +137,8 @@ with_write_cap() {  # with_write_cap None|N LIMIT_SECONDS SCRIPT ARGS...: kv_wri
 }
 tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served (twice), with half-register scales
                    # (TQ_HALVES), with codebook tables too (TQ_TABLES) at 128 registers and uncapped, at three splits
-                   # capped at 96 registers, and the work-only probes of the served and lean kernels
+                   # capped at 96 registers, with half-register scales and a three-stage ring (two steps in flight),
+                   # and the work-only probes of the served and lean kernels
     run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [1, 2, 3], "112": [1, 2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
         "halves": {"ordered": true, "halves": true}, "ht": {"ordered": true, "halves": true, "tables": true},
@@ -145,6 +146,7 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
         "cap96": {"ordered": true, "max_registers": 96, "splits": {"100": [3], "112": [3], "64": [4], "32": [8]}},
         "hcap96": {"ordered": true, "halves": true, "max_registers": 96, "splits": {"100": [3], "112": [3], "64": [4],
         "32": [8]}},
+        "h3": {"ordered": true, "halves": true, "stages": 3},
         "work": {"ordered": true, "probe": "work"}, "workhalves": {"ordered": true, "probe": "work", "halves": true},
         "workht145": {"ordered": true, "probe": "work", "halves": true, "tables": true, "max_registers": 0},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
