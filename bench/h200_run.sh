@@ -502,12 +502,12 @@ tq-lean)   # TurboQuant's decode with its scale columns widened from half regist
         [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "halves": {"ordered": true, "halves": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
-h200-lean)   # on an H200, in one call (~8 min): issue 10's decode table as served and the same-memory run, then
-             # TurboQuant's lean variants and three splits capped at 96 registers at the run's batches (tq-lean's
-             # first probe)
+h200-lean)   # on an H200, in one call (~8 min): TurboQuant's lean variants and three splits capped at 96 registers at
+             # the run's batches (tq-lean's first probe), then issue 10's decode table as served and the same-memory
+             # run (a call cut short by the device time left still brings the probe back)
     nvidia-smi --query-gpu=name --format=csv,noheader
-    served_table_and_memory
     tq_lean_probe 200
+    served_table_and_memory
     ;;
 gpu-suite|gpu-engine)   # gpu-suite: every kernel test on the GPU (tests/triton but test_sm90_compile.py, which
              # compiles for sm_90 on any machine), the window and device tests; gpu-engine: the engine's, tiers' and
