@@ -119,7 +119,7 @@ def simulate(scheduler: Scheduler, requests, arrivals=None, cost: StepCost | Non
         seqs.append((Sequence(str(i), i, [1 + i] * num_prompt, params, has_max_tokens=max_tokens is not None),
                      num_out))
     ends = {s.seq_id: n for s, n in seqs}
-    pending, cache, steps, largest, fed, seconds = list(seqs), scheduler.cache, 0, 0, 0, 0.0
+    pending, cache, steps, largest, fed, seconds, used = list(seqs), scheduler.cache, 0, 0, 0, 0.0, 0
     while pending or scheduler.has_unfinished():
         while pending and (arrivals is None or arrivals[len(seqs) - len(pending)] <= steps):
             scheduler.add(pending.pop(0)[0])
@@ -137,6 +137,7 @@ def simulate(scheduler: Scheduler, requests, arrivals=None, cost: StepCost | Non
             spans = [s.num_computed_tokens + 1 for s, n in zip(batch.seqs, batch.num_new_tokens) if n == 1]
             seconds += cost(len(spans), batch.num_tokens - len(spans), sum(spans))
         scheduler.after_step(batch)
+        used += cache.pool.num_used
         largest = max(largest, len(batch.seqs))
         fed += batch.num_tokens
         for seq in batch.seqs:
@@ -147,7 +148,8 @@ def simulate(scheduler: Scheduler, requests, arrivals=None, cost: StepCost | Non
                     scheduler.finish(seq)
     assert cache.pool.num_used == 0 and not cache.seqs
     cache.pool.check()
-    out = {"preemptions": scheduler.num_preemptions, "steps": steps, "tokens_fed": fed, "largest_batch": largest}
+    out = {"preemptions": scheduler.num_preemptions, "steps": steps, "tokens_fed": fed, "largest_batch": largest,
+           "pages_in_use": used / steps / cache.pool.num_blocks}   # mean share of the blocks held after a step
     if cost is not None:
         out["seconds"] = seconds
     return out
@@ -209,9 +211,9 @@ def main(argv=None) -> int:
     args.rates = rates
     requests = [(args.prompt_tokens, args.new_tokens, args.new_tokens)] * args.requests
     results = {"args": vars(args), "runs": {}}
-    print("| format | read at (TB/s) | lookahead | steps | preemptions | tokens fed | modelled s | modelled output "
-          "tokens/s | vs `off` |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| format | read at (TB/s) | lookahead | steps | preemptions | tokens fed | pages in use | modelled s | "
+          "modelled output tokens/s | vs `off` |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for fmt in sorted(args.formats, key=lambda f: f != "off"):  # `off` first: the ratios' base
         num_blocks = blocks_in(fmt, int(args.same_memory * 2**30))
         cost = step_cost(fmt, rates[fmt], roofline=args.roofline, mixed_floor_s=args.mixed_step_ms / 1e3,
@@ -227,7 +229,7 @@ def main(argv=None) -> int:
             ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else ""
             results["runs"][fmt][str(lookahead)] = r
             print(f"| {fmt} | {rates[fmt]:g} | {lookahead} | {r['steps']} | {r['preemptions']} | {r['tokens_fed']} | "
-                  f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {ratio} |  ({time.perf_counter() - start:.1f}s)",
+                  f"{r['pages_in_use']:.0%} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {ratio} |  ({time.perf_counter() - start:.1f}s)",
                   flush=True)
     measured = Path(args.measured)
     if measured.exists():

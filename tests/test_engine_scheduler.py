@@ -133,8 +133,9 @@ def test_a_lookahead_shorter_than_the_outputs_packs_requests_that_start_together
 
 def test_the_model_free_run_reproduces_the_h200_same_memory_steps():
     """bench/scheduler_sim.py on the H200 same-memory run's TurboQuant pages (10,485 blocks of 16), lookahead 640: the
-    GPU run (session 42) took 3,081 steps with 36 preemptions; the simulation must land there, and its step-cost model
-    within 10% of the measured 27,919 output tokens/s; a faster read of the pages must make it faster."""
+    GPU run (session 42) took 3,081 steps with 36 preemptions and held 78.3% of the blocks on average (its timeline's
+    blocks in use after each step); the simulation must land there, and its step-cost model within 10% of the
+    measured 27,919 output tokens/s; a faster read of the pages must make it faster."""
     num_blocks = scheduler_sim.blocks_in("turboquant", 2 << 30)
     assert num_blocks == 10485
     runs = {}
@@ -145,6 +146,7 @@ def test_the_model_free_run_reproduces_the_h200_same_memory_steps():
                               cost=scheduler_sim.step_cost("turboquant", rate))
     r = runs[None]
     assert abs(r["steps"] - 3081) <= 10 and abs(r["preemptions"] - 36) <= 5
+    assert abs(r["pages_in_use"] - 0.783) < 0.02, r
     assert 0.9 * 27919 < 256 * 1024 / r["seconds"] < 1.1 * 27919
     assert runs[3.8]["steps"] == r["steps"] and runs[3.8]["seconds"] < 0.95 * r["seconds"]
 
