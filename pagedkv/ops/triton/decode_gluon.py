@@ -77,8 +77,8 @@ TQ_PAIRS = (("q4_0", "q4_0"),)
 # Prepared, off until timed on a GPU (`bash bench/h200_run.sh tq-lean`), K q8_0 / V q3_0 loop instructions a 16-key
 # step on sm_90: TQ_HALVES widens the scale columns from half registers of their words, no shifts (`column`): 556 ->
 # 544 at 128 registers. TQ_TABLES holds the 3-bit codebook's byte tables in registers (`code_tables`) where the
-# assembler moved an immediate into a register before each look-up: with TQ_HALVES, uncapped, 507 at 145 registers
-# (12 programs a multiprocessor, not 16; capped at 128 the moves come back: 543)
+# assembler moved an immediate into a register before each look-up: with TQ_HALVES, uncapped, 509 at 141 registers
+# launched longest first (12 programs a multiprocessor, not 16; capped at 128 the moves come back: 543)
 TQ_TABLES = False
 TQ_HALVES = False
 # The formats whose decode batches with a dense recent window run the Gluon kernels (their page splits, then the
