@@ -151,6 +151,13 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
         "workht145": {"ordered": true, "probe": "work", "halves": true, "tables": true, "max_registers": 0},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
 }
+q4_offset_probe() {  # q4_offset_probe LIMIT_SECONDS: q4's decode as served (twice) beside its keys over their offsets
+                     # (Q4_OFFSET_KEYS), at the same-memory run's batches (~144 at 1,536 tokens) and the table's shapes
+    run "$1" env FORMAT=q4 NAME=offset_keys SHAPES='[[144, 1536], [112, 1536], [64, 8192], [32, 4096], [1, 32768]]' \
+        VARIANTS='{"lf": {"ordered": true}, "offset": {"ordered": true, "offset_keys": true},
+        "lf2": {"ordered": true}, "offset2": {"ordered": true, "offset_keys": true}}' OUT="$OUT" \
+        python bench/gluon_probe.py
+}
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
 case "${1:-kernels}" in
 kernels)
@@ -489,10 +496,11 @@ write-caps)   # TurboQuant's prefill-sized writes under register caps (kv_write.
 tq-lean)   # TurboQuant's decode with its scale columns widened from half registers (TQ_HALVES) and, for 3-bit values,
            # the codebook's byte tables held in registers (TQ_TABLES; uncapped: 145 registers, 12 programs a
            # multiprocessor) beside the served kernel, and the same as work-only probes (no copies: what an H100,
-           # bound by the reads, hides), at the same-memory run's batches and the table's shapes; then K q4_0 / V q4_0
-           # with half registers (32 keys a step)
+           # bound by the reads, hides), at the same-memory run's batches and the table's shapes; q4 with its keys over
+           # their offsets (Q4_OFFSET_KEYS); then K q4_0 / V q4_0 with half registers (32 keys a step)
     nvidia-smi --query-gpu=name --format=csv,noheader
     tq_lean_probe 200
+    q4_offset_probe 100
     run 120 env FORMAT=turboquant NAME=lean_table SHAPES='[[64, 1536], [128, 2048], [1, 32768]]' \
         SPLITS='{"64": [2, 4], "128": [1, 2], "1": [128]}' VARIANTS='{"lf": {"ordered": true},
         "halves": {"ordered": true, "halves": true},
@@ -502,11 +510,13 @@ tq-lean)   # TurboQuant's decode with its scale columns widened from half regist
         [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "halves": {"ordered": true, "halves": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
-h200-lean)   # on an H200, in one call (~8 min): TurboQuant's lean variants and three splits capped at 96 registers at
-             # the run's batches (tq-lean's first probe), then issue 10's decode table as served and the same-memory
-             # run (a call cut short by the device time left still brings the probe back)
+h200-lean)   # on an H200, in one call (~9 min): TurboQuant's lean variants and three splits capped at 96 registers at
+             # the run's batches (tq-lean's first probe), q4 with its keys over their offsets, then issue 10's decode
+             # table as served and the same-memory run (a call cut short by the device time left still brings the
+             # probes back)
     nvidia-smi --query-gpu=name --format=csv,noheader
     tq_lean_probe 200
+    q4_offset_probe 100
     served_table_and_memory
     ;;
 gpu-suite|gpu-engine)   # gpu-suite: every kernel test on the GPU (tests/triton but test_sm90_compile.py, which

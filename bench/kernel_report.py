@@ -9,7 +9,8 @@
     python bench/kernel_report.py --gluon-copies    # TurboQuant's Gluon decode and its copies-only / work-only probes
     python bench/kernel_report.py --gluon-inner     # the dense decode with its splits inside a program
     python bench/kernel_report.py --gluon-ids-ahead # off and TurboQuant decodes with block ids loaded a step ahead
-    python bench/kernel_report.py --gluon-lean      # TurboQuant decodes with half-register scales, codebook tables
+    python bench/kernel_report.py --gluon-lean      # TurboQuant decodes with half-register scales, codebook tables;
+                                                    # q4 keys over their offsets
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
 `paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
@@ -454,7 +455,8 @@ def main() -> None:
     parser.add_argument("--gluon-lean", action="store_true",
                         help="print (JSON) the TurboQuant Gluon decode kernels as served and with their scale columns "
                              "widened from half registers (`halves`); K q8_0 / V q3_0 also with its codebook tables in "
-                             "registers (`tables`), capped as served and uncapped")
+                             "registers (`tables`), capped as served and uncapped; q4 with its keys over their "
+                             "offsets (`offset_keys`)")
     parser.add_argument("--sass-digest", action="store_true",
                         help="print a hash of each decode kernel's SASS per launch (formats, dtypes, head_dims, "
                              "splits, orders, window): diff two runs to see that a change left the kernels as they are")
@@ -505,7 +507,8 @@ def main() -> None:
     if args.gluon_lean:
         for spec, variants in (("turboquant", ({}, {"halves": True}, {"halves": True, "tables": True},
                                                {"halves": True, "tables": True, "max_registers": 0})),
-                               ("turboquant:k=q4_0,v=q4_0", ({}, {"halves": True}))):
+                               ("turboquant:k=q4_0,v=q4_0", ({}, {"halves": True})),
+                               ("q4", ({}, {"offset_keys": True}))):
             for options in variants:
                 row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, **options)
                 print(json.dumps({**row, "options": options}), flush=True)

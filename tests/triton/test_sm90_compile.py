@@ -246,14 +246,14 @@ def test_the_probes_split_a_turboquant_step_into_its_copies_and_its_work():
 
 
 def test_turboquant_decode_variants_with_half_register_scales_and_codebook_tables_compile_leaner():
-    """TurboQuant's decode with its scale columns widened from half registers (`halves`) runs fewer shifts and fewer
+    """(And q4's with its keys over their offsets: below.) TurboQuant's decode with its scale columns widened from half registers (`halves`) runs fewer shifts and fewer
     loop instructions than as served, the same matrix products, without spills; with the 3-bit codebook's tables held
     in registers (`tables`), uncapped, the moves of those tables into a register before each look-up are gone, in
     few enough registers for 12 one-warp programs a multiprocessor (152 or fewer)."""
     r = kernel_report("--gluon-lean")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
-    assert [row["format"] for row in rows] == ["turboquant"] * 4 + ["turboquant:k=q4_0,v=q4_0"] * 2
+    assert [row["format"] for row in rows] == ["turboquant"] * 4 + ["turboquant:k=q4_0,v=q4_0"] * 2 + ["q4"] * 2
     for served, halves in ((rows[0], rows[1]), (rows[4], rows[5])):
         assert halves["loop_ops"]["SHF"] < served["loop_ops"]["SHF"], (served, halves)
         assert sum(halves["loop_ops"].values()) < sum(served["loop_ops"].values()), (served, halves)
@@ -262,6 +262,12 @@ def test_turboquant_decode_variants_with_half_register_scales_and_codebook_table
     uncapped = rows[3]
     assert sum(uncapped["loop_ops"].values()) < sum(rows[1]["loop_ops"].values()) - 20, (rows[1], uncapped)
     assert uncapped["registers"] <= 152, uncapped
+    # q4 keys left over their offsets: no float16 subtraction or multiply-add per code pair, 16 programs still fit
+    q4, offset = rows[6], rows[7]
+    assert sum(offset["loop_ops"].values()) < sum(q4["loop_ops"].values()) - 40, (q4, offset)
+    fp16_ops = lambda row: row["loop_ops"].get("HADD2", 0) + row["loop_ops"].get("HFMA2", 0)  # noqa: E731
+    assert fp16_ops(offset) < fp16_ops(q4) and offset["loop_ops"]["HMMA"] == q4["loop_ops"]["HMMA"], (q4, offset)
+    assert offset["registers"] <= 128, offset
 
 
 def test_the_gluon_prefill_kernel_compiles_to_wgmma_and_tma_without_spills():

@@ -81,6 +81,10 @@ TQ_PAIRS = (("q4_0", "q4_0"),)
 # launched longest first (12 programs a multiprocessor, not 16; capped at 128 the moves come back: 543)
 TQ_TABLES = False
 TQ_HALVES = False
+# q4 keys left over their float16 offsets (`NIBBLE_OFFSET_ASM`, as TurboQuant's q4_0 keys), the offsets and the codes'
+# + 7 taken off once per program as the start of the products (`q4_offset_start`): four fewer instructions every
+# eight key codes. Prepared, off until timed on a GPU
+Q4_OFFSET_KEYS = False
 # The formats whose decode batches with a dense recent window run the Gluon kernels (their page splits, then the
 # window as one more split, `window_splits`) from WINDOW_MIN_TOKENS query tokens on; the others, and smaller
 # batches, run `decode.py`, which reads the window in the same kernel. Timed side by side on an H200 (2026-12-02,
@@ -941,14 +945,29 @@ def copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, 
 
 
 @gluon.jit
-def q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS: gl.constexpr):
+def q4_offset_start(qt, c):
+    """The start of `q4_scores`' products with OFFSET keys, [16, 8] along the score rows: minus each query head's
+    channels times the offsets their codes stand over (channel column c: a low nibble, 1024 + n, where (c >> 3) is
+    even, a high one, 64 + n, where odd) plus the codes' own + 7, so that the product gives (n - 7) . q."""
+    offset = gl.where(((c >> 3) & 1) == 0, 1031.0, 71.0)
+    total = gl.sum(qt.to(gl.float32) * offset[:, None], axis=0)
+    return gl.full([16, 8], 0.0, gl.float32, MMA) - gl.convert_layout(total, gl.SliceLayout(0, MMA))[None, :]
+
+
+@gluon.jit
+def q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS: gl.constexpr, OFFSET: gl.constexpr = False):
     """S^T [16 keys, 8 heads] of the q4 (q6) keys in ring stage `stage`, times their scales and `scale`
-    (unmasked)."""
+    (unmasked). OFFSET (4-bit): the codes stay over their float16 offsets (`NIBBLE_OFFSET_ASM`: 1024 + n, 64 + n,
+    no subtraction per value) and `zero` is the start of the products that takes the offsets and the codes' + 7
+    off once (`q4_offset_start`)."""
     codes = k_ring.index(stage).load(Q4_KEYS)
     if BITS == 6:   # plane byte z beside nibble bytes 2z and 2z + 1
         kp = kp_ring.index(stage).load(Q6_KEY_PLANE)
         kp = gl.convert_layout(gl.reshape(gl.join(kp, kp), [16, 64]), Q4_KEYS, assert_trivial=True)
         lo, hi = gl.inline_asm_elementwise(SIX_BIT_SPREAD_ASM, "=r,=r,=r,=r,r,r", [codes, kp],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+    elif OFFSET:
+        lo, hi = gl.inline_asm_elementwise(NIBBLE_OFFSET_ASM, "=r,=r,=r,=r,r", [codes],
                                            dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
     else:
         lo, hi = gl.inline_asm_elementwise(SIGNED_NIBBLE_SPREAD_ASM, "=r,=r,=r,=r,r", [codes],
@@ -993,6 +1012,7 @@ def decode_q4_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
+    OFFSET_KEYS: gl.constexpr = False,
 ):
     """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
     then has 4 stages), else 16 keys a step with STAGES - 1 ahead."""
@@ -1031,10 +1051,13 @@ def decode_q4_kernel(
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
     q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
     stored = 32 * ((c >> 1) & 3) + 8 * (c >> 5) + 4 * (c & 1) + 2 * ((c >> 4) & 1) + ((c >> 3) & 1)
-    qt = gl.load(q_at + stored[:, None], mask=(qh < GROUP)[None, :], other=0.0)
-    qt = gl.convert_layout(qt.to(gl.float16), B_OP)
-
+    qt = gl.load(q_at + stored[:, None], mask=(qh < GROUP)[None, :], other=0.0).to(gl.float16)
     zero = gl.full([16, 8], 0.0, gl.float32, MMA)
+    products = zero   # where the key products start (`q4_offset_start` with OFFSET_KEYS)
+    if OFFSET_KEYS and BITS == 4:
+        products = q4_offset_start(qt, c)
+    qt = gl.convert_layout(qt, B_OP)
+
     acc0 = zero
     acc1 = zero
     acc2 = zero
@@ -1058,8 +1081,8 @@ def decode_q4_kernel(
                              BLOCK_SIZE, BITS, OFFSETS32=OFFSETS32)
             async_copy.wait_group(2)
             nxt = stage + 1
-            sa = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS)
-            sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, zero, scale, BITS)
+            sa = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, products, scale, BITS, OFFSET_KEYS)
+            sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, products, scale, BITS, OFFSET_KEYS)
             sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
             pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
@@ -1077,7 +1100,7 @@ def decode_q4_kernel(
                          w_ring.index(ahead), vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead),
                          BLOCK_SIZE, BITS, OFFSETS32=OFFSETS32)
             async_copy.wait_group(STAGES - 1)
-            s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, zero, scale, BITS)
+            s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, products, scale, BITS, OFFSET_KEYS)
             s = gl.where((start + sr < kv_hi)[:, None], s, float("-inf"))
             p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
@@ -1132,11 +1155,11 @@ def _reads_q46(fmt, query, block_size, softcap, sliding_window) -> bool:
 def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
-                       offsets32: bool | None = None) -> torch.Tensor:
+                       offsets32: bool | None = None, offset_keys: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
     dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed,
     `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits
-    (`offsets_in_32_bits`)."""
+    (`offsets_in_32_bits`); `offset_keys`: Q4_OFFSET_KEYS (None: as set there; q4 only)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -1160,7 +1183,8 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // view.num_kv_heads, BLOCK_SIZE=meta.block_size,
         SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, PAIRS=pairs,
         PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered,
-        OFFSETS32=offsets_in_32_bits(offsets32, view), num_warps=1,
+        OFFSETS32=offsets_in_32_bits(offsets32, view),
+        OFFSET_KEYS=Q4_OFFSET_KEYS if offset_keys is None else offset_keys, num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
