@@ -522,15 +522,11 @@ def code_tables(cb_ptr):
     """The low-byte and high-byte tables of the 3-bit codebook's entries 0-3 (`conversions._f16_byte_words`), from
     its float16 entries in memory (cb_ptr): values the assembler cannot fold into immediates, so they stay in two
     registers through the loop (CODE_NIBBLES_TABLE_ASM)."""
-    # entries 0-3, 16 bits each, loaded by every lane: a vector register (a uniform one would be moved again at each use)
-    w = gl.load(cb_ptr.to(gl.pointer_type(gl.int64)) + gl.zeros([16, 16], gl.int32, TQ_UNITS))
+    w = gl.load(cb_ptr.to(gl.pointer_type(gl.int64)))   # entries 0-3, 16 bits each
     lo = w.to(gl.int32)
     hi = (w >> 32).to(gl.int32)
     l0 = (lo & 0xFF) | ((lo >> 8) & 0xFF00) | ((hi & 0xFF) << 16) | (((hi >> 16) & 0xFF) << 24)
     h0 = ((lo >> 8) & 0xFF) | ((lo >> 16) & 0xFF00) | ((hi << 8) & 0xFF0000) | (((hi >> 24) & 0xFF) << 24)
-    # through a shuffle: a value the assembler cannot prove uniform, so it stays in a vector register
-    l0, h0 = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $2, 0, 31, -1; shfl.sync.idx.b32 $1, $3, 0, 31, -1;",
-                                       "=r,=r,r,r", [l0, h0], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     return l0, h0
 
 
@@ -546,7 +542,8 @@ def tq3_value_tiles(m_ring, n_ring, stage, l0=None, h0=None):
         f = gl.inline_asm_elementwise(CODE_NIBBLES_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [both],
                                       dtype=(gl.float16,) * 8, is_pure=True, pack=2)   # fields 0, 1, 2, 3, 4, 6, 5, 7
     else:
-        f = gl.inline_asm_elementwise(CODE_NIBBLES_TABLE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [both, l0, h0],
+        f = gl.inline_asm_elementwise(CODE_NIBBLES_TABLE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+                                      [both, gl.zeros_like(both) + l0, gl.zeros_like(both) + h0],
                                       dtype=(gl.float16,) * 8, is_pure=True, pack=2)
     return (value_tile(f[0]), value_tile(f[1]), value_tile(f[2]), value_tile(f[3]),
             value_tile(f[4]), value_tile(f[6]), value_tile(f[5]), value_tile(f[7]))
