@@ -54,6 +54,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh off-layouts  # the dense decode's layouts where `off` is still over SDPA
 #   OUT=/some/dir bash bench/h200_run.sh tq-lean   # TurboQuant's decode with half-register scale columns and codebook
 #                                                  # tables in registers beside the served one (errors and times)
+#   OUT=/some/dir bash bench/h200_run.sh lean-engine  # the same-memory run with TQ_HALVES off / on, q4 with
+#                                                  # Q4_OFFSET_KEYS off / on, alternating; the q4 GPU tests with it on
 #   OUT=/some/dir bash bench/h200_run.sh h200-lean  # on an H200: the served table and same-memory run, then the lean
 #                                                  # TurboQuant variants and three splits at 96 registers
 #   OUT=/some/dir bash bench/h200_run.sh write-caps  # TurboQuant's prefill writes under register caps: alone, in a
@@ -509,6 +511,23 @@ tq-lean)   # TurboQuant's decode with its scale columns widened from half regist
     run 120 env FORMAT="turboquant:k=q4_0,v=q4_0" NAME=lean44 SHAPES='[[100, 1536], [64, 8192], [32, 4096],
         [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "halves": {"ordered": true, "halves": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    ;;
+lean-engine)   # TurboQuant with its scale columns from half registers (TQ_HALVES, served) and shifted out, then q4
+               # with its keys over their offsets (Q4_OFFSET_KEYS) and as served: the same-memory run alternating, twice
+               # (ROUNDS=n: n times); then the q4 GPU decode tests with the offsets on (one process)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for round in $(seq "${ROUNDS:-2}"); do
+        for halves in False True; do
+            with_setting decode_gluon.TQ_HALVES "$halves" 80 "${SAME_MEMORY[@]}" --formats turboquant \
+                --out "$OUT/memory_halves_${halves}_$round"
+        done
+        for offset in False True; do
+            with_setting decode_gluon.Q4_OFFSET_KEYS "$offset" 80 "${SAME_MEMORY[@]}" --formats q4 \
+                --out "$OUT/memory_q4_offset_${offset}_$round"
+        done
+    done
+    run 200 python -c "import sys, pytest; import pagedkv.ops.triton.decode_gluon as g; g.Q4_OFFSET_KEYS = True
+sys.exit(pytest.main(['-q', '-rf', '-p', 'no:cacheprovider', 'tests/triton/test_decode_gluon.py', '-k', 'q4']))"
     ;;
 h200-lean)   # on an H200, in one call (~9 min): TurboQuant's lean variants and three splits capped at 96 registers at
              # the run's batches (tq-lean's first probe), q4 with its keys over their offsets, then issue 10's decode

@@ -453,8 +453,8 @@ def main() -> None:
                         help="print (JSON) the TurboQuant Gluon decode kernels (16 keys a step) and their probes "
                              "(probe='copies': the page copies alone; probe='work': the work alone)")
     parser.add_argument("--gluon-lean", action="store_true",
-                        help="print (JSON) the TurboQuant Gluon decode kernels as served and with their scale columns "
-                             "widened from half registers (`halves`); K q8_0 / V q3_0 also with its codebook tables in "
+                        help="print (JSON) the TurboQuant Gluon decode kernels with their scale columns shifted out of "
+                             "their words and widened from half registers (`halves`, served); K q8_0 / V q3_0 also with its codebook tables in "
                              "registers (`tables`), capped as served and uncapped; q4 with its keys over their "
                              "offsets (`offset_keys`)")
     parser.add_argument("--sass-digest", action="store_true",
@@ -505,10 +505,11 @@ def main() -> None:
                 print(json.dumps({**row, "probe": probe or "kernel"}), flush=True)
         return
     if args.gluon_lean:
-        for spec, variants in (("turboquant", ({}, {"halves": True}, {"halves": True, "tables": True},
+        # the scale columns shifted out of their words (as served before TQ_HALVES) first, then the lean variants
+        for spec, variants in (("turboquant", ({"halves": False}, {"halves": True}, {"halves": True, "tables": True},
                                                {"halves": True, "tables": True, "max_registers": 0})),
-                               ("turboquant:k=q4_0,v=q4_0", ({}, {"halves": True})),
-                               ("q4", ({}, {"offset_keys": True}))):
+                               ("turboquant:k=q4_0,v=q4_0", ({"halves": False}, {"halves": True})),
+                               ("q4", ({"offset_keys": False}, {"offset_keys": True}))):
             for options in variants:
                 row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, **options)
                 print(json.dumps({**row, "options": options}), flush=True)

@@ -246,8 +246,9 @@ def test_the_probes_split_a_turboquant_step_into_its_copies_and_its_work():
 
 
 def test_turboquant_decode_variants_with_half_register_scales_and_codebook_tables_compile_leaner():
-    """(And q4's with its keys over their offsets: below.) TurboQuant's decode with its scale columns widened from half registers (`halves`) runs fewer shifts and fewer
-    loop instructions than as served, the same matrix products, without spills; with the 3-bit codebook's tables held
+    """(And q4's with its keys over their offsets: below.) TurboQuant's decode with its scale columns widened from
+    half registers (`halves`, served since it was timed) runs fewer shifts and fewer loop instructions than with
+    them shifted out of their words, the same matrix products, without spills; with the 3-bit codebook's tables held
     in registers (`tables`), uncapped, the moves of those tables into a register before each look-up are gone, in
     few enough registers for 12 one-warp programs a multiprocessor (152 or fewer)."""
     r = kernel_report("--gluon-lean")

@@ -74,16 +74,21 @@ TQ_TUNING = {("q8_0", "q3_0"): (128, 16), ("q4_0", "q4_0"): (None, 12)}
 # either way; q6 slower with slot-major pages (as was q4 at 8,192 tokens and more), not timed head-major.
 Q4_PAIRS_BITS = (4,)
 TQ_PAIRS = (("q4_0", "q4_0"),)
-# Prepared, off until timed on a GPU (`bash bench/h200_run.sh tq-lean`), K q8_0 / V q3_0 loop instructions a 16-key
-# step on sm_90: TQ_HALVES widens the scale columns from half registers of their words, no shifts (`column`): 556 ->
-# 544 at 128 registers. TQ_TABLES holds the 3-bit codebook's byte tables in registers (`code_tables`) where the
-# assembler moved an immediate into a register before each look-up: with TQ_HALVES, uncapped, 509 at 141 registers
-# launched longest first (12 programs a multiprocessor, not 16; capped at 128 the moves come back: 543)
+# K q8_0 / V q3_0 loop instructions a 16-key step on sm_90: TQ_HALVES widens the scale columns from half registers of
+# their words, no shifts (`column`): 556 -> 544 at 128 registers. TQ_TABLES holds the 3-bit codebook's byte tables in
+# registers (`code_tables`) where the assembler moved an immediate into a register before each look-up: with TQ_HALVES,
+# uncapped, 509 at 141 registers launched longest first (12 programs a multiprocessor, not 16; capped at 128 the moves
+# come back: 543). Timed on an H100 (`bash bench/h200_run.sh tq-lean`, 2026-12-07), bound by its reads: TQ_HALVES within
+# 1% of the kernel before everywhere, its work-only probe 1.016-1.024x faster at the served 2 splits at batches 112 /
+# 100 x 1,536, so it is on (to be timed on an H200, where the work is nearer the bound); the same-memory run the same
+# (23,205 against 23,223 output tokens/s, two runs each). TQ_TABLES uncapped was no faster (slower at most splits)
 TQ_TABLES = False
-TQ_HALVES = False
+TQ_HALVES = True
 # q4 keys left over their float16 offsets (`NIBBLE_OFFSET_ASM`, as TurboQuant's q4_0 keys), the offsets and the codes'
 # + 7 taken off once per program as the start of the products (`q4_offset_start`): four fewer instructions every
-# eight key codes. Prepared, off until timed on a GPU
+# eight key codes. Off until timed on an H200: on an H100 (2026-12-07), bound by q4's reads, within 1% of the kernel
+# before at every shape and in the same-memory run (31,798 against 31,736 output tokens/s, two runs each); the q4
+# GPU decode, window and CUDA graph tests pass with it on
 Q4_OFFSET_KEYS = False
 # The formats whose decode batches with a dense recent window run the Gluon kernels (their page splits, then the
 # window as one more split, `window_splits`) from WINDOW_MIN_TOKENS query tokens on; the others, and smaller
