@@ -56,6 +56,7 @@
 #                                                  # tables in registers beside the served one (errors and times)
 #   OUT=/some/dir bash bench/h200_run.sh lean-engine  # the same-memory run with TQ_HALVES off / on, q4 with
 #                                                  # Q4_OFFSET_KEYS off / on, alternating; the q4 GPU tests with it on
+#   OUT=/some/dir bash bench/h200_run.sh served    # issue 10's decode table and the same-memory run alone
 #   OUT=/some/dir bash bench/h200_run.sh h200-lean  # on an H200: the served table and same-memory run, then the lean
 #                                                  # TurboQuant variants and three splits at 96 registers
 #   OUT=/some/dir bash bench/h200_run.sh write-caps  # TurboQuant's prefill writes under register caps: alone, in a
@@ -137,20 +138,20 @@ with_write_cap() {  # with_write_cap None|N LIMIT_SECONDS SCRIPT ARGS...: kv_wri
                     # as served)
     with_setting kv_write.TQ_MAX_REGISTERS "$@"
 }
-tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served (twice), with half-register scales
-                   # (TQ_HALVES), with codebook tables too (TQ_TABLES) at 128 registers and uncapped, at three splits
-                   # capped at 96 registers, with half-register scales and a three-stage ring (two steps in flight),
-                   # and the work-only probes of the served and lean kernels
+tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served (twice; half-register scale columns,
+                   # TQ_HALVES, since session 48) beside its scale columns shifted out (as before), with codebook
+                   # tables too (TQ_TABLES) at 128 registers and uncapped, at three splits capped at 96 registers, with
+                   # a three-stage ring (two steps in flight), and the probes: the copies alone (the reads' bound) and
+                   # the work alone of the served, shifted and uncapped-tables kernels
     run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [1, 2, 3], "112": [1, 2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
-        "halves": {"ordered": true, "halves": true}, "ht": {"ordered": true, "halves": true, "tables": true},
-        "ht145": {"ordered": true, "halves": true, "tables": true, "max_registers": 0},
+        "shifted": {"ordered": true, "halves": false}, "ht": {"ordered": true, "tables": true},
+        "ht145": {"ordered": true, "tables": true, "max_registers": 0},
         "cap96": {"ordered": true, "max_registers": 96, "splits": {"100": [3], "112": [3], "64": [4], "32": [8]}},
-        "hcap96": {"ordered": true, "halves": true, "max_registers": 96, "splits": {"100": [3], "112": [3], "64": [4],
-        "32": [8]}},
-        "h3": {"ordered": true, "halves": true, "stages": 3},
-        "work": {"ordered": true, "probe": "work"}, "workhalves": {"ordered": true, "probe": "work", "halves": true},
-        "workht145": {"ordered": true, "probe": "work", "halves": true, "tables": true, "max_registers": 0},
+        "h3": {"ordered": true, "stages": 3},
+        "copies": {"ordered": true, "probe": "copies"},
+        "work": {"ordered": true, "probe": "work"}, "workshifted": {"ordered": true, "probe": "work", "halves": false},
+        "workht145": {"ordered": true, "probe": "work", "tables": true, "max_registers": 0},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
 }
 q4_offset_probe() {  # q4_offset_probe LIMIT_SECONDS: q4's decode as served (twice) beside its keys over their offsets
@@ -497,19 +498,19 @@ write-caps)   # TurboQuant's prefill-sized writes under register caps (kv_write.
     ;;
 tq-lean)   # TurboQuant's decode with its scale columns widened from half registers (TQ_HALVES) and, for 3-bit values,
            # the codebook's byte tables held in registers (TQ_TABLES; uncapped: 145 registers, 12 programs a
-           # multiprocessor) beside the served kernel, and the same as work-only probes (no copies: what an H100,
-           # bound by the reads, hides), at the same-memory run's batches and the table's shapes; q4 with its keys over
-           # their offsets (Q4_OFFSET_KEYS); then K q4_0 / V q4_0 with half registers (32 keys a step)
+           # multiprocessor) beside the served kernel, the copies-only and work-only probes (what an H100, bound by
+           # the reads, hides), at the same-memory run's batches and the table's shapes; q4 with its keys over their
+           # offsets (Q4_OFFSET_KEYS); then K q4_0 / V q4_0 served (half registers, 32 keys a step) and shifted
     nvidia-smi --query-gpu=name --format=csv,noheader
     tq_lean_probe 200
     q4_offset_probe 100
     run 120 env FORMAT=turboquant NAME=lean_table SHAPES='[[64, 1536], [128, 2048], [1, 32768]]' \
         SPLITS='{"64": [2, 4], "128": [1, 2], "1": [128]}' VARIANTS='{"lf": {"ordered": true},
-        "halves": {"ordered": true, "halves": true},
-        "ht145": {"ordered": true, "halves": true, "tables": true, "max_registers": 0}}' OUT="$OUT" \
+        "shifted": {"ordered": true, "halves": false},
+        "ht145": {"ordered": true, "tables": true, "max_registers": 0}}' OUT="$OUT" \
         python bench/gluon_probe.py
     run 120 env FORMAT="turboquant:k=q4_0,v=q4_0" NAME=lean44 SHAPES='[[100, 1536], [64, 8192], [32, 4096],
-        [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "halves": {"ordered": true, "halves": true},
+        [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "shifted": {"ordered": true, "halves": false},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
 lean-engine)   # TurboQuant with its scale columns from half registers (TQ_HALVES, served) and shifted out, then q4
@@ -528,6 +529,11 @@ lean-engine)   # TurboQuant with its scale columns from half registers (TQ_HALVE
     done
     run 200 python -c "import sys, pytest; import pagedkv.ops.triton.decode_gluon as g; g.Q4_OFFSET_KEYS = True
 sys.exit(pytest.main(['-q', '-rf', '-p', 'no:cacheprovider', 'tests/triton/test_decode_gluon.py', '-k', 'q4']))"
+    ;;
+served)   # issue 10's decode table as served and the same-memory run, nothing else (~5 min: what an H200 lease that
+          # comes with little device time left should run)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    served_table_and_memory
     ;;
 h200-lean)   # on an H200, in one call (~9 min): TurboQuant's lean variants and three splits capped at 96 registers at
              # the run's batches (tq-lean's first probe), q4 with its keys over their offsets, then issue 10's decode
