@@ -3,6 +3,8 @@
 # (a call's limit), measurements first so that a call cut short still brings numbers back. Results go to $OUT
 # (default bench/results); each step has its own time limit and runs even if an earlier one failed; the exit
 # code says whether any did.
+# More than 8 files in an $OUT outside the repository (a device call's, which brings back 8) are packed into
+# $OUT/results.tar.gz at the end.
 #
 #   OUT=/some/dir bash bench/h200_run.sh kernels   # the write GPU tests, kernel tables (plain and with a window of 128;
 #                                                  # prefill also through the fused kernels)
@@ -594,8 +596,19 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
     exit 2
     ;;
+esac
+# A device call brings back at most 8 files from its output folder: where a mode wrote more into a folder outside
+# the repository, they go back as one archive, results.tar.gz (`tar -xzf results.tar.gz -C DIR` unpacks it)
+out_abs=$(cd "$OUT" && pwd)
+count=$(find "$out_abs" -type f | wc -l)
+case "$out_abs/" in
+"$PWD"/*) ;;
+*)  if [ "$count" -gt 8 ]; then
+        tar -czf "/tmp/h200_run_$$.tar.gz" -C "$out_abs" . && find "$out_abs" -mindepth 1 -delete \
+            && mv "/tmp/h200_run_$$.tar.gz" "$out_abs/results.tar.gz" && echo "== $count files packed: $OUT/results.tar.gz"
+    fi ;;
 esac
 exit $status
