@@ -141,22 +141,18 @@ with_write_cap() {  # with_write_cap None|N LIMIT_SECONDS SCRIPT ARGS...: kv_wri
     with_setting kv_write.TQ_MAX_REGISTERS "$@"
 }
 tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served (twice; half-register scale columns,
-                   # TQ_HALVES, since session 48) beside its scale columns shifted out (as before), with codebook
-                   # tables too (TQ_TABLES) at 128 registers and uncapped, at three splits capped at 96 registers, with
-                   # a three-stage ring (two steps in flight), with page offsets in 32 bits (OFFSETS32: 544 -> 527
-                   # loop instructions; with uncapped tables 492), and the probes: the copies alone (the reads'
-                   # bound) and the work alone of the served, shifted and uncapped-tables kernels
+                   # TQ_HALVES, since session 48) beside its scale columns shifted out (as before), with the codebook's
+                   # tables in registers (TQ_TABLES: 516 loop instructions at 128 registers against 544; uncapped 509
+                   # at 141), with page offsets in 32 bits (OFFSETS32: 527; with the tables 500), and the probes: the
+                   # copies alone (the reads' bound) and the work alone of the served, shifted and tables kernels
     run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [1, 2, 3], "112": [1, 2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
         "shifted": {"ordered": true, "halves": false}, "ht": {"ordered": true, "tables": true},
         "ht145": {"ordered": true, "tables": true, "max_registers": 0},
-        "cap96": {"ordered": true, "max_registers": 96, "splits": {"100": [3], "112": [3], "64": [4], "32": [8]}},
-        "h3": {"ordered": true, "stages": 3},
-        "o32": {"ordered": true, "offsets32": true},
-        "o32ht145": {"ordered": true, "offsets32": true, "tables": true, "max_registers": 0},
+        "o32": {"ordered": true, "offsets32": true}, "o32ht": {"ordered": true, "offsets32": true, "tables": true},
         "copies": {"ordered": true, "probe": "copies"},
         "work": {"ordered": true, "probe": "work"}, "workshifted": {"ordered": true, "probe": "work", "halves": false},
-        "workht145": {"ordered": true, "probe": "work", "tables": true, "max_registers": 0},
+        "workht": {"ordered": true, "probe": "work", "tables": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
 }
 q4_offset_probe() {  # q4_offset_probe LIMIT_SECONDS: q4's decode as served (twice) beside its keys over their offsets
@@ -511,8 +507,8 @@ tq-lean)   # TurboQuant's decode with its scale columns widened from half regist
     q4_offset_probe 100
     run 120 env FORMAT=turboquant NAME=lean_table SHAPES='[[64, 1536], [128, 2048], [1, 32768]]' \
         SPLITS='{"64": [2, 4], "128": [1, 2], "1": [128]}' VARIANTS='{"lf": {"ordered": true},
-        "shifted": {"ordered": true, "halves": false},
-        "ht145": {"ordered": true, "tables": true, "max_registers": 0}}' OUT="$OUT" \
+        "shifted": {"ordered": true, "halves": false}, "ht": {"ordered": true, "tables": true},
+        "o32ht": {"ordered": true, "offsets32": true, "tables": true}}' OUT="$OUT" \
         python bench/gluon_probe.py
     run 120 env FORMAT="turboquant:k=q4_0,v=q4_0" NAME=lean44 SHAPES='[[100, 1536], [64, 8192], [32, 4096],
         [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "shifted": {"ordered": true, "halves": false},

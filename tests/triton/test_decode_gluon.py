@@ -223,6 +223,31 @@ def test_turboquant_decode_with_block_ids_a_step_ahead_matches_reference(shape, 
                             num_splits=num_splits, pairs=False, ids_ahead=True)
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("options", [{"halves": False}, {"tables": True}, {"tables": True, "offsets32": True},
+                                     {"tables": True, "max_registers": 0}], ids=lambda o: "-".join(o))
+@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q4_0,v=q3_0"])
+@pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
+def test_turboquant_decode_variants_match_reference(shape, spec, options, num_splits):
+    """TurboQuant's decode with its scale columns shifted out (as before TQ_HALVES), with the 3-bit codebook's
+    tables in registers (TQ_TABLES; with 32-bit page offsets; uncapped): attention as the reference's."""
+    check_against_reference(hash(("lean", spec, shape)) % 1000, spec, "turboquant", shape, torch.bfloat16,
+                            num_splits=num_splits, **options)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
+def test_q4_decode_with_keys_over_their_offsets_matches_reference(shape, num_splits, dtype):
+    """`paged_attention_q4(offset_keys=True)` (Q4_OFFSET_KEYS): attention as the reference's."""
+    check_against_reference(hash(("offset", shape)) % 1000, "q4", "q4", shape, dtype, num_splits=num_splits,
+                            offset_keys=True)
+
+
 def test_dense_decode_reads_four_kv_heads_a_program_where_they_divide():
     """`decode_gluon.dense_heads` (CPU): four KV heads a program where four divide them, else one (SmolLM2's three
     KV heads, two)."""

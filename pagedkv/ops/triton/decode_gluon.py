@@ -75,13 +75,13 @@ TQ_TUNING = {("q8_0", "q3_0"): (128, 16), ("q4_0", "q4_0"): (None, 12)}
 Q4_PAIRS_BITS = (4,)
 TQ_PAIRS = (("q4_0", "q4_0"),)
 # K q8_0 / V q3_0 loop instructions a 16-key step on sm_90: TQ_HALVES widens the scale columns from half registers of
-# their words, no shifts (`column`): 556 -> 544 at 128 registers. TQ_TABLES holds the 3-bit codebook's byte tables in
-# registers (`code_tables`) where the assembler moved an immediate into a register before each look-up: with TQ_HALVES,
-# uncapped, 509 at 141 registers launched longest first (12 programs a multiprocessor, not 16; capped at 128 the moves
-# come back: 543). Timed on an H100 (`bash bench/h200_run.sh tq-lean`, 2026-12-07), bound by its reads: TQ_HALVES within
-# 1% of the kernel before everywhere, its work-only probe 1.016-1.024x faster at the served 2 splits at batches 112 /
-# 100 x 1,536, so it is on (to be timed on an H200, where the work is nearer the bound); the same-memory run the same
-# (23,205 against 23,223 output tokens/s, two runs each). TQ_TABLES uncapped was no faster (slower at most splits)
+# their words, no shifts (`column`): 556 -> 544 at 128 registers. Timed on an H100 (`bash bench/h200_run.sh tq-lean`,
+# 2026-12-07), bound by its reads: within 1% of the kernel before everywhere, its work-only probe 1.016-1.024x faster at
+# the served 2 splits at batches 112 / 100 x 1,536, the same-memory run the same (23,205 against 23,223 output tokens/s,
+# two runs each); so it is on, to be timed on an H200, where the work is nearer the bound. TQ_TABLES holds the 3-bit
+# codebook's byte tables in registers (`code_tables`) where the assembler moved an immediate into a register before each
+# look-up: 516 at 128 registers (500 with 32-bit page offsets), uncapped 509 at 141. Off until timed on an H200 (on an
+# H100, before the tables were lane-varying, 543 at 128: the same time as TQ_HALVES; uncapped no faster)
 TQ_TABLES = False
 TQ_HALVES = True
 # q4 keys left over their float16 offsets (`NIBBLE_OFFSET_ASM`, as TurboQuant's q4_0 keys), the offsets and the codes'
@@ -523,16 +523,20 @@ def column(words, G: gl.constexpr, HALVES: gl.constexpr = False):
 
 
 @gluon.jit
-def code_tables(cb_ptr):
+def code_tables(cb_ptr, runtime_zero):
     """The low-byte and high-byte tables of the 3-bit codebook's entries 0-3 (`conversions._f16_byte_words`), from
     its float16 entries in memory (cb_ptr): values the assembler cannot fold into immediates, so they stay in two
-    registers through the loop (CODE_NIBBLES_TABLE_ASM)."""
+    registers through the loop (CODE_NIBBLES_TABLE_ASM). Each plus the lane's id times `runtime_zero` (0, from a
+    kernel argument): the same values, but not the same in every lane as far as ptxas can tell, so it cannot park
+    them in uniform registers and move them into regular ones before every look-up (which it did at 128 registers:
+    543 loop instructions, now 516)."""
     w = gl.load(cb_ptr.to(gl.pointer_type(gl.int64)))   # entries 0-3, 16 bits each
     lo = w.to(gl.int32)
     hi = (w >> 32).to(gl.int32)
     l0 = (lo & 0xFF) | ((lo >> 8) & 0xFF00) | ((hi & 0xFF) << 16) | (((hi >> 16) & 0xFF) << 24)
     h0 = ((lo >> 8) & 0xFF) | ((lo >> 16) & 0xFF00) | ((hi << 8) & 0xFF0000) | (((hi >> 24) & 0xFF) << 24)
-    return l0, h0
+    lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+    return l0 + lane * runtime_zero, h0 + lane * runtime_zero
 
 
 @gluon.jit
@@ -766,7 +770,7 @@ def decode_tq_kernel(
     l0 = None
     h0 = None
     if TABLES and V_BITS == 3:
-        l0, h0 = code_tables(cb_ptr)
+        l0, h0 = code_tables(cb_ptr, (num_seqs < 0).to(gl.int32))   # num_seqs >= 0: a zero
     if PAIRS:
         for start in range(kv_lo, kv_hi, 32):
             for st in gl.static_range(2):
