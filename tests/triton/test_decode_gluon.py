@@ -87,6 +87,22 @@ def test_page_offsets_are_32_bits_only_where_asked_and_every_page_tensor_fits():
     assert decode_gluon.offsets_in_32_bits(None, small) == decode_gluon.OFFSETS32
 
 
+@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q4_0,v=q4_0"])
+def test_constant_slot_strides_only_where_the_pages_are_head_major(spec):
+    """`head_major`: true for the pages the format lays out (`allocate_pages`), false for a slot-major copy of
+    them, whose rows are a head apart: TQ_ROWS (`rows=True`) then takes the strides it is given."""
+    from pagedkv.config import KVFormat
+    from pagedkv.formats import make_format
+    from pagedkv.ops.triton import decode_gluon
+    from pagedkv.ops.triton.page_view import page_view
+
+    fmt = make_format(KVFormat.parse(spec), 8, 128, torch.bfloat16, "cpu")
+    pages = fmt.allocate_pages(4, 16)
+    assert decode_gluon.head_major(page_view(fmt, pages))
+    slot_major = {name: t.contiguous() for name, t in pages.items()}   # [block, slot, head, row] in that order
+    assert not decode_gluon.head_major(page_view(fmt, slot_major))
+
+
 # (format, kernel, shape, with a dense recent window): each kernel over its pages, and with a window where it has
 # one (dense pages have none)
 ORDER_CASES = [(*case, window) for case in CASES if case[2] in ((2, 2, 64, 16), (8, 2, 128, 16)) and case[0] in (
@@ -227,12 +243,14 @@ def test_turboquant_decode_with_block_ids_a_step_ahead_matches_reference(shape, 
 @needs_gpu
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("options", [{"halves": False}, {"tables": True}, {"tables": True, "offsets32": True},
-                                     {"tables": True, "max_registers": 0}], ids=lambda o: "-".join(o))
-@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q4_0,v=q3_0"])
+                                     {"tables": True, "max_registers": 0}, {"rows": True},
+                                     {"rows": True, "tables": True, "offsets32": True}], ids=lambda o: "-".join(o))
+@pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q4_0,v=q3_0", "turboquant:k=q4_0,v=q4_0"])
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
 def test_turboquant_decode_variants_match_reference(shape, spec, options, num_splits):
     """TurboQuant's decode with its scale columns shifted out (as before TQ_HALVES), with the 3-bit codebook's
-    tables in registers (TQ_TABLES; with 32-bit page offsets; uncapped): attention as the reference's."""
+    tables in registers (TQ_TABLES; with 32-bit page offsets; uncapped), with constant slot strides (TQ_ROWS; with
+    the tables and 32-bit offsets): attention as the reference's."""
     check_against_reference(hash(("lean", spec, shape)) % 1000, spec, "turboquant", shape, torch.bfloat16,
                             num_splits=num_splits, **options)
 

@@ -84,6 +84,10 @@ TQ_PAIRS = (("q4_0", "q4_0"),)
 # H100, before the tables were lane-varying, 543 at 128: the same time as TQ_HALVES; uncapped no faster)
 TQ_TABLES = False
 TQ_HALVES = True
+# TQ_ROWS: the pages' slot strides taken as their rows' sizes where they are (`head_major`, as `empty_pages` lays them
+# out), constants, so that each lane's copies are one address and immediate offsets: 544 -> 536 loop instructions
+# (with TQ_TABLES and 32-bit page offsets 500 -> 490; the tables uncapped then fit 128 registers too). Off until timed
+TQ_ROWS = False
 # q4 keys left over their float16 offsets (`NIBBLE_OFFSET_ASM`, as TurboQuant's q4_0 keys), the offsets and the codes'
 # + 7 taken off once per program as the start of the products (`q4_offset_start`): four fewer instructions every
 # eight key codes. Off until timed on an H200: on an H100 (2026-12-07), bound by q4's reads, within 1% of the kernel
@@ -580,21 +584,33 @@ def value_tile(f):
 @gluon.jit
 def copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start, kv_hi, k_strides, ks_strides, v_strides,
                  vs_strides, k_sm, s_sm, m_sm, n_sm, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
-                 V_BITS: gl.constexpr, OFFSETS32: gl.constexpr = False, SCALES: gl.constexpr = True):
+                 V_BITS: gl.constexpr, OFFSETS32: gl.constexpr = False, SCALES: gl.constexpr = True,
+                 ROWS: gl.constexpr = False):
     """Ask for the 16 TurboQuant keys from `start` into one stage of the ring (cp.async): key codes (each lane its
     own runs), the four group scales and zero points of keys and the four scales of values as rows 0, 1, 2 of the
     stage's scale words (masked: zero), the values (3-bit: the units' M words and N bytes, rows of 32 and 16 bytes;
-    4-bit: the units' words, rows of 64 bytes). Without SCALES (a probe) the scale words are not copied."""
+    4-bit: the units' words, rows of 64 bytes). Without SCALES (a probe) the scale words are not copied. ROWS:
+    `slot_stride`'s."""
     copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block_of(bt_row, start, kv_hi, BLOCK_SIZE, OFFSETS32), start,
                   kv_hi, k_strides, ks_strides, v_strides, vs_strides, k_sm, s_sm, m_sm, n_sm, BLOCK_SIZE, K_BITS,
-                  V_BITS, SCALES)
+                  V_BITS, SCALES, ROWS)
+
+
+@gluon.jit
+def slot_stride(strides, ROW: gl.constexpr, ROWS: gl.constexpr):
+    """A page tensor's slot stride (elements): ROW, its rows' size, where the launch found every page tensor
+    head-major (ROWS: each slot's row right after the one before), so that a lane's copies are one address and
+    immediate offsets; else the stride the launch passed."""
+    if ROWS:
+        return ROW
+    return strides[1]
 
 
 @gluon.jit
 def copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, start, kv_hi, k_strides, ks_strides, v_strides,
                   vs_strides, k_sm, s_sm, m_sm, n_sm, BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr,
-                  V_BITS: gl.constexpr, SCALES: gl.constexpr):
-    """`copy_tq_step` with the step's page block already loaded (`block_of`)."""
+                  V_BITS: gl.constexpr, SCALES: gl.constexpr, ROWS: gl.constexpr = False):
+    """`copy_tq_step` with the step's page block already loaded (`block_of`); ROWS: `slot_stride`'s."""
     slot = start % BLOCK_SIZE
     if K_BITS == 8:
         kr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_ROWS))
@@ -602,12 +618,12 @@ def copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, start, kv_hi, k_s
     else:
         kr = gl.arange(0, 16, layout=gl.SliceLayout(1, Q4_KEYS))
         kc = gl.arange(0, 64, layout=gl.SliceLayout(0, Q4_KEYS))
-    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_strides[1]
+    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * slot_stride(k_strides, 16 * K_BITS, ROWS)
                                            + kc[None, :])
     t = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_WORDS))[:, None]   # a key's four fp16 as one 8-byte word
     sr = gl.arange(0, 16, layout=gl.SliceLayout(0, SCALE_WORDS))[None, :]
-    k_row = block * ks_strides[0] + (slot + sr) * ks_strides[1]
-    v_row = block * vs_strides[0] + (slot + sr) * vs_strides[1]
+    k_row = block * ks_strides[0] + (slot + sr) * slot_stride(ks_strides, 4, ROWS)
+    v_row = block * vs_strides[0] + (slot + sr) * slot_stride(vs_strides, 4, ROWS)
     s_at = gl.where(t == 0, ks_ptr + k_row, gl.where(t == 1, kz_ptr + k_row, vs_ptr + v_row))
     if SCALES:
         async_copy.async_copy_global_to_shared(s_sm, s_at.to(gl.pointer_type(gl.int64)),
@@ -615,13 +631,13 @@ def copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, start, kv_hi, k_s
     if V_BITS == 3:
         vr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_UNITS))
         vc = gl.arange(0, 16, layout=gl.SliceLayout(0, COPY_UNITS))
-        v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
+        v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * slot_stride(v_strides, 48 if V_BITS == 3 else 64, ROWS)
         async_copy.async_copy_global_to_shared(m_sm, (v_row.to(gl.pointer_type(gl.int16)) + vc[None, :]))
         async_copy.async_copy_global_to_shared(n_sm, v_row + 32 + vc[None, :])
     else:
         vr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_WORDS))
         vc = gl.arange(0, 16, layout=gl.SliceLayout(0, COPY_WORDS))
-        v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * v_strides[1]
+        v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * slot_stride(v_strides, 48 if V_BITS == 3 else 64, ROWS)
         async_copy.async_copy_global_to_shared(m_sm, v_row.to(gl.pointer_type(gl.int32)) + vc[None, :])
     async_copy.commit_group()
 
@@ -708,7 +724,7 @@ def decode_tq_kernel(
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
     PROBE: gl.constexpr = 0, IDS_AHEAD: gl.constexpr = False, TABLES: gl.constexpr = False,
-    HALVES: gl.constexpr = False,
+    HALVES: gl.constexpr = False, ROWS: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. PROBE: one of PROBES'
@@ -744,7 +760,7 @@ def decode_tq_kernel(
             copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * st, kv_hi, k_strides, ks_strides,
                          v_strides, vs_strides, k_ring.index(st), s_ring.index(st),
                          m_ring.index(st), n_ring.index(st), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32,
-                         SCALES=PROBE != PROBE_CODES)
+                         SCALES=PROBE != PROBE_CODES, ROWS=ROWS)
 
     qh = gl.arange(0, 8, layout=gl.SliceLayout(0, PLAIN))
     q_at = q_ptr + token.to(gl.int64) * stride_qt + (kv_head * GROUP + qh[None, :]) * stride_qh
@@ -777,7 +793,8 @@ def decode_tq_kernel(
                 ahead = (stage + 2 + st) % 4
                 copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 32 + 16 * st, kv_hi, k_strides,
                              ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
-                             m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32)
+                             m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32,
+                             ROWS=ROWS)
             async_copy.wait_group(2)
             nxt = stage + 1
             sa = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
@@ -804,7 +821,7 @@ def decode_tq_kernel(
                 copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, start + 16 * (STAGES - 1), kv_hi,
                               k_strides, ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
                               m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS,
-                              PROBE != PROBE_CODES)
+                              PROBE != PROBE_CODES, ROWS)
                 if IDS_AHEAD:
                     nxt = block_of(bt_row, start + 16 * STAGES, kv_hi, BLOCK_SIZE, OFFSETS32)
                 async_copy.wait_group(STAGES - 1)
@@ -863,14 +880,15 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
                        offsets32: bool | None = None, probe: str | None = None,
                        ids_ahead: bool = False, tables: bool | None = None,
-                       halves: bool | None = None) -> torch.Tensor:
+                       halves: bool | None = None, rows: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
     `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`);
     `probe`: a timing probe in place of attention (PROBES; 16 keys a step), its output not attention's;
     `ids_ahead`: block ids a step ahead (16 keys a step: pass pairs=False for K q4_0 / V q4_0; a probe); `tables`,
-    `halves`: TQ_TABLES, TQ_HALVES (None: as set there)."""
+    `halves`, `rows`: TQ_TABLES, TQ_HALVES, TQ_ROWS (None: as set there; rows only where the pages are
+    `head_major`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -904,10 +922,17 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         K_BITS=view.k_bits, V_BITS=view.v_bits, STAGES=stages, WINDOW=window is not None, PAIRS=pairs,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
         PROBE=PROBES[probe] if probe else 0, IDS_AHEAD=ids_ahead, TABLES=TQ_TABLES if tables is None else tables,
-        HALVES=TQ_HALVES if halves is None else halves, num_warps=1,
-        **({"maxnreg": max_registers} if max_registers else {}))
+        HALVES=TQ_HALVES if halves is None else halves, ROWS=(TQ_ROWS if rows is None else rows) and head_major(view),
+        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
+
+
+def head_major(view) -> bool:
+    """Whether every TurboQuant page tensor has the slot stride `decode_tq_kernel` takes for ROWS (`slot_stride`): its
+    row's size (head_dim 128: 16 x key bits bytes of key codes, 48 or 64 bytes of values, four scales)."""
+    rows = {"k": 16 * view.k_bits, "k_scale": 4, "k_zero": 4, "v": 48 if view.v_bits == 3 else 64, "v_scale": 4}
+    return all(getattr(view, name).stride(1) == row for name, row in rows.items())
 
 
 # KV-Quant q4 and q6 at head_dim 128 (codes + 7 two per byte; q6: codes + 31, their low nibbles so, then a plane
