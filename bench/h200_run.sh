@@ -57,7 +57,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh tq-lean   # TurboQuant's decode with half-register scale columns and codebook
 #                                                  # tables in registers beside the served one (errors and times)
 #   OUT=/some/dir bash bench/h200_run.sh lean-engine  # the same-memory run, TurboQuant with TQ_ROWS, TQ_TABLES and
-#                                                  # OFFSETS32 off / on, q4 with Q4_OFFSET_KEYS off / on, alternating
+#                                                  # OFFSETS32 off / on, q4 with Q4_OFFSET_KEYS and OFFSETS32 off /
+#                                                  # on, alternating
 #   OUT=/some/dir bash bench/h200_run.sh served    # issue 10's decode table and the same-memory run alone
 #   OUT=/some/dir bash bench/h200_run.sh h200-lean  # on an H200: the served table and same-memory run, then the lean
 #                                                  # TurboQuant variants and three splits at 96 registers
@@ -160,10 +161,12 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
 }
 q4_offset_probe() {  # q4_offset_probe LIMIT_SECONDS: q4's decode as served (twice) beside its keys over their offsets
-                     # (Q4_OFFSET_KEYS), at the same-memory run's batches (~144 at 1,536 tokens) and the table's shapes
+                     # (Q4_OFFSET_KEYS: 659 -> 599 loop instructions a 32-key step), with 32-bit page offsets (633;
+                     # both 576), at the same-memory run's batches (~144 at 1,536 tokens) and the table's shapes
     run "$1" env FORMAT=q4 NAME=offset_keys SHAPES='[[144, 1536], [112, 1536], [64, 8192], [32, 4096], [1, 32768]]' \
         VARIANTS='{"lf": {"ordered": true}, "offset": {"ordered": true, "offset_keys": true},
-        "lf2": {"ordered": true}, "offset2": {"ordered": true, "offset_keys": true}}' OUT="$OUT" \
+        "o32": {"ordered": true, "offsets32": true}, "offset_o32": {"ordered": true, "offset_keys": true,
+        "offsets32": true}, "lf2": {"ordered": true}, "offset2": {"ordered": true, "offset_keys": true}}' OUT="$OUT" \
         python bench/gluon_probe.py
 }
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
@@ -521,7 +524,8 @@ tq-lean)   # TurboQuant's decode with its scale columns widened from half regist
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
 lean-engine)   # TurboQuant as served and with TQ_ROWS, TQ_TABLES and OFFSETS32 on (490 loop instructions against
-               # 544), then q4 as served and with its keys over their offsets (Q4_OFFSET_KEYS): the same-memory run
+               # 544), then q4 as served and with its keys over their offsets and 32-bit page offsets
+               # (Q4_OFFSET_KEYS, OFFSETS32: 576 against 659 a 32-key step): the same-memory run
                # alternating, twice (ROUNDS=n: n times); then the q4 GPU decode tests with the offsets on (one process)
     nvidia-smi --query-gpu=name --format=csv,noheader
     for round in $(seq "${ROUNDS:-2}"); do
@@ -530,8 +534,8 @@ lean-engine)   # TurboQuant as served and with TQ_ROWS, TQ_TABLES and OFFSETS32 
                 "${SAME_MEMORY[@]}" --formats turboquant --out "$OUT/memory_lean_${lean}_$round"
         done
         for offset in False True; do
-            with_setting decode_gluon.Q4_OFFSET_KEYS "$offset" 80 "${SAME_MEMORY[@]}" --formats q4 \
-                --out "$OUT/memory_q4_offset_${offset}_$round"
+            with_setting decode_gluon.Q4_OFFSET_KEYS,decode_gluon.OFFSETS32 "$offset" 80 "${SAME_MEMORY[@]}" \
+                --formats q4 --out "$OUT/memory_q4_offset_${offset}_$round"
         done
     done
     run 200 python -c "import sys, pytest; import pagedkv.ops.triton.decode_gluon as g; g.Q4_OFFSET_KEYS = True
