@@ -243,16 +243,18 @@ def test_turboquant_decode_with_block_ids_a_step_ahead_matches_reference(shape, 
 @needs_gpu
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("options", [{"halves": False}, {"tables": True}, {"tables": True, "offsets32": True},
-                                     {"tables": True, "max_registers": 0}, {"rows": True},
-                                     {"rows": True, "tables": True, "offsets32": True}], ids=lambda o: "-".join(o))
+                                     {"tables": True, "max_registers": 0}, {"rows": True}, {"lane_sums": True},
+                                     {"rows": True, "tables": True, "offsets32": True, "lane_sums": True}],
+                         ids=lambda o: "-".join(o))
 @pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q4_0,v=q3_0", "turboquant:k=q4_0,v=q4_0"])
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
 def test_turboquant_decode_variants_match_reference(shape, spec, options, num_splits):
     """TurboQuant's decode with its scale columns shifted out (as before TQ_HALVES), with the 3-bit codebook's
-    tables in registers (TQ_TABLES; with 32-bit page offsets; uncapped), with constant slot strides (TQ_ROWS; with
-    the tables and 32-bit offsets): attention as the reference's."""
+    tables in registers (TQ_TABLES; with 32-bit page offsets; uncapped), with constant slot strides (TQ_ROWS), with
+    the softmax sums in the lanes (TQ_LANE_SUMS; 16 keys a step: pairs=False), all together: attention as the
+    reference's."""
     check_against_reference(hash(("lean", spec, shape)) % 1000, spec, "turboquant", shape, torch.bfloat16,
-                            num_splits=num_splits, **options)
+                            num_splits=num_splits, pairs=False if "lane_sums" in options else None, **options)
 
 
 @pytest.mark.gpu

@@ -88,6 +88,9 @@ TQ_HALVES = True
 # out), constants, so that each lane's copies are one address and immediate offsets: 544 -> 536 loop instructions
 # (with TQ_TABLES and 32-bit page offsets 500 -> 490; the tables uncapped then fit 128 registers too). Off until timed
 TQ_ROWS = False
+# TQ_LANE_SUMS (16-key steps): the softmax sums kept in the lanes and added up across them once after the loop
+# (`softmax_lanes`), not every step. Off until timed
+TQ_LANE_SUMS = False
 # q4 keys left over their float16 offsets (`NIBBLE_OFFSET_ASM`, as TurboQuant's q4_0 keys), the offsets and the codes'
 # + 7 taken off once per program as the start of the products (`q4_offset_start`): four fewer instructions every
 # eight key codes. Off until timed on an H200: on an H100 (2026-12-07), bound by q4's reads, within 1% of the kernel
@@ -323,6 +326,17 @@ def softmax_step(s, m_i, l_i, KEYS: gl.constexpr = 0):
     p = gl.exp2(s - gl.expand_dims(m_safe, KEYS))
     alpha = gl.exp2(m_i - m_safe)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=KEYS)
+
+
+@gluon.jit
+def softmax_lanes(s, m_i, l_lanes):
+    """`softmax_step` with the sum left in the lanes: l_lanes [16, 8] holds each lane's share of every head's sum
+    (rescaled as the sum is), added up across the lanes once after the loop rather than every step."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_safe[None, :])
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_lanes * alpha[None, :] + p
 
 
 @gluon.jit
@@ -724,12 +738,14 @@ def decode_tq_kernel(
     V_BITS: gl.constexpr, STAGES: gl.constexpr = 2, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
     PROBE: gl.constexpr = 0, IDS_AHEAD: gl.constexpr = False, TABLES: gl.constexpr = False,
-    HALVES: gl.constexpr = False, ROWS: gl.constexpr = False,
+    HALVES: gl.constexpr = False, ROWS: gl.constexpr = False, LANE_SUMS: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. PROBE: one of PROBES'
-    values (0: none). IDS_AHEAD (16 keys a step): each loop step loads the block id of the next step's copy."""
+    values (0: none). IDS_AHEAD (16 keys a step): each loop step loads the block id of the next step's copy. LANE_SUMS
+    (16 keys a step): the softmax sums stay in the lanes until the loop ends (`softmax_lanes`)."""
     gl.static_assert(not (IDS_AHEAD and PAIRS), "block ids a step ahead in steps of 16 keys")
+    gl.static_assert(not (LANE_SUMS and PAIRS), "sums in the lanes in steps of 16 keys")
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -782,6 +798,7 @@ def decode_tq_kernel(
     l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    l_lanes = zero   # LANE_SUMS
     stage = 0
     l0 = None
     h0 = None
@@ -829,13 +846,18 @@ def decode_tq_kernel(
                 s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
                               K_BITS, HALVES)
                 s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+                if LANE_SUMS:
+                    p, alpha, m_i, l_lanes = softmax_lanes(s, m_i, l_lanes)
+                else:
+                    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
                 alpha = alpha[None, :]
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                     p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
                     l0=l0, h0=h0, HALVES=HALVES)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
+    if LANE_SUMS:
+        l_i = gl.sum(l_lanes, axis=0)
 
     oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     h_ok = oh < GROUP
@@ -880,15 +902,16 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
                        offsets32: bool | None = None, probe: str | None = None,
                        ids_ahead: bool = False, tables: bool | None = None,
-                       halves: bool | None = None, rows: bool | None = None) -> torch.Tensor:
+                       halves: bool | None = None, rows: bool | None = None,
+                       lane_sums: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
     `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`);
     `probe`: a timing probe in place of attention (PROBES; 16 keys a step), its output not attention's;
     `ids_ahead`: block ids a step ahead (16 keys a step: pass pairs=False for K q4_0 / V q4_0; a probe); `tables`,
-    `halves`, `rows`: TQ_TABLES, TQ_HALVES, TQ_ROWS (None: as set there; rows only where the pages are
-    `head_major`)."""
+    `halves`, `rows`, `lane_sums`: TQ_TABLES, TQ_HALVES, TQ_ROWS, TQ_LANE_SUMS (None: as set there; rows only where
+    the pages are `head_major`, lane sums only in steps of 16 keys)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -923,7 +946,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
         PROBE=PROBES[probe] if probe else 0, IDS_AHEAD=ids_ahead, TABLES=TQ_TABLES if tables is None else tables,
         HALVES=TQ_HALVES if halves is None else halves, ROWS=(TQ_ROWS if rows is None else rows) and head_major(view),
-        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        LANE_SUMS=(TQ_LANE_SUMS if lane_sums is None else lane_sums) and not pairs, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
