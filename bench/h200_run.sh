@@ -57,8 +57,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh tq-lean   # TurboQuant's decode with half-register scale columns and codebook
 #                                                  # tables in registers beside the served one (errors and times)
 #   OUT=/some/dir bash bench/h200_run.sh lean-engine  # the same-memory run, TurboQuant with TQ_ROWS, TQ_TABLES,
-#                                                  # OFFSETS32 and TQ_LANE_SUMS off / on, q4 with Q4_OFFSET_KEYS and OFFSETS32 off /
-#                                                  # on, alternating
+#                                                  # OFFSETS32 and LANE_SUMS off / on, q4 with Q4_OFFSET_KEYS,
+#                                                  # OFFSETS32 and LANE_SUMS off / on, alternating
 #   OUT=/some/dir bash bench/h200_run.sh served    # issue 10's decode table and the same-memory run alone
 #   OUT=/some/dir bash bench/h200_run.sh h200-lean  # on an H200: the served table and same-memory run, then the lean
 #                                                  # TurboQuant variants and three splits at 96 registers
@@ -146,7 +146,7 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
                    # TQ_HALVES, since session 48) beside its scale columns shifted out (as before), with the codebook's
                    # tables in registers (TQ_TABLES: 516 loop instructions at 128 registers against 544; uncapped 509
                    # at 141), with page offsets in 32 bits (OFFSETS32: 527; with the tables 500), with constant slot
-                   # strides (TQ_ROWS: 536; with both 490), with the softmax sums in the lanes (TQ_LANE_SUMS: 532;
+                   # strides (TQ_ROWS: 536; with both 490), with the softmax sums in the lanes (LANE_SUMS: 532;
                    # all four, `best`: 481), and the probes: the copies alone (the reads' bound) and the work alone
                    # of the served, shifted and tables kernels
     run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
@@ -164,11 +164,14 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
 }
 q4_offset_probe() {  # q4_offset_probe LIMIT_SECONDS: q4's decode as served (twice) beside its keys over their offsets
                      # (Q4_OFFSET_KEYS: 659 -> 599 loop instructions a 32-key step), with 32-bit page offsets (633;
-                     # both 576), at the same-memory run's batches (~144 at 1,536 tokens) and the table's shapes
+                     # both 576), the softmax sums in the lanes (LANE_SUMS: 647; all three, `best`, 564), at the
+                     # same-memory run's batches (~144 at 1,536 tokens) and the table's shapes
     run "$1" env FORMAT=q4 NAME=offset_keys SHAPES='[[144, 1536], [112, 1536], [64, 8192], [32, 4096], [1, 32768]]' \
         VARIANTS='{"lf": {"ordered": true}, "offset": {"ordered": true, "offset_keys": true},
         "o32": {"ordered": true, "offsets32": true}, "offset_o32": {"ordered": true, "offset_keys": true,
-        "offsets32": true}, "lf2": {"ordered": true}, "offset2": {"ordered": true, "offset_keys": true}}' OUT="$OUT" \
+        "offsets32": true}, "ls": {"ordered": true, "lane_sums": true}, "best": {"ordered": true, "offset_keys": true,
+        "offsets32": true, "lane_sums": true}, "lf2": {"ordered": true}, "offset2": {"ordered": true, "offset_keys": true}}' \
+        OUT="$OUT" \
         python bench/gluon_probe.py
 }
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
@@ -523,21 +526,22 @@ tq-lean)   # TurboQuant's decode with its scale columns widened from half regist
     run 120 env FORMAT="turboquant:k=q4_0,v=q4_0" NAME=lean44 SHAPES='[[100, 1536], [64, 8192], [32, 4096],
         [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "shifted": {"ordered": true, "halves": false},
         "rows": {"ordered": true, "rows": true}, "o32rows": {"ordered": true, "rows": true, "offsets32": true},
+        "best": {"ordered": true, "rows": true, "offsets32": true, "lane_sums": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
-lean-engine)   # TurboQuant as served and with TQ_ROWS, TQ_TABLES, OFFSETS32 and TQ_LANE_SUMS on (481 loop
-               # instructions against 544), then q4 as served and with its keys over their offsets and 32-bit page offsets
-               # (Q4_OFFSET_KEYS, OFFSETS32: 576 against 659 a 32-key step): the same-memory run
-               # alternating, twice (ROUNDS=n: n times); then the q4 GPU decode tests with the offsets on (one process)
+lean-engine)   # TurboQuant as served and with TQ_ROWS, TQ_TABLES, OFFSETS32 and LANE_SUMS on (481 loop
+               # instructions against 544), then q4 as served and with Q4_OFFSET_KEYS, OFFSETS32 and LANE_SUMS on
+               # (564 against 659 a 32-key step): the same-memory run alternating, twice (ROUNDS=n: n times); then
+               # the q4 GPU decode tests with the offsets on (one process)
     nvidia-smi --query-gpu=name --format=csv,noheader
     for round in $(seq "${ROUNDS:-2}"); do
         for lean in False True; do
-            with_setting decode_gluon.TQ_ROWS,decode_gluon.TQ_TABLES,decode_gluon.OFFSETS32,decode_gluon.TQ_LANE_SUMS \
+            with_setting decode_gluon.TQ_ROWS,decode_gluon.TQ_TABLES,decode_gluon.OFFSETS32,decode_gluon.LANE_SUMS \
                 "$lean" 80 "${SAME_MEMORY[@]}" --formats turboquant --out "$OUT/memory_lean_${lean}_$round"
         done
         for offset in False True; do
-            with_setting decode_gluon.Q4_OFFSET_KEYS,decode_gluon.OFFSETS32 "$offset" 80 "${SAME_MEMORY[@]}" \
-                --formats q4 --out "$OUT/memory_q4_offset_${offset}_$round"
+            with_setting decode_gluon.Q4_OFFSET_KEYS,decode_gluon.OFFSETS32,decode_gluon.LANE_SUMS "$offset" 80 \
+                "${SAME_MEMORY[@]}" --formats q4 --out "$OUT/memory_q4_offset_${offset}_$round"
         done
     done
     run 200 python -c "import sys, pytest; import pagedkv.ops.triton.decode_gluon as g; g.Q4_OFFSET_KEYS = True

@@ -457,7 +457,8 @@ def main() -> None:
                              "their words and widened from half registers (`halves`, served); K q8_0 / V q3_0 also with its codebook tables in "
                              "registers (`tables`), capped as served and uncapped; q4 with its keys over their "
                              "offsets (`offset_keys`); K q8_0 / V q3_0 with constant slot strides (`rows`), then "
-                             "with the tables, 32-bit page offsets and the softmax sums in the lanes too")
+                             "with the tables, 32-bit page offsets and the softmax sums in the lanes too; q4 with its "
+                             "keys over their offsets, the sums in the lanes and 32-bit page offsets")
     parser.add_argument("--sass-digest", action="store_true",
                         help="print a hash of each decode kernel's SASS per launch (formats, dtypes, head_dims, "
                              "splits, orders, window): diff two runs to see that a change left the kernels as they are")
@@ -512,7 +513,8 @@ def main() -> None:
                                ("turboquant:k=q4_0,v=q4_0", ({"halves": False}, {"halves": True})),
                                ("q4", ({"offset_keys": False}, {"offset_keys": True})),
                                ("turboquant", ({"rows": True}, {"rows": True, "tables": True, "offsets32": True,
-                                                               "lane_sums": True}))):
+                                                               "lane_sums": True})),
+                               ("q4", ({"offset_keys": True, "lane_sums": True, "offsets32": True},))):
             for options in variants:
                 row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, **options)
                 print(json.dumps({**row, "options": options}), flush=True)

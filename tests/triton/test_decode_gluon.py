@@ -251,21 +251,26 @@ def test_turboquant_decode_with_block_ids_a_step_ahead_matches_reference(shape, 
 def test_turboquant_decode_variants_match_reference(shape, spec, options, num_splits):
     """TurboQuant's decode with its scale columns shifted out (as before TQ_HALVES), with the 3-bit codebook's
     tables in registers (TQ_TABLES; with 32-bit page offsets; uncapped), with constant slot strides (TQ_ROWS), with
-    the softmax sums in the lanes (TQ_LANE_SUMS; 16 keys a step: pairs=False), all together: attention as the
-    reference's."""
+    the softmax sums in the lanes (LANE_SUMS), all together: attention as the reference's."""
     check_against_reference(hash(("lean", spec, shape)) % 1000, spec, "turboquant", shape, torch.bfloat16,
-                            num_splits=num_splits, pairs=False if "lane_sums" in options else None, **options)
+                            num_splits=num_splits, **options)
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("spec,options", [("q4", {"offset_keys": True}), ("q4", {"lane_sums": True}),
+                                          ("q4", {"offset_keys": True, "lane_sums": True, "offsets32": True}),
+                                          ("q4", {"lane_sums": True, "pairs": False}), ("q6", {"lane_sums": True})],
+                         ids=lambda c: "-".join(c) if isinstance(c, dict) else c)
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
-def test_q4_decode_with_keys_over_their_offsets_matches_reference(shape, num_splits, dtype):
-    """`paged_attention_q4(offset_keys=True)` (Q4_OFFSET_KEYS): attention as the reference's."""
-    check_against_reference(hash(("offset", shape)) % 1000, "q4", "q4", shape, dtype, num_splits=num_splits,
-                            offset_keys=True)
+def test_q4_and_q6_decode_variants_match_reference(shape, spec, options, num_splits, dtype):
+    """`paged_attention_q4` with the keys over their offsets (Q4_OFFSET_KEYS), with the softmax sums in the lanes
+    (LANE_SUMS; in steps of 32 keys and of 16), all together with 32-bit page offsets: attention as the
+    reference's."""
+    check_against_reference(hash(("q4 variants", spec, shape)) % 1000, spec, spec, shape, dtype,
+                            num_splits=num_splits, **options)
 
 
 def test_dense_decode_reads_four_kv_heads_a_program_where_they_divide():

@@ -88,9 +88,10 @@ TQ_HALVES = True
 # out), constants, so that each lane's copies are one address and immediate offsets: 544 -> 536 loop instructions
 # (with TQ_TABLES and 32-bit page offsets 500 -> 490; the tables uncapped then fit 128 registers too). Off until timed
 TQ_ROWS = False
-# TQ_LANE_SUMS (16-key steps): the softmax sums kept in the lanes and added up across them once after the loop
-# (`softmax_lanes`), not every step. Off until timed
-TQ_LANE_SUMS = False
+# LANE_SUMS (TurboQuant, q4, q6): the softmax sums kept in the lanes and added up across them once after the loop
+# (`softmax_lanes`, `softmax_pair_lanes`), not every step: TurboQuant 544 -> 532 loop instructions a 16-key step.
+# Off until timed
+LANE_SUMS = False
 # q4 keys left over their float16 offsets (`NIBBLE_OFFSET_ASM`, as TurboQuant's q4_0 keys), the offsets and the codes'
 # + 7 taken off once per program as the start of the products (`q4_offset_start`): four fewer instructions every
 # eight key codes. Off until timed on an H200: on an H100 (2026-12-07), bound by q4's reads, within 1% of the kernel
@@ -337,6 +338,17 @@ def softmax_lanes(s, m_i, l_lanes):
     p = gl.exp2(s - m_safe[None, :])
     alpha = gl.exp2(m_i - m_safe)
     return p, alpha, m_new, l_lanes * alpha[None, :] + p
+
+
+@gluon.jit
+def softmax_pair_lanes(sa, sb, m_i, l_lanes):
+    """`softmax_pair` with the sum left in the lanes, as `softmax_lanes`."""
+    m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    pa = gl.exp2(sa - m_safe[None, :])
+    pb = gl.exp2(sb - m_safe[None, :])
+    alpha = gl.exp2(m_i - m_safe)[None, :]
+    return pa, pb, alpha, m_new, l_lanes * alpha + pa + pb
 
 
 @gluon.jit
@@ -742,10 +754,9 @@ def decode_tq_kernel(
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. PROBE: one of PROBES'
-    values (0: none). IDS_AHEAD (16 keys a step): each loop step loads the block id of the next step's copy. LANE_SUMS
-    (16 keys a step): the softmax sums stay in the lanes until the loop ends (`softmax_lanes`)."""
+    values (0: none). IDS_AHEAD (16 keys a step): each loop step loads the block id of the next step's copy. LANE_SUMS:
+    the softmax sums stay in the lanes until the loop ends (`softmax_lanes`)."""
     gl.static_assert(not (IDS_AHEAD and PAIRS), "block ids a step ahead in steps of 16 keys")
-    gl.static_assert(not (LANE_SUMS and PAIRS), "sums in the lanes in steps of 16 keys")
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -820,7 +831,10 @@ def decode_tq_kernel(
                            K_BITS, HALVES)
             sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
-            pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
+            if LANE_SUMS:
+                pa, pb, alpha, m_i, l_lanes = softmax_pair_lanes(sa, sb, m_i, l_lanes)
+            else:
+                pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 pa, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
                 l0=l0, h0=h0, HALVES=HALVES)
@@ -910,8 +924,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`);
     `probe`: a timing probe in place of attention (PROBES; 16 keys a step), its output not attention's;
     `ids_ahead`: block ids a step ahead (16 keys a step: pass pairs=False for K q4_0 / V q4_0; a probe); `tables`,
-    `halves`, `rows`, `lane_sums`: TQ_TABLES, TQ_HALVES, TQ_ROWS, TQ_LANE_SUMS (None: as set there; rows only where
-    the pages are `head_major`, lane sums only in steps of 16 keys)."""
+    `halves`, `rows`, `lane_sums`: TQ_TABLES, TQ_HALVES, TQ_ROWS, LANE_SUMS (None: as set there; rows only where
+    the pages are `head_major`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -946,7 +960,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
         PROBE=PROBES[probe] if probe else 0, IDS_AHEAD=ids_ahead, TABLES=TQ_TABLES if tables is None else tables,
         HALVES=TQ_HALVES if halves is None else halves, ROWS=(TQ_ROWS if rows is None else rows) and head_major(view),
-        LANE_SUMS=(TQ_LANE_SUMS if lane_sums is None else lane_sums) and not pairs, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
@@ -1066,10 +1080,11 @@ def decode_q4_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
-    OFFSET_KEYS: gl.constexpr = False,
+    OFFSET_KEYS: gl.constexpr = False, LANE_SUMS: gl.constexpr = False,
 ):
     """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
-    then has 4 stages), else 16 keys a step with STAGES - 1 ahead."""
+    then has 4 stages), else 16 keys a step with STAGES - 1 ahead. LANE_SUMS: the softmax sums stay in the lanes
+    until the loop ends (`softmax_lanes`)."""
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -1124,6 +1139,7 @@ def decode_q4_kernel(
     l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    l_lanes = zero   # LANE_SUMS
     stage = 0
     if PAIRS:
         for start in range(kv_lo, kv_hi, 32):
@@ -1139,7 +1155,10 @@ def decode_q4_kernel(
             sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, products, scale, BITS, OFFSET_KEYS)
             sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
-            pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
+            if LANE_SUMS:
+                pa, pb, alpha, m_i, l_lanes = softmax_pair_lanes(sa, sb, m_i, l_lanes)
+            else:
+                pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
                 pa, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
@@ -1156,12 +1175,17 @@ def decode_q4_kernel(
             async_copy.wait_group(STAGES - 1)
             s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, products, scale, BITS, OFFSET_KEYS)
             s = gl.where((start + sr < kv_hi)[:, None], s, float("-inf"))
-            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+            if LANE_SUMS:
+                p, alpha, m_i, l_lanes = softmax_lanes(s, m_i, l_lanes)
+            else:
+                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
                 p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                 alpha[None, :], BITS)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
+    if LANE_SUMS:
+        l_i = gl.sum(l_lanes, axis=0)
 
     oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     h_ok = oh < GROUP
@@ -1209,11 +1233,12 @@ def _reads_q46(fmt, query, block_size, softcap, sliding_window) -> bool:
 def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta, *, scale: float,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
-                       offsets32: bool | None = None, offset_keys: bool | None = None) -> torch.Tensor:
+                       offsets32: bool | None = None, offset_keys: bool | None = None,
+                       lane_sums: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
     dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed,
     `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits
-    (`offsets_in_32_bits`); `offset_keys`: Q4_OFFSET_KEYS (None: as set there; q4 only)."""
+    (`offsets_in_32_bits`); `offset_keys`, `lane_sums`: Q4_OFFSET_KEYS (q4 only), LANE_SUMS (None: as set there)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -1238,7 +1263,8 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         SPLIT=parts is not None, STAGES=stages, BITS=view.k_bits, WINDOW=window is not None, PAIRS=pairs,
         PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered,
         OFFSETS32=offsets_in_32_bits(offsets32, view),
-        OFFSET_KEYS=Q4_OFFSET_KEYS if offset_keys is None else offset_keys, num_warps=1,
+        OFFSET_KEYS=Q4_OFFSET_KEYS if offset_keys is None else offset_keys,
+        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
