@@ -147,8 +147,9 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
                    # tables in registers (TQ_TABLES: 516 loop instructions at 128 registers against 544; uncapped 509
                    # at 141), with page offsets in 32 bits (OFFSETS32: 527; with the tables 500), with constant slot
                    # strides (TQ_ROWS: 536; with both 490), with the softmax sums in the lanes (LANE_SUMS: 532;
-                   # all four, `best`: 481), and the probes: the copies alone (the reads' bound) and the work alone
-                   # of the served, shifted and tables kernels
+                   # all four, `best`: 481; in 32-key steps, `bestpairs`: 890 a step, 445 per 16 keys), and the
+                   # probes: the copies alone (the reads' bound) and the work alone of the served, shifted and
+                   # tables kernels
     run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [1, 2, 3], "112": [1, 2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
         "shifted": {"ordered": true, "halves": false}, "ht": {"ordered": true, "tables": true},
@@ -157,6 +158,8 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
         "rows": {"ordered": true, "rows": true},
         "ls": {"ordered": true, "lane_sums": true},
         "best": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true},
+        "bestpairs": {"ordered": true, "pairs": true, "rows": true, "offsets32": true, "tables": true,
+        "lane_sums": true},
         "copies": {"ordered": true, "probe": "copies"},
         "work": {"ordered": true, "probe": "work"}, "workshifted": {"ordered": true, "probe": "work", "halves": false},
         "workht": {"ordered": true, "probe": "work", "tables": true},
@@ -521,7 +524,9 @@ tq-lean)   # TurboQuant's decode with its scale columns widened from half regist
         SPLITS='{"64": [2, 4], "128": [1, 2], "1": [128]}' VARIANTS='{"lf": {"ordered": true},
         "shifted": {"ordered": true, "halves": false}, "ht": {"ordered": true, "tables": true},
         "o32ht": {"ordered": true, "offsets32": true, "tables": true},
-        "best": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true}}' OUT="$OUT" \
+        "best": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true},
+        "bestpairs": {"ordered": true, "pairs": true, "rows": true, "offsets32": true, "tables": true,
+        "lane_sums": true}}' OUT="$OUT" \
         python bench/gluon_probe.py
     run 120 env FORMAT="turboquant:k=q4_0,v=q4_0" NAME=lean44 SHAPES='[[100, 1536], [64, 8192], [32, 4096],
         [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "shifted": {"ordered": true, "halves": false},
