@@ -453,12 +453,12 @@ def main() -> None:
                         help="print (JSON) the TurboQuant Gluon decode kernels (16 keys a step) and their probes "
                              "(probe='copies': the page copies alone; probe='work': the work alone)")
     parser.add_argument("--gluon-lean", action="store_true",
-                        help="print (JSON) the TurboQuant Gluon decode kernels with their scale columns shifted out of "
-                             "their words and widened from half registers (`halves`, served); K q8_0 / V q3_0 also with its codebook tables in "
-                             "registers (`tables`), capped as served and uncapped; q4 with its keys over their "
-                             "offsets (`offset_keys`); K q8_0 / V q3_0 with constant slot strides (`rows`), then "
-                             "with the tables, 32-bit page offsets and the softmax sums in the lanes too; q4 with its "
-                             "keys over their offsets, the sums in the lanes and 32-bit page offsets")
+                        help="print (JSON) the TurboQuant Gluon decode kernels with their scale columns shifted out "
+                             "of their words and widened from half registers (`halves`, served); K q8_0 / V q3_0 also "
+                             "with its codebook tables in registers (`tables`), capped as served and uncapped; q4 with "
+                             "its keys over their offsets (`offset_keys`); K q8_0 / V q3_0 with constant slot strides "
+                             "(`rows`), then with the tables, 32-bit page offsets and the softmax sums in the lanes "
+                             "too; q4 with its keys over their offsets, the sums in the lanes and 32-bit page offsets")
     parser.add_argument("--sass-digest", action="store_true",
                         help="print a hash of each decode kernel's SASS per launch (formats, dtypes, head_dims, "
                              "splits, orders, window): diff two runs to see that a change left the kernels as they are")

@@ -644,7 +644,8 @@ def copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, start, kv_hi, k_s
     else:
         kr = gl.arange(0, 16, layout=gl.SliceLayout(1, Q4_KEYS))
         kc = gl.arange(0, 64, layout=gl.SliceLayout(0, Q4_KEYS))
-    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * slot_stride(k_strides, 16 * K_BITS, ROWS)
+    k_slot = slot_stride(k_strides, 16 * K_BITS, ROWS)
+    async_copy.async_copy_global_to_shared(k_sm, k_ptr + block * k_strides[0] + (slot + kr[:, None]) * k_slot
                                            + kc[None, :])
     t = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_WORDS))[:, None]   # a key's four fp16 as one 8-byte word
     sr = gl.arange(0, 16, layout=gl.SliceLayout(0, SCALE_WORDS))[None, :]
@@ -657,13 +658,13 @@ def copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, start, kv_hi, k_s
     if V_BITS == 3:
         vr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_UNITS))
         vc = gl.arange(0, 16, layout=gl.SliceLayout(0, COPY_UNITS))
-        v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * slot_stride(v_strides, 48 if V_BITS == 3 else 64, ROWS)
+        v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * slot_stride(v_strides, 48, ROWS)
         async_copy.async_copy_global_to_shared(m_sm, (v_row.to(gl.pointer_type(gl.int16)) + vc[None, :]))
         async_copy.async_copy_global_to_shared(n_sm, v_row + 32 + vc[None, :])
     else:
         vr = gl.arange(0, 16, layout=gl.SliceLayout(1, COPY_WORDS))
         vc = gl.arange(0, 16, layout=gl.SliceLayout(0, COPY_WORDS))
-        v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * slot_stride(v_strides, 48 if V_BITS == 3 else 64, ROWS)
+        v_row = v_ptr + block * v_strides[0] + (slot + vr[:, None]) * slot_stride(v_strides, 64, ROWS)
         async_copy.async_copy_global_to_shared(m_sm, v_row.to(gl.pointer_type(gl.int32)) + vc[None, :])
     async_copy.commit_group()
 
@@ -960,7 +961,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
         PROBE=PROBES[probe] if probe else 0, IDS_AHEAD=ids_ahead, TABLES=TQ_TABLES if tables is None else tables,
         HALVES=TQ_HALVES if halves is None else halves, ROWS=(TQ_ROWS if rows is None else rows) and head_major(view),
-        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, num_warps=1,
+        **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
