@@ -147,9 +147,10 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
                    # tables in registers (TQ_TABLES: 516 loop instructions at 128 registers against 544; uncapped 509
                    # at 141), with page offsets in 32 bits (OFFSETS32: 527; with the tables 500), with constant slot
                    # strides (TQ_ROWS: 536; with both 490), with the softmax sums in the lanes (LANE_SUMS: 532;
-                   # all four, `best`: 481; in 32-key steps, `bestpairs`: 890 a step, 445 per 16 keys), and the
-                   # probes: the copies alone (the reads' bound) and the work alone of the served, shifted and
-                   # tables kernels
+                   # all four, `best`: 481; in 32-key steps, `bestpairs`: 890 a step, 445 per 16 keys; `best` capped
+                   # at 112 registers, 491, 18 programs a multiprocessor, and at 104, 505, 19: three splits of batch
+                   # 100 resident at once), and the probes: the copies alone (the reads' bound) and the work alone of
+                   # the served, shifted, tables and 104-register kernels
     run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [1, 2, 3], "112": [1, 2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
         "shifted": {"ordered": true, "halves": false}, "ht": {"ordered": true, "tables": true},
@@ -160,6 +161,12 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
         "best": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true},
         "bestpairs": {"ordered": true, "pairs": true, "rows": true, "offsets32": true, "tables": true,
         "lane_sums": true},
+        "best112": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true,
+        "max_registers": 112, "splits": {"100": [2, 3], "112": [2, 3], "64": [4], "32": [8]}},
+        "best104": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true,
+        "max_registers": 104, "splits": {"100": [2, 3], "112": [2, 3], "64": [4], "32": [8]}},
+        "workbest104": {"ordered": true, "probe": "work", "tables": true, "lane_sums": true, "max_registers": 104,
+        "splits": {"100": [2, 3], "112": [2, 3], "64": [4], "32": [8]}},
         "copies": {"ordered": true, "probe": "copies"},
         "work": {"ordered": true, "probe": "work"}, "workshifted": {"ordered": true, "probe": "work", "halves": false},
         "workht": {"ordered": true, "probe": "work", "tables": true},

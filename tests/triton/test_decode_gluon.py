@@ -246,15 +246,17 @@ def test_turboquant_decode_with_block_ids_a_step_ahead_matches_reference(shape, 
                                      {"tables": True, "max_registers": 0}, {"rows": True}, {"lane_sums": True},
                                      {"rows": True, "tables": True, "offsets32": True, "lane_sums": True},
                                      {"pairs": True, "rows": True, "tables": True, "offsets32": True,
-                                      "lane_sums": True}],
+                                      "lane_sums": True},
+                                     {"rows": True, "tables": True, "offsets32": True, "lane_sums": True,
+                                      "max_registers": 104}],
                          ids=lambda o: "-".join(o))
 @pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q4_0,v=q3_0", "turboquant:k=q4_0,v=q4_0"])
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
 def test_turboquant_decode_variants_match_reference(shape, spec, options, num_splits):
     """TurboQuant's decode with its scale columns shifted out (as before TQ_HALVES), with the 3-bit codebook's
     tables in registers (TQ_TABLES; with 32-bit page offsets; uncapped), with constant slot strides (TQ_ROWS), with
-    the softmax sums in the lanes (LANE_SUMS), all together, in steps of 16 and of 32 keys: attention as the
-    reference's."""
+    the softmax sums in the lanes (LANE_SUMS), all together, in steps of 16 and of 32 keys, and capped at 104
+    registers (19 programs a multiprocessor): attention as the reference's."""
     check_against_reference(hash(("lean", spec, shape)) % 1000, spec, "turboquant", shape, torch.bfloat16,
                             num_splits=num_splits, **options)
 
