@@ -148,9 +148,9 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
                    # at 141), with page offsets in 32 bits (OFFSETS32: 527; with the tables 500), with constant slot
                    # strides (TQ_ROWS: 536; with both 490), with the softmax sums in the lanes (LANE_SUMS: 532;
                    # all four, `best`: 481; in 32-key steps, `bestpairs`: 890 a step, 445 per 16 keys; `best` capped
-                   # at 112 registers, 491, 18 programs a multiprocessor, and at 104, 505, 19: three splits of batch
-                   # 100 resident at once), and the probes: the copies alone (the reads' bound) and the work alone of
-                   # the served, shifted, tables and 104-register kernels
+                   # at 96 registers, 524 with 5 stack loads a step, 20 programs a multiprocessor where 128 (and 104
+                   # or 112) hold 16: three splits of batch 100 resident at once), and the probes: the copies alone
+                   # (the reads' bound) and the work alone of the served, shifted, tables and 96-register kernels
     run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [1, 2, 3], "112": [1, 2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
         "shifted": {"ordered": true, "halves": false}, "ht": {"ordered": true, "tables": true},
@@ -161,12 +161,10 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
         "best": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true},
         "bestpairs": {"ordered": true, "pairs": true, "rows": true, "offsets32": true, "tables": true,
         "lane_sums": true},
-        "best112": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true,
-        "max_registers": 112, "splits": {"100": [2, 3], "112": [2, 3], "64": [4], "32": [8]}},
-        "best104": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true,
-        "max_registers": 104, "splits": {"100": [2, 3], "112": [2, 3], "64": [4], "32": [8]}},
-        "workbest104": {"ordered": true, "probe": "work", "tables": true, "lane_sums": true, "max_registers": 104,
-        "splits": {"100": [2, 3], "112": [2, 3], "64": [4], "32": [8]}},
+        "best96": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true,
+        "max_registers": 96, "splits": {"100": [2, 3], "112": [2, 3], "64": [4, 5], "32": [8, 10]}},
+        "workbest96": {"ordered": true, "probe": "work", "tables": true, "lane_sums": true, "max_registers": 96,
+        "splits": {"100": [2, 3], "112": [2, 3], "64": [4, 5], "32": [8, 10]}},
         "copies": {"ordered": true, "probe": "copies"},
         "work": {"ordered": true, "probe": "work"}, "workshifted": {"ordered": true, "probe": "work", "halves": false},
         "workht": {"ordered": true, "probe": "work", "tables": true},
@@ -174,14 +172,17 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
 }
 q4_offset_probe() {  # q4_offset_probe LIMIT_SECONDS: q4's decode as served (twice) beside its keys over their offsets
                      # (Q4_OFFSET_KEYS: 659 -> 599 loop instructions a 32-key step), with 32-bit page offsets (633;
-                     # both 576), the softmax sums in the lanes (LANE_SUMS: 647; all three, `best`, 564), at the
-                     # same-memory run's batches (~144 at 1,536 tokens) and the table's shapes
+                     # both 576), the softmax sums in the lanes (LANE_SUMS: 647; all three, `best`, 564; capped at 96
+                     # registers, `best96`, 591 with no spills: 20 programs a multiprocessor, so two splits of batch
+                     # 144 resident at once), at the same-memory run's batches (~144 at 1,536 tokens) and the table's
+                     # shapes
     run "$1" env FORMAT=q4 NAME=offset_keys SHAPES='[[144, 1536], [112, 1536], [64, 8192], [32, 4096], [1, 32768]]' \
         VARIANTS='{"lf": {"ordered": true}, "offset": {"ordered": true, "offset_keys": true},
         "o32": {"ordered": true, "offsets32": true}, "offset_o32": {"ordered": true, "offset_keys": true,
         "offsets32": true}, "ls": {"ordered": true, "lane_sums": true}, "best": {"ordered": true, "offset_keys": true,
-        "offsets32": true, "lane_sums": true}, "lf2": {"ordered": true}, "offset2": {"ordered": true, "offset_keys": true}}' \
-        OUT="$OUT" \
+        "offsets32": true, "lane_sums": true}, "best96": {"ordered": true, "offset_keys": true, "offsets32": true,
+        "lane_sums": true, "max_registers": 96, "splits": {"144": [1, 2, 3], "112": [1, 2], "64": [2, 4], "32": [4, 8],
+        "1": [64, 128]}}, "lf2": {"ordered": true}, "offset2": {"ordered": true, "offset_keys": true}}' OUT="$OUT" \
         python bench/gluon_probe.py
 }
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
