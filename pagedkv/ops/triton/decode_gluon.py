@@ -89,7 +89,7 @@ TQ_HALVES = True
 # (with TQ_TABLES and 32-bit page offsets 500 -> 490; the tables uncapped then fit 128 registers too). Off until timed
 TQ_ROWS = False
 # LANE_SUMS (TurboQuant, q4, q6): the softmax sums kept in the lanes and added up across them once after the loop
-# (`softmax_lanes`, `softmax_pair_lanes`), not every step: TurboQuant 544 -> 532 loop instructions a 16-key step.
+# (`softmax_step`'s LANES), not every step: TurboQuant 544 -> 532 loop instructions a 16-key step.
 # Off until timed
 LANE_SUMS = False
 # q4 keys left over their float16 offsets (`NIBBLE_OFFSET_ASM`, as TurboQuant's q4_0 keys), the offsets and the codes'
@@ -319,48 +319,53 @@ def pages_end(q_pos, seq, window_first_ptr, BLOCK_SIZE: gl.constexpr, WINDOW: gl
 
 
 @gluon.jit
-def softmax_step(s, m_i, l_i, KEYS: gl.constexpr = 0):
+def softmax_step(s, m_i, l_i, KEYS: gl.constexpr = 0, LANES: gl.constexpr = False):
     """One online-softmax step over masked scores^T s [16, 8] in log2 units, keys on axis KEYS (1 for the dense
-    kernel's [heads, 16, 8]): (p, alpha [8], m_i, l_i)."""
+    kernel's [heads, 16, 8]): (p, alpha [8], m_i, l_i). LANES: l_i is shaped as s, each lane's share of every
+    head's sum (`sum_start`), added up across the lanes once after the loop (`sums_end`) rather than every step."""
     m_new = gl.maximum(m_i, gl.max(s, axis=KEYS))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s - gl.expand_dims(m_safe, KEYS))
     alpha = gl.exp2(m_i - m_safe)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=KEYS)
+    if LANES:
+        l_i = l_i * gl.expand_dims(alpha, KEYS) + p
+    else:
+        l_i = l_i * alpha + gl.sum(p, axis=KEYS)
+    return p, alpha, m_new, l_i
 
 
 @gluon.jit
-def softmax_lanes(s, m_i, l_lanes):
-    """`softmax_step` with the sum left in the lanes: l_lanes [16, 8] holds each lane's share of every head's sum
-    (rescaled as the sum is), added up across the lanes once after the loop rather than every step."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - m_safe[None, :])
-    alpha = gl.exp2(m_i - m_safe)
-    return p, alpha, m_new, l_lanes * alpha[None, :] + p
-
-
-@gluon.jit
-def softmax_pair_lanes(sa, sb, m_i, l_lanes):
-    """`softmax_pair` with the sum left in the lanes, as `softmax_lanes`."""
-    m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=0))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    pa = gl.exp2(sa - m_safe[None, :])
-    pb = gl.exp2(sb - m_safe[None, :])
-    alpha = gl.exp2(m_i - m_safe)[None, :]
-    return pa, pb, alpha, m_new, l_lanes * alpha + pa + pb
-
-
-@gluon.jit
-def softmax_pair(sa, sb, m_i, l_i):
+def softmax_pair(sa, sb, m_i, l_i, LANES: gl.constexpr = False):
     """One online-softmax step over two masked score^T tiles of 16 keys (a 32-key loop step): (pa, pb, alpha
-    [1, 8], m_i, l_i)."""
+    [1, 8], m_i, l_i). LANES: as `softmax_step`'s."""
     m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=0))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     pa = gl.exp2(sa - m_safe[None, :])
     pb = gl.exp2(sb - m_safe[None, :])
     alpha = gl.exp2(m_i - m_safe)
-    return pa, pb, alpha[None, :], m_new, l_i * alpha + gl.sum(pa + pb, axis=0)
+    if LANES:
+        l_i = l_i * alpha[None, :] + pa + pb
+    else:
+        l_i = l_i * alpha + gl.sum(pa + pb, axis=0)
+    return pa, pb, alpha[None, :], m_new, l_i
+
+
+@gluon.jit
+def sum_start(LANES: gl.constexpr):
+    """The softmax sums before the first step: [8] heads, or with LANES each lane's share, [16, 8] (`softmax_step`)."""
+    if LANES:
+        l_i = gl.full([16, 8], 0.0, gl.float32, MMA)
+    else:
+        l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
+    return l_i
+
+
+@gluon.jit
+def sums_end(l_i, LANES: gl.constexpr):
+    """The softmax sums [8] after the last step: with LANES, the lanes' shares added up."""
+    if LANES:
+        l_i = gl.sum(l_i, axis=0)
+    return l_i
 
 
 @gluon.jit
@@ -756,7 +761,7 @@ def decode_tq_kernel(
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. PROBE: one of PROBES'
     values (0: none). IDS_AHEAD (16 keys a step): each loop step loads the block id of the next step's copy. LANE_SUMS:
-    the softmax sums stay in the lanes until the loop ends (`softmax_lanes`)."""
+    the softmax sums stay in the lanes until the loop ends (`softmax_step`'s LANES)."""
     gl.static_assert(not (IDS_AHEAD and PAIRS), "block ids a step ahead in steps of 16 keys")
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
@@ -807,10 +812,9 @@ def decode_tq_kernel(
     acc6 = zero
     acc7 = zero
     m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
-    l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
+    l_i = sum_start(LANE_SUMS)
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    l_lanes = zero   # LANE_SUMS
     stage = 0
     l0 = None
     h0 = None
@@ -832,10 +836,7 @@ def decode_tq_kernel(
                            K_BITS, HALVES)
             sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
-            if LANE_SUMS:
-                pa, pb, alpha, m_i, l_lanes = softmax_pair_lanes(sa, sb, m_i, l_lanes)
-            else:
-                pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
+            pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 pa, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
                 l0=l0, h0=h0, HALVES=HALVES)
@@ -861,18 +862,14 @@ def decode_tq_kernel(
                 s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
                               K_BITS, HALVES)
                 s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-                if LANE_SUMS:
-                    p, alpha, m_i, l_lanes = softmax_lanes(s, m_i, l_lanes)
-                else:
-                    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
                 alpha = alpha[None, :]
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                     p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
                     l0=l0, h0=h0, HALVES=HALVES)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
-    if LANE_SUMS:
-        l_i = gl.sum(l_lanes, axis=0)
+    l_i = sums_end(l_i, LANE_SUMS)
 
     oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     h_ok = oh < GROUP
@@ -1086,7 +1083,7 @@ def decode_q4_kernel(
 ):
     """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
     then has 4 stages), else 16 keys a step with STAGES - 1 ahead. LANE_SUMS: the softmax sums stay in the lanes
-    until the loop ends (`softmax_lanes`)."""
+    until the loop ends (`softmax_step`'s LANES)."""
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -1138,10 +1135,9 @@ def decode_q4_kernel(
     acc6 = zero
     acc7 = zero
     m_i = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
-    l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
+    l_i = sum_start(LANE_SUMS)
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    l_lanes = zero   # LANE_SUMS
     stage = 0
     if PAIRS:
         for start in range(kv_lo, kv_hi, 32):
@@ -1157,10 +1153,7 @@ def decode_q4_kernel(
             sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, products, scale, BITS, OFFSET_KEYS)
             sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
-            if LANE_SUMS:
-                pa, pb, alpha, m_i, l_lanes = softmax_pair_lanes(sa, sb, m_i, l_lanes)
-            else:
-                pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i)
+            pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
                 pa, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
@@ -1177,17 +1170,13 @@ def decode_q4_kernel(
             async_copy.wait_group(STAGES - 1)
             s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, products, scale, BITS, OFFSET_KEYS)
             s = gl.where((start + sr < kv_hi)[:, None], s, float("-inf"))
-            if LANE_SUMS:
-                p, alpha, m_i, l_lanes = softmax_lanes(s, m_i, l_lanes)
-            else:
-                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
                 p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                 alpha[None, :], BITS)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
-    if LANE_SUMS:
-        l_i = gl.sum(l_lanes, axis=0)
+    l_i = sums_end(l_i, LANE_SUMS)
 
     oh = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     h_ok = oh < GROUP
