@@ -965,10 +965,12 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
 
 
 def head_major(view) -> bool:
-    """Whether every TurboQuant page tensor has the slot stride `decode_tq_kernel` takes for ROWS (`slot_stride`): its
-    row's size (head_dim 128: 16 x key bits bytes of key codes, 48 or 64 bytes of values, four scales)."""
-    rows = {"k": 16 * view.k_bits, "k_scale": 4, "k_zero": 4, "v": 48 if view.v_bits == 3 else 64, "v_scale": 4}
-    return all(getattr(view, name).stride(1) == row for name, row in rows.items())
+    """Whether every TurboQuant page tensor is stored head-major (`page_view.stored_head_major`), so that its slot
+    stride is its row's width: the constants `decode_tq_kernel` takes for them with ROWS (`slot_stride`; at head_dim
+    128, 16 x key bits bytes of key codes, 48 or 64 bytes of values, four scales)."""
+    from .page_view import stored_head_major
+
+    return all(stored_head_major(t) for t in (view.k, view.k_scale, view.k_zero, view.v, view.v_scale))
 
 
 # KV-Quant q4 and q6 at head_dim 128 (codes + 7 two per byte; q6: codes + 31, their low nibbles so, then a plane

@@ -48,6 +48,13 @@ class PageView:
         return self.k if t is None else t
 
 
+def stored_head_major(t: torch.Tensor) -> bool:
+    """Whether page tensor t, indexed [num_blocks, block_size, num_kv_heads, width], is stored head-major as
+    `formats.base.empty_pages` lays it out: in memory [num_blocks, num_kv_heads, block_size, width], contiguous (a
+    block's slots of one head are one run, each slot's row right after the one before)."""
+    return t.transpose(1, 2).is_contiguous()
+
+
 def stride3(t: torch.Tensor) -> tuple[int, int, int]:
     """(block, slot, head) strides of a page tensor, whose last dim must be contiguous."""
     assert t.stride(-1) == 1, f"page tensors need a contiguous last dim, got strides {t.stride()}"

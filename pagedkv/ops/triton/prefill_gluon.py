@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..metadata import AttentionMetadata
-from .page_view import page_view
+from .page_view import page_view, stored_head_major
 
 LOG2E = 1.4426950408889634   # the host scales scores into log2 units: qk_scale = scale * LOG2E
 BLOCK_M = 128      # rows (query token x group head) a program
@@ -276,10 +276,9 @@ def supports(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt, meta: Att
 def _stored(page: torch.Tensor) -> torch.Tensor | None:
     """A page tensor [num_blocks, block_size, num_kv_heads, head_dim] as the rows [num_blocks * num_kv_heads *
     block_size, head_dim] it is stored as, or None when it is not stored so."""
-    stored = page.transpose(1, 2)
-    if not stored.is_contiguous() or stored.data_ptr() % 16:
+    if not stored_head_major(page) or page.data_ptr() % 16:
         return None
-    return stored.reshape(-1, page.shape[-1])
+    return page.transpose(1, 2).reshape(-1, page.shape[-1])
 
 
 def descriptor(page: torch.Tensor, block_size: int) -> TensorDescriptor:
