@@ -121,6 +121,12 @@ ncu_reports() {  # ncu_reports NAME [TOP]: $OUT/NAME.ncu-rep's details as NAME.t
 # formats
 SAME_MEMORY=(bench/engine_gpu.py --same-memory 2 --requests 256 --prompt-tokens 1024 --new-tokens 1024)
 TABLE_FORMATS="off;q8;q6;q4;turboquant;turboquant:k=q4_0,v=q4_0"
+# every lean option of the TurboQuant and the q4 decodes (prepared, off until timed): as a probe variant's options
+# (JSON members) and as the decode_gluon settings `with_setting` turns on
+TQ_LEAN='"rows": true, "offsets32": true, "tables": true, "lane_sums": true'
+Q4_LEAN='"offset_keys": true, "offsets32": true, "lane_sums": true'
+TQ_LEAN_SETTINGS=decode_gluon.TQ_ROWS,decode_gluon.TQ_TABLES,decode_gluon.OFFSETS32,decode_gluon.LANE_SUMS
+Q4_LEAN_SETTINGS=decode_gluon.Q4_OFFSET_KEYS,decode_gluon.OFFSETS32,decode_gluon.LANE_SUMS
 served_table_and_memory() {  # the decode table as served and the same-memory run (off, TurboQuant, q4), summarised
     run 170 python bench/kernel_bench.py --formats "$TABLE_FORMATS" --skip prefill,write --out "$OUT/kernels_served"
     run 150 python "${SAME_MEMORY[@]}" --formats off turboquant q4 --out "$OUT/memory"
@@ -158,11 +164,9 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
         "o32": {"ordered": true, "offsets32": true}, "o32ht": {"ordered": true, "offsets32": true, "tables": true},
         "rows": {"ordered": true, "rows": true},
         "ls": {"ordered": true, "lane_sums": true},
-        "best": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true},
-        "bestpairs": {"ordered": true, "pairs": true, "rows": true, "offsets32": true, "tables": true,
-        "lane_sums": true},
-        "best96": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true,
-        "max_registers": 96, "splits": {"100": [2, 3], "112": [2, 3], "64": [4, 5], "32": [8, 10]}},
+        "best": {"ordered": true, '"$TQ_LEAN"'}, "bestpairs": {"ordered": true, "pairs": true, '"$TQ_LEAN"'},
+        "best96": {"ordered": true, '"$TQ_LEAN"', "max_registers": 96,
+        "splits": {"100": [2, 3], "112": [2, 3], "64": [4, 5], "32": [8, 10]}},
         "workbest96": {"ordered": true, "probe": "work", "tables": true, "lane_sums": true, "max_registers": 96,
         "splits": {"100": [2, 3], "112": [2, 3], "64": [4, 5], "32": [8, 10]}},
         "copies": {"ordered": true, "probe": "copies"},
@@ -179,10 +183,10 @@ q4_offset_probe() {  # q4_offset_probe LIMIT_SECONDS: q4's decode as served (twi
     run "$1" env FORMAT=q4 NAME=offset_keys SHAPES='[[144, 1536], [112, 1536], [64, 8192], [32, 4096], [1, 32768]]' \
         VARIANTS='{"lf": {"ordered": true}, "offset": {"ordered": true, "offset_keys": true},
         "o32": {"ordered": true, "offsets32": true}, "offset_o32": {"ordered": true, "offset_keys": true,
-        "offsets32": true}, "ls": {"ordered": true, "lane_sums": true}, "best": {"ordered": true, "offset_keys": true,
-        "offsets32": true, "lane_sums": true}, "best96": {"ordered": true, "offset_keys": true, "offsets32": true,
-        "lane_sums": true, "max_registers": 96, "splits": {"144": [1, 2, 3], "112": [1, 2], "64": [2, 4], "32": [4, 8],
-        "1": [64, 128]}}, "lf2": {"ordered": true}, "offset2": {"ordered": true, "offset_keys": true}}' OUT="$OUT" \
+        "offsets32": true}, "ls": {"ordered": true, "lane_sums": true}, "best": {"ordered": true, '"$Q4_LEAN"'},
+        "best96": {"ordered": true, '"$Q4_LEAN"', "max_registers": 96,
+        "splits": {"144": [1, 2, 3], "112": [1, 2], "64": [2, 4], "32": [4, 8], "1": [64, 128]}},
+        "lf2": {"ordered": true}, "offset2": {"ordered": true, "offset_keys": true}}' OUT="$OUT" \
         python bench/gluon_probe.py
 }
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
@@ -520,11 +524,9 @@ write-caps)   # TurboQuant's prefill-sized writes under register caps (kv_write.
         with_write_cap "$cap" 80 "${SAME_MEMORY[@]}" --formats turboquant --out "$OUT/memory_write_cap_$cap"
     done
     ;;
-tq-lean)   # TurboQuant's decode with its scale columns widened from half registers (TQ_HALVES) and, for 3-bit values,
-           # the codebook's byte tables held in registers (TQ_TABLES; uncapped: 145 registers, 12 programs a
-           # multiprocessor) beside the served kernel, the copies-only and work-only probes (what an H100, bound by
-           # the reads, hides), at the same-memory run's batches and the table's shapes; q4 with its keys over their
-           # offsets (Q4_OFFSET_KEYS); then K q4_0 / V q4_0 served (half registers, 32 keys a step) and shifted
+tq-lean)   # TurboQuant's lean decode variants beside the served kernel, with the copies-only and work-only probes
+           # (what an H100, bound by the reads, hides; `tq_lean_probe`), q4's (`q4_offset_probe`), then TurboQuant at
+           # the table's other shapes and K q4_0 / V q4_0 with its scale columns shifted and with TQ_LEAN
     nvidia-smi --query-gpu=name --format=csv,noheader
     tq_lean_probe 200
     q4_offset_probe 100
@@ -532,33 +534,30 @@ tq-lean)   # TurboQuant's decode with its scale columns widened from half regist
         SPLITS='{"64": [2, 4], "128": [1, 2], "1": [128]}' VARIANTS='{"lf": {"ordered": true},
         "shifted": {"ordered": true, "halves": false}, "ht": {"ordered": true, "tables": true},
         "o32ht": {"ordered": true, "offsets32": true, "tables": true},
-        "best": {"ordered": true, "rows": true, "offsets32": true, "tables": true, "lane_sums": true},
-        "bestpairs": {"ordered": true, "pairs": true, "rows": true, "offsets32": true, "tables": true,
-        "lane_sums": true}}' OUT="$OUT" \
+        "best": {"ordered": true, '"$TQ_LEAN"'},
+        "bestpairs": {"ordered": true, "pairs": true, '"$TQ_LEAN"'}}' OUT="$OUT" \
         python bench/gluon_probe.py
     run 120 env FORMAT="turboquant:k=q4_0,v=q4_0" NAME=lean44 SHAPES='[[100, 1536], [64, 8192], [32, 4096],
         [128, 2048], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "shifted": {"ordered": true, "halves": false},
         "rows": {"ordered": true, "rows": true}, "o32rows": {"ordered": true, "rows": true, "offsets32": true},
-        "best": {"ordered": true, "rows": true, "offsets32": true, "lane_sums": true},
-        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+        "best": {"ordered": true, '"$TQ_LEAN"'}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
-lean-engine)   # TurboQuant as served and with TQ_ROWS, TQ_TABLES, OFFSETS32 and LANE_SUMS on (481 loop
-               # instructions against 544), then q4 as served and with Q4_OFFSET_KEYS, OFFSETS32 and LANE_SUMS on
-               # (564 against 659 a 32-key step): the same-memory run alternating, twice (ROUNDS=n: n times); then
-               # the q4 GPU decode tests with the offsets on (one process)
+lean-engine)   # TurboQuant as served and with TQ_LEAN_SETTINGS on (481 loop instructions against 544), then q4
+               # as served and with Q4_LEAN_SETTINGS on (564 against 659 a 32-key step): the same-memory run
+               # alternating, twice (ROUNDS=n: n times); then the GPU tests of those variants (`variants_match`)
     nvidia-smi --query-gpu=name --format=csv,noheader
     for round in $(seq "${ROUNDS:-2}"); do
         for lean in False True; do
-            with_setting decode_gluon.TQ_ROWS,decode_gluon.TQ_TABLES,decode_gluon.OFFSETS32,decode_gluon.LANE_SUMS \
-                "$lean" 80 "${SAME_MEMORY[@]}" --formats turboquant --out "$OUT/memory_lean_${lean}_$round"
+            with_setting "$TQ_LEAN_SETTINGS" "$lean" 80 "${SAME_MEMORY[@]}" --formats turboquant \
+                --out "$OUT/memory_lean_${lean}_$round"
         done
         for offset in False True; do
-            with_setting decode_gluon.Q4_OFFSET_KEYS,decode_gluon.OFFSETS32,decode_gluon.LANE_SUMS "$offset" 80 \
-                "${SAME_MEMORY[@]}" --formats q4 --out "$OUT/memory_q4_offset_${offset}_$round"
+            with_setting "$Q4_LEAN_SETTINGS" "$offset" 80 "${SAME_MEMORY[@]}" --formats q4 \
+                --out "$OUT/memory_q4_offset_${offset}_$round"
         done
     done
-    run 200 python -c "import sys, pytest; import pagedkv.ops.triton.decode_gluon as g; g.Q4_OFFSET_KEYS = True
-sys.exit(pytest.main(['-q', '-rf', '-p', 'no:cacheprovider', 'tests/triton/test_decode_gluon.py', '-k', 'q4']))"
+    run 200 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py \
+        -k variants_match
     ;;
 served)   # issue 10's decode table as served and the same-memory run, nothing else (~5 min: what an H200 lease that
           # comes with little device time left should run)
