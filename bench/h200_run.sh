@@ -156,7 +156,8 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
                    # all four, `best`: 481; in 32-key steps, `bestpairs`: 890 a step, 445 per 16 keys; `best` capped
                    # at 96 registers, 524 with 5 stack loads a step, 20 programs a multiprocessor where 128 (and 104
                    # or 112) hold 16: three splits of batch 100 resident at once), and the probes: the copies alone
-                   # (the reads' bound) and the work alone of the served, shifted, tables and 96-register kernels
+                   # (the reads' bound) and the work alone of the served, shifted, tables, lane sums, `best` (the work
+                   # has no copies, so no rows or 32-bit offsets) and 96-register kernels
     run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [1, 2, 3], "112": [1, 2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
         "shifted": {"ordered": true, "halves": false}, "ht": {"ordered": true, "tables": true},
@@ -172,6 +173,8 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
         "copies": {"ordered": true, "probe": "copies"},
         "work": {"ordered": true, "probe": "work"}, "workshifted": {"ordered": true, "probe": "work", "halves": false},
         "workht": {"ordered": true, "probe": "work", "tables": true},
+        "workls": {"ordered": true, "probe": "work", "lane_sums": true},
+        "workbest": {"ordered": true, "probe": "work", "tables": true, "lane_sums": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
 }
 q4_offset_probe() {  # q4_offset_probe LIMIT_SECONDS: q4's decode as served (twice) beside its keys over their offsets

@@ -120,13 +120,15 @@ def test_tiles_that_can_shrink_no_further_raise():
     _fitted.clear()
 
 
-def test_first_use_of_kernels_is_announced_once_per_format_and_dtype(capsys):
+def test_first_use_of_kernels_is_announced_once_per_format_and_dtype(capsys, monkeypatch):
     import torch
 
     from pagedkv.config import KVFormat
     from pagedkv.formats import make_format
     from pagedkv.ops import triton as triton_ops
 
+    # A fresh process's state: another test in this worker may already have run q4's kernels.
+    monkeypatch.setattr(triton_ops, "_announced", set())
     fmt = make_format(KVFormat.parse("q4"), 2, 64, torch.float32, "cpu")
     for _ in range(2):
         assert triton_ops.announced("decode", fmt, torch.bfloat16, lambda: 7) == 7
