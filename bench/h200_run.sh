@@ -34,6 +34,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh copies-only  # TurboQuant's decode beside its copies-only probe (the reads'
 #                                                  # bound, at the table's shapes and the same-memory run's batch)
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
+#   OUT=/some/dir bash bench/h200_run.sh lean-pick  # the lean options to serve: TurboQuant, q4, q6 at every probe shape
+#   OUT=/some/dir bash bench/h200_run.sh lean-defaults  # the same-memory run, the lean defaults off and on
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
 #                                                  # its pages (bench/page_read_probe.py), at (32, 4096)
@@ -545,6 +547,33 @@ tq-lean)   # TurboQuant's lean decode variants beside the served kernel, with th
         "rows": {"ordered": true, "rows": true}, "o32rows": {"ordered": true, "rows": true, "offsets32": true},
         "best": {"ordered": true, '"$TQ_LEAN"'}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
+lean-pick)  # which lean options to serve, at every probe shape: TurboQuant as served, with the softmax sums in the
+            # lanes (LANE_SUMS) and with them and 32-bit page offsets; q4 and q6 as served, with the lane sums and
+            # with Q4_LEAN (q4's keys over their offsets, 32-bit offsets, lane sums); each served kernel timed twice
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    run 150 env FORMAT=turboquant NAME=lean_pick SHAPES='[[100, 1536], [112, 1536], [64, 1536], [128, 2048],
+        [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "ls": {"ordered": true,
+        "lane_sums": true}, "o32ls": {"ordered": true, "offsets32": true, "lane_sums": true},
+        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    for format in q4 q6; do
+        run 120 env FORMAT=$format NAME=lean_pick SHAPES='[[144, 1536], [112, 1536], [64, 1536], [128, 2048],
+            [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "ls": {"ordered": true,
+            "lane_sums": true}, "best": {"ordered": true, '"$Q4_LEAN"'}, "lf2": {"ordered": true}}' OUT="$OUT" \
+            python bench/gluon_probe.py
+    done
+    ;;
+lean-defaults)  # the same-memory run for TurboQuant and q4 with LANE_SUMS and Q4_OFFSET_KEYS off (as served before
+                # 2026-12-07) and on (as served now), alternating (ROUNDS=n: n times; default 1)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for round in $(seq "${ROUNDS:-1}"); do
+        for format in turboquant q4; do
+            for lean in False True; do
+                with_setting decode_gluon.LANE_SUMS,decode_gluon.Q4_OFFSET_KEYS "$lean" 90 "${SAME_MEMORY[@]}" \
+                    --formats $format --out "$OUT/memory_${format}_lean_${lean}_$round"
+            done
+        done
+    done
+    ;;
 lean-engine)   # TurboQuant as served and with TQ_LEAN_SETTINGS on (481 loop instructions against 544), then q4
                # as served and with Q4_LEAN_SETTINGS on (564 against 659 a 32-key step): the same-memory run
                # alternating, twice (ROUNDS=n: n times); then the GPU tests of those variants (`variants_match`)
@@ -626,7 +655,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-pick|lean-defaults|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
     exit 2
     ;;
 esac

@@ -89,15 +89,19 @@ TQ_HALVES = True
 # (with TQ_TABLES and 32-bit page offsets 500 -> 490; the tables uncapped then fit 128 registers too). Off until timed
 TQ_ROWS = False
 # LANE_SUMS (TurboQuant, q4, q6): the softmax sums kept in the lanes and added up across them once after the loop
-# (`softmax_step`'s LANES), not every step: TurboQuant 544 -> 532 loop instructions a 16-key step.
-# Off until timed
-LANE_SUMS = False
+# (`softmax_step`'s LANES), not every step: TurboQuant 544 -> 532 loop instructions a 16-key step. On since
+# 2026-12-07, timed on an H100 (`bash bench/h200_run.sh lean-pick` and `tq-lean`, longest first, against the kernel
+# before timed twice): TurboQuant within 0.6% at every probe shape (bound by its reads there) and its work-only probe
+# 1.05-1.07x faster; q6 1.014-1.023x faster at (144, 1536), (112, 1536), (64, 8192), within 1% elsewhere; q4 within
+# 0.5%. The GPU tests `variants_match` check it against the kernel without
+LANE_SUMS = True
 # q4 keys left over their float16 offsets (`NIBBLE_OFFSET_ASM`, as TurboQuant's q4_0 keys), the offsets and the codes'
 # + 7 taken off once per program as the start of the products (`q4_offset_start`): four fewer instructions every
-# eight key codes. Off until timed on an H200: on an H100 (2026-12-07), bound by q4's reads, within 1% of the kernel
-# before at every shape and in the same-memory run (31,798 against 31,736 output tokens/s, two runs each); the q4
-# GPU decode, window and CUDA graph tests pass with it on
-Q4_OFFSET_KEYS = False
+# eight key codes. On since 2026-12-07: on an H100, bound by q4's reads, 1.012-1.022x faster at the same-memory run's
+# batch (144, 1536), three runs (with LANE_SUMS: `bash bench/h200_run.sh lean-pick`, `tq-lean`), within 1% of the
+# kernel before at every other shape and in the same-memory run (31,798 against 31,736 output tokens/s, two runs
+# each); the q4 GPU decode, window and CUDA graph tests pass with it on
+Q4_OFFSET_KEYS = True
 # The formats whose decode batches with a dense recent window run the Gluon kernels (their page splits, then the
 # window as one more split, `window_splits`) from WINDOW_MIN_TOKENS query tokens on; the others, and smaller
 # batches, run `decode.py`, which reads the window in the same kernel. Timed side by side on an H200 (2026-12-02,
