@@ -507,7 +507,8 @@ def main() -> None:
                 print(json.dumps({**row, "probe": probe or "kernel"}), flush=True)
         return
     if args.gluon_lean:
-        # the scale columns shifted out of their words (as served before TQ_HALVES) first, then the lean variants
+        # the scale columns shifted out of their words (as served before TQ_HALVES) first, then the lean variants;
+        # the softmax sums across the lanes every step (as served before LANE_SUMS) where a row does not name them
         for spec, variants in (("turboquant", ({"halves": False}, {"halves": True}, {"halves": True, "tables": True},
                                                {"halves": True, "tables": True, "max_registers": 0})),
                                ("turboquant:k=q4_0,v=q4_0", ({"halves": False}, {"halves": True})),
@@ -516,6 +517,7 @@ def main() -> None:
                                                                "lane_sums": True})),
                                ("q4", ({"offset_keys": True, "lane_sums": True, "offsets32": True},))):
             for options in variants:
+                options = {"lane_sums": False, **options}
                 row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, **options)
                 print(json.dumps({**row, "options": options}), flush=True)
         return

@@ -243,7 +243,7 @@ def test_turboquant_decode_with_block_ids_a_step_ahead_matches_reference(shape, 
 @needs_gpu
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("options", [{"halves": False}, {"tables": True}, {"tables": True, "offsets32": True},
-                                     {"tables": True, "max_registers": 0}, {"rows": True}, {"lane_sums": True},
+                                     {"tables": True, "max_registers": 0}, {"rows": True}, {"lane_sums": False},
                                      {"rows": True, "tables": True, "offsets32": True, "lane_sums": True},
                                      {"pairs": True, "rows": True, "tables": True, "offsets32": True,
                                       "lane_sums": True},
@@ -255,8 +255,9 @@ def test_turboquant_decode_with_block_ids_a_step_ahead_matches_reference(shape, 
 def test_turboquant_decode_variants_match_reference(shape, spec, options, num_splits):
     """TurboQuant's decode with its scale columns shifted out (as before TQ_HALVES), with the 3-bit codebook's
     tables in registers (TQ_TABLES; with 32-bit page offsets; uncapped), with constant slot strides (TQ_ROWS), with
-    the softmax sums in the lanes (LANE_SUMS), all together, in steps of 16 and of 32 keys, and capped at 96
-    registers (20 programs a multiprocessor, a few registers spilled): attention as the reference's."""
+    the softmax sums added across the lanes every step (as before LANE_SUMS), all the lean options together, in steps
+    of 16 and of 32 keys, and capped at 96 registers (20 programs a multiprocessor, a few registers spilled):
+    attention as the reference's."""
     check_against_reference(hash(("lean", spec, shape)) % 1000, spec, "turboquant", shape, torch.bfloat16,
                             num_splits=num_splits, **options)
 
@@ -265,17 +266,19 @@ def test_turboquant_decode_variants_match_reference(shape, spec, options, num_sp
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("spec,options", [("q4", {"offset_keys": True}), ("q4", {"lane_sums": True}),
+@pytest.mark.parametrize("spec,options", [("q4", {"offset_keys": False, "lane_sums": False}),
+                                          ("q4", {"offset_keys": False}), ("q4", {"lane_sums": False}),
                                           ("q4", {"offset_keys": True, "lane_sums": True, "offsets32": True}),
-                                          ("q4", {"lane_sums": True, "pairs": False}), ("q6", {"lane_sums": True}),
+                                          ("q4", {"lane_sums": True, "pairs": False}), ("q6", {"lane_sums": False}),
                                           ("q4", {"offset_keys": True, "lane_sums": True, "offsets32": True,
                                                   "max_registers": 96})],
                          ids=lambda c: "-".join(c) if isinstance(c, dict) else c)
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
 def test_q4_and_q6_decode_variants_match_reference(shape, spec, options, num_splits, dtype):
-    """`paged_attention_q4` with the keys over their offsets (Q4_OFFSET_KEYS), with the softmax sums in the lanes
-    (LANE_SUMS; in steps of 32 keys and of 16), all together with 32-bit page offsets, and so capped at 96 registers
-    (20 programs a multiprocessor): attention as the reference's."""
+    """`paged_attention_q4` as served before Q4_OFFSET_KEYS and LANE_SUMS (neither), with each alone (the sums in
+    the lanes in steps of 32 keys and of 16), all together with 32-bit page offsets, and so capped at 96 registers
+    (20 programs a multiprocessor); q6 with the sums added across the lanes every step: attention as the
+    reference's."""
     check_against_reference(hash(("q4 variants", spec, shape)) % 1000, spec, spec, shape, dtype,
                             num_splits=num_splits, **options)
 
