@@ -34,7 +34,8 @@
 #   OUT=/some/dir bash bench/h200_run.sh copies-only  # TurboQuant's decode beside its copies-only probe (the reads'
 #                                                  # bound, at the table's shapes and the same-memory run's batch)
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
-#   OUT=/some/dir bash bench/h200_run.sh lean-pick  # the lean options to serve: TurboQuant, q4, q6 at every probe shape
+#   OUT=/some/dir bash bench/h200_run.sh lean-pick  # the lean options served (TurboQuant, q4, q6) against the kernels
+#                                                  # before them, at every probe shape
 #   OUT=/some/dir bash bench/h200_run.sh lean-defaults  # the same-memory run, the lean defaults off and on
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -152,22 +153,22 @@ with_write_cap() {  # with_write_cap None|N LIMIT_SECONDS SCRIPT ARGS...: kv_wri
     with_setting kv_write.TQ_MAX_REGISTERS "$@"
 }
 tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served (twice; half-register scale columns,
-                   # TQ_HALVES, since session 48) beside its scale columns shifted out (as before), with the codebook's
-                   # tables in registers (TQ_TABLES: 516 loop instructions at 128 registers against 544; uncapped 509
-                   # at 141), with page offsets in 32 bits (OFFSETS32: 527; with the tables 500), with constant slot
-                   # strides (TQ_ROWS: 536; with both 490), with the softmax sums in the lanes (LANE_SUMS: 532;
-                   # all four, `best`: 481; in 32-key steps, `bestpairs`: 890 a step, 445 per 16 keys; `best` capped
-                   # at 96 registers, 524 with 5 stack loads a step, 20 programs a multiprocessor where 128 (and 104
-                   # or 112) hold 16: three splits of batch 100 resident at once), and the probes: the copies alone
-                   # (the reads' bound) and the work alone of the served, shifted, tables, lane sums, `best` (the work
-                   # has no copies, so no rows or 32-bit offsets) and 96-register kernels
+                   # TQ_HALVES, since session 48; the softmax sums in the lanes, LANE_SUMS, since session 49: 532 loop
+                   # instructions a 16-key step) beside its scale columns shifted out (as before 48) and its sums
+                   # added across the lanes every step (`steps`, as before 49: 544), with the codebook's tables in
+                   # registers (TQ_TABLES; uncapped `ht145`), with page offsets in 32 bits (OFFSETS32), with constant
+                   # slot strides (TQ_ROWS), all of them (`best`: 481; in 32-key steps, `bestpairs`: 445 per 16 keys;
+                   # capped at 96 registers, 524 with 5 stack loads a step, 20 programs a multiprocessor where 128
+                   # (and 104 or 112) hold 16: three splits of batch 100 resident at once), and the probes: the copies
+                   # alone (the reads' bound) and the work alone of the served, shifted, `steps`, tables (`best`'s
+                   # work: it has no copies, so no rows or 32-bit offsets) and 96-register kernels
     run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [1, 2, 3], "112": [1, 2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
         "shifted": {"ordered": true, "halves": false}, "ht": {"ordered": true, "tables": true},
         "ht145": {"ordered": true, "tables": true, "max_registers": 0},
         "o32": {"ordered": true, "offsets32": true}, "o32ht": {"ordered": true, "offsets32": true, "tables": true},
         "rows": {"ordered": true, "rows": true},
-        "ls": {"ordered": true, "lane_sums": true},
+        "steps": {"ordered": true, "lane_sums": false},
         "best": {"ordered": true, '"$TQ_LEAN"'}, "bestpairs": {"ordered": true, "pairs": true, '"$TQ_LEAN"'},
         "best96": {"ordered": true, '"$TQ_LEAN"', "max_registers": 96,
         "splits": {"100": [2, 3], "112": [2, 3], "64": [4, 5], "32": [8, 10]}},
@@ -176,23 +177,22 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
         "copies": {"ordered": true, "probe": "copies"},
         "work": {"ordered": true, "probe": "work"}, "workshifted": {"ordered": true, "probe": "work", "halves": false},
         "workht": {"ordered": true, "probe": "work", "tables": true},
-        "workls": {"ordered": true, "probe": "work", "lane_sums": true},
-        "workbest": {"ordered": true, "probe": "work", "tables": true, "lane_sums": true},
+        "worksteps": {"ordered": true, "probe": "work", "lane_sums": false},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
 }
-q4_offset_probe() {  # q4_offset_probe LIMIT_SECONDS: q4's decode as served (twice) beside its keys over their offsets
-                     # (Q4_OFFSET_KEYS: 659 -> 599 loop instructions a 32-key step), with 32-bit page offsets (633;
-                     # both 576), the softmax sums in the lanes (LANE_SUMS: 647; all three, `best`, 564; capped at 96
-                     # registers, `best96`, 591 with no spills: 20 programs a multiprocessor, so two splits of batch
-                     # 144 resident at once), at the same-memory run's batches (~144 at 1,536 tokens) and the table's
-                     # shapes
+q4_offset_probe() {  # q4_offset_probe LIMIT_SECONDS: q4's decode as served (twice; its keys over their offsets,
+                     # Q4_OFFSET_KEYS, and the softmax sums in the lanes, LANE_SUMS, since session 49: 587 loop
+                     # instructions a 32-key step) beside it as before (neither: 659, twice), with each alone, with
+                     # 32-bit page offsets too (`best`: 564) and so capped at 96 registers (`best96`, 591 with no
+                     # spills: 20 programs a multiprocessor, so two splits of batch 144 resident at once), at the
+                     # same-memory run's batches (~144 at 1,536 tokens) and the table's shapes
     run "$1" env FORMAT=q4 NAME=offset_keys SHAPES='[[144, 1536], [112, 1536], [64, 8192], [32, 4096], [1, 32768]]' \
-        VARIANTS='{"lf": {"ordered": true}, "offset": {"ordered": true, "offset_keys": true},
-        "o32": {"ordered": true, "offsets32": true}, "offset_o32": {"ordered": true, "offset_keys": true,
-        "offsets32": true}, "ls": {"ordered": true, "lane_sums": true}, "best": {"ordered": true, '"$Q4_LEAN"'},
+        VARIANTS='{"lf": {"ordered": true}, "before": {"ordered": true, "offset_keys": false, "lane_sums": false},
+        "offset": {"ordered": true, "lane_sums": false}, "ls": {"ordered": true, "offset_keys": false},
+        "best": {"ordered": true, '"$Q4_LEAN"'},
         "best96": {"ordered": true, '"$Q4_LEAN"', "max_registers": 96,
         "splits": {"144": [1, 2, 3], "112": [1, 2], "64": [2, 4], "32": [4, 8], "1": [64, 128]}},
-        "lf2": {"ordered": true}, "offset2": {"ordered": true, "offset_keys": true}}' OUT="$OUT" \
+        "lf2": {"ordered": true}, "before2": {"ordered": true, "offset_keys": false, "lane_sums": false}}' OUT="$OUT" \
         python bench/gluon_probe.py
 }
 STALL_RATIOS="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"   # stall cycles an instruction
@@ -548,19 +548,20 @@ tq-lean)   # TurboQuant's lean decode variants beside the served kernel, with th
         "rows": {"ordered": true, "rows": true}, "o32rows": {"ordered": true, "rows": true, "offsets32": true},
         "best": {"ordered": true, '"$TQ_LEAN"'}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
-lean-pick)  # which lean options to serve, at every probe shape: TurboQuant as served, with the softmax sums in the
-            # lanes (LANE_SUMS) and with them and 32-bit page offsets; q4 and q6 as served, with the lane sums and
-            # with Q4_LEAN (q4's keys over their offsets, 32-bit offsets, lane sums); each served kernel timed twice
+lean-pick)  # the lean options served since session 49 (LANE_SUMS; q4's Q4_OFFSET_KEYS) against the kernels before
+            # them and with 32-bit page offsets too, at every probe shape: TurboQuant as served, with its softmax
+            # sums added across the lanes every step (`steps`) and with 32-bit offsets (`o32`); q4 and q6 as served,
+            # as before (`before`) and with 32-bit offsets; each served kernel timed twice
     nvidia-smi --query-gpu=name --format=csv,noheader
     run 150 env FORMAT=turboquant NAME=lean_pick SHAPES='[[100, 1536], [112, 1536], [64, 1536], [128, 2048],
-        [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "ls": {"ordered": true,
-        "lane_sums": true}, "o32ls": {"ordered": true, "offsets32": true, "lane_sums": true},
+        [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "steps": {"ordered": true,
+        "lane_sums": false}, "o32": {"ordered": true, "offsets32": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     for format in q4 q6; do
         run 120 env FORMAT=$format NAME=lean_pick SHAPES='[[144, 1536], [112, 1536], [64, 1536], [128, 2048],
-            [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "ls": {"ordered": true,
-            "lane_sums": true}, "best": {"ordered": true, '"$Q4_LEAN"'}, "lf2": {"ordered": true}}' OUT="$OUT" \
-            python bench/gluon_probe.py
+            [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "before": {"ordered": true,
+            "offset_keys": false, "lane_sums": false}, "o32": {"ordered": true, "offsets32": true},
+            "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     done
     ;;
 lean-defaults)  # the same-memory run for TurboQuant and q4 with LANE_SUMS and Q4_OFFSET_KEYS off (as served before
