@@ -36,6 +36,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh lean-pick  # the lean options served (TurboQuant, q4, q6) against the kernels
 #                                                  # before them, at every probe shape
+#   OUT=/some/dir bash bench/h200_run.sh lazy      # LAZY_RESCALE timed: probes, the same-memory run, its GPU tests
 #   OUT=/some/dir bash bench/h200_run.sh lean-defaults  # the same-memory run, the lean defaults off and on
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -564,6 +565,29 @@ lean-pick)  # the lean options served since session 49 (LANE_SUMS; q4's Q4_OFFSE
             "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     done
     ;;
+lazy)   # LAZY_RESCALE (the accumulators rescaled only where a step's scores pass the running maximum by 2^8:
+        # TurboQuant 532 -> 507 loop instructions a step that skips it, q4 587 -> 560, q6 527 -> 502) beside the
+        # kernels as served, at every probe shape; TurboQuant also its work alone both ways and with every lean
+        # option; then the same-memory run for TurboQuant and q4 without and with it, and the lazy GPU tests
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    run 150 env FORMAT=turboquant NAME=lazy SHAPES='[[100, 1536], [112, 1536], [64, 1536], [128, 2048],
+        [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "lazy": {"ordered": true,
+        "lazy": true}, "bestlazy": {"ordered": true, '"$TQ_LEAN"', "lazy": true},
+        "work": {"ordered": true, "probe": "work"}, "worklazy": {"ordered": true, "probe": "work", "lazy": true},
+        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    for format in q4 q6 "turboquant:k=q4_0,v=q4_0"; do
+        run 120 env FORMAT=$format NAME=lazy SHAPES='[[144, 1536], [112, 1536], [64, 1536], [128, 2048],
+            [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "lazy": {"ordered": true,
+            "lazy": true}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    done
+    for format in turboquant q4; do
+        for lazy in False True; do
+            with_setting decode_gluon.LAZY_RESCALE "$lazy" 90 "${SAME_MEMORY[@]}" --formats $format \
+                --out "$OUT/memory_${format}_lazy_${lazy}"
+        done
+    done
+    run 200 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py -k lazy
+    ;;
 lean-defaults)  # the same-memory run for TurboQuant and q4 with LANE_SUMS and Q4_OFFSET_KEYS off (as served before
                 # 2026-12-07) and on (as served now), alternating (ROUNDS=n: n times; default 1)
     nvidia-smi --query-gpu=name --format=csv,noheader
@@ -657,7 +681,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-pick|lean-defaults|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-pick|lazy|lean-defaults|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
     exit 2
     ;;
 esac
