@@ -417,6 +417,41 @@ def add_sums(l_i, p, LANES: gl.constexpr = False):
 
 
 @gluon.jit
+def rescaling_step(s, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANES: gl.constexpr = False,
+                   LAZY: gl.constexpr = False):
+    """One online-softmax step of a kernel with eight accumulators: `softmax_step`'s, alpha [1, 8] for the values'
+    products to rescale them by; with LAZY the accumulators rescaled here, only where `lazy_rescale` must, and alpha
+    a constant 1 (its products fold away). (p, alpha, m_i, l_i, acc0, ..., acc7)."""
+    if LAZY:
+        m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = lazy_rescale(
+            gl.max(s, axis=0), m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANES)
+        p = unit_scores(s, m_i)
+        l_i = add_sums(l_i, p, LANES)
+        alpha = gl.full([1, 8], 1.0, gl.float32, MMA)
+    else:
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANES)
+        alpha = alpha[None, :]
+    return p, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@gluon.jit
+def rescaling_pair(sa, sb, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANES: gl.constexpr = False,
+                   LAZY: gl.constexpr = False):
+    """`rescaling_step` over two score^T tiles of 16 keys (`softmax_pair`'s): (pa, pb, alpha, m_i, l_i, acc0, ...,
+    acc7)."""
+    if LAZY:
+        m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = lazy_rescale(
+            gl.max(gl.maximum(sa, sb), axis=0), m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANES)
+        pa = unit_scores(sa, m_i)
+        pb = unit_scores(sb, m_i)
+        l_i = add_sums(l_i, pa + pb, LANES)
+        alpha = gl.full([1, 8], 1.0, gl.float32, MMA)
+    else:
+        pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANES)
+    return pa, pb, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@gluon.jit
 def sums_end(l_i, LANES: gl.constexpr):
     """The softmax sums [8] after the last step: with LANES, the lanes' shares added up."""
     if LANES:
@@ -894,19 +929,11 @@ def decode_tq_kernel(
                            K_BITS, HALVES)
             sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
-            if LAZY:
-                m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = lazy_rescale(
-                    gl.max(gl.maximum(sa, sb), axis=0), m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                    LANE_SUMS)
-                pa = unit_scores(sa, m_i)
-                pb = unit_scores(sb, m_i)
-                l_i = add_sums(l_i, pa + pb, LANE_SUMS)
-                alpha = None
-            else:
-                pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
+            pa, pb, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = rescaling_pair(
+                sa, sb, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANE_SUMS, LAZY)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 pa, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
-                RESCALE=not LAZY, l0=l0, h0=h0, HALVES=HALVES)
+                l0=l0, h0=h0, HALVES=HALVES)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 pb, m_ring, n_ring, s_ring, nxt, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
                 RESCALE=False, l0=l0, h0=h0, HALVES=HALVES)
@@ -929,18 +956,11 @@ def decode_tq_kernel(
                 s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
                               K_BITS, HALVES)
                 s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-                if LAZY:
-                    m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = lazy_rescale(
-                        gl.max(s, axis=0), m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANE_SUMS)
-                    p = unit_scores(s, m_i)
-                    l_i = add_sums(l_i, p, LANE_SUMS)
-                    alpha = None
-                else:
-                    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
-                    alpha = alpha[None, :]
+                p, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = rescaling_step(
+                    s, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANE_SUMS, LAZY)
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                     p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
-                    RESCALE=not LAZY, l0=l0, h0=h0, HALVES=HALVES)
+                    l0=l0, h0=h0, HALVES=HALVES)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
     l_i = sums_end(l_i, LANE_SUMS)
@@ -1229,19 +1249,10 @@ def decode_q4_kernel(
             sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, products, scale, BITS, OFFSET_KEYS)
             sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
-            if LAZY:
-                m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = lazy_rescale(
-                    gl.max(gl.maximum(sa, sb), axis=0), m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-                    LANE_SUMS)
-                pa = unit_scores(sa, m_i)
-                pb = unit_scores(sb, m_i)
-                l_i = add_sums(l_i, pa + pb, LANE_SUMS)
-                alpha = None
-            else:
-                pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
+            pa, pb, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = rescaling_pair(
+                sa, sb, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANE_SUMS, LAZY)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
-                pa, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS,
-                RESCALE=not LAZY)
+                pa, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
                 pb, w_ring, vp_ring, vs_ring, nxt, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS,
                 RESCALE=False)
@@ -1256,18 +1267,10 @@ def decode_q4_kernel(
             async_copy.wait_group(STAGES - 1)
             s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, products, scale, BITS, OFFSET_KEYS)
             s = gl.where((start + sr < kv_hi)[:, None], s, float("-inf"))
-            if LAZY:
-                m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = lazy_rescale(
-                    gl.max(s, axis=0), m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANE_SUMS)
-                p = unit_scores(s, m_i)
-                l_i = add_sums(l_i, p, LANE_SUMS)
-                alpha = None
-            else:
-                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
-                alpha = alpha[None, :]
+            p, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = rescaling_step(
+                s, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANE_SUMS, LAZY)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
-                p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS,
-                RESCALE=not LAZY)
+                p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
     l_i = sums_end(l_i, LANE_SUMS)
