@@ -566,10 +566,11 @@ lean-pick)  # the lean options served since session 49 (LANE_SUMS; q4's Q4_OFFSE
     done
     ;;
 lazy)   # LAZY_RESCALE (the accumulators rescaled only where a step's scores pass the running maximum by 2^8:
-        # TurboQuant 532 -> 507 loop instructions a step that skips it, q4 587 -> 560, q6 527 -> 502) beside the
-        # kernels as served, at every probe shape; TurboQuant also its work alone both ways and with every lean
-        # option; then the same-memory run for TurboQuant and q4 without and with it, and the lazy GPU tests
+        # TurboQuant 532 -> 507 loop instructions a step that skips it, q4 587 -> 560, q6 527 -> 502): its GPU tests,
+        # then the kernels beside those as served at every probe shape (TurboQuant also its work alone both ways and
+        # with every lean option), then the same-memory run for TurboQuant and q4 without and with it (~9 min)
     nvidia-smi --query-gpu=name --format=csv,noheader
+    run 200 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py -k lazy
     run 150 env FORMAT=turboquant NAME=lazy SHAPES='[[100, 1536], [112, 1536], [64, 1536], [128, 2048],
         [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "lazy": {"ordered": true,
         "lazy": true}, "bestlazy": {"ordered": true, '"$TQ_LEAN"', "lazy": true},
@@ -586,7 +587,6 @@ lazy)   # LAZY_RESCALE (the accumulators rescaled only where a step's scores pas
                 --out "$OUT/memory_${format}_lazy_${lazy}"
         done
     done
-    run 200 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py -k lazy
     ;;
 lean-defaults)  # the same-memory run for TurboQuant and q4 with LANE_SUMS and Q4_OFFSET_KEYS off (as served before
                 # 2026-12-07) and on (as served now), alternating (ROUNDS=n: n times; default 1)
