@@ -292,7 +292,8 @@ def report(spec: str, tiles: TileConfig, kernel=None) -> dict:
     info, sass = assemble(kernel)
     ttgir = kernel.asm["ttgir"]
     buffers = sorted({int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x", ttgir)})
-    ops = loop_ops(sass_loops(sass)[0])
+    loop = sass_loops(sass)[0]
+    ops = loop_ops(loop)
     return {"format": spec, "tile_n": tiles.tile_n, "warps": tiles.num_warps, "stages": tiles.num_stages,
             **ptxas_usage(info), "shared_bytes": kernel.metadata.shared, "page_tile_buffers": buffers,
             "loop_instructions": len(loop), "per_key_row": round(len(loop) * tiles.num_warps / tiles.tile_n, 1),

@@ -301,12 +301,7 @@ def test_lazily_rescaled_decodes_skip_the_rescale_in_a_branch_and_run_fewer_inst
         step = sum(lazy["loop_ops"].values()) - lazy["branch_bodies"]
         assert step < sum(served["loop_ops"].values()) - 20, (served, lazy)
         assert lazy["loop_ops"]["HMMA"] == served["loop_ops"]["HMMA"] and lazy["spill_bytes"] == 0, lazy
-        assert programs_per_sm(lazy) >= programs_per_sm(served), (served, lazy)
-
-
-def programs_per_sm(row: dict) -> int:
-    """One-warp programs of a `gluon_report` row that fit a multiprocessor's 65,536 registers (8 a lane at a time)."""
-    return 65536 // ((row["registers"] + 7) // 8 * 8 * 32)
+        assert resident_programs(lazy["registers"]) >= resident_programs(served["registers"]), (served, lazy)
 
 
 def test_the_gluon_prefill_kernel_compiles_to_wgmma_and_tma_without_spills():
