@@ -153,6 +153,20 @@ with_write_cap() {  # with_write_cap None|N LIMIT_SECONDS SCRIPT ARGS...: kv_wri
                     # as served)
     with_setting kv_write.TQ_MAX_REGISTERS "$@"
 }
+settings_ab() {  # settings_ab MODULE.NAME[,...] LABEL ROUND FORMAT...: the same-memory run of each FORMAT with the
+                 # named settings False, then True (`with_setting`); results in $OUT/memory_FORMAT_LABEL_VALUE_ROUND
+    local settings=$1 label=$2 round=$3; shift 3
+    for format in "$@"; do
+        for value in False True; do
+            with_setting "$settings" "$value" 90 "${SAME_MEMORY[@]}" --formats "$format" \
+                --out "$OUT/memory_${format}_${label}_${value}_$round"
+        done
+    done
+}
+# the shapes at which lean-pick and lazy time a decode beside the served one: the same-memory run's batches at 1,536
+# tokens (TurboQuant ~100-112, q4 and q6 ~112-144) and the kernel table's shapes
+PICK_SHAPES_TQ='[[100, 1536], [112, 1536], [64, 1536], [128, 2048], [64, 8192], [32, 4096], [1, 32768]]'
+PICK_SHAPES_Q4='[[144, 1536], [112, 1536], [64, 1536], [128, 2048], [64, 8192], [32, 4096], [1, 32768]]'
 tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served (twice; half-register scale columns,
                    # TQ_HALVES, since session 48; the softmax sums in the lanes, LANE_SUMS, since session 49: 532 loop
                    # instructions a 16-key step) beside its scale columns shifted out (as before 48) and its sums
@@ -554,15 +568,13 @@ lean-pick)  # the lean options served since session 49 (LANE_SUMS; q4's Q4_OFFSE
             # sums added across the lanes every step (`steps`) and with 32-bit offsets (`o32`); q4 and q6 as served,
             # as before (`before`) and with 32-bit offsets; each served kernel timed twice
     nvidia-smi --query-gpu=name --format=csv,noheader
-    run 150 env FORMAT=turboquant NAME=lean_pick SHAPES='[[100, 1536], [112, 1536], [64, 1536], [128, 2048],
-        [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "steps": {"ordered": true,
-        "lane_sums": false}, "o32": {"ordered": true, "offsets32": true},
+    run 150 env FORMAT=turboquant NAME=lean_pick SHAPES="$PICK_SHAPES_TQ" VARIANTS='{"lf": {"ordered": true},
+        "steps": {"ordered": true, "lane_sums": false}, "o32": {"ordered": true, "offsets32": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     for format in q4 q6; do
-        run 120 env FORMAT=$format NAME=lean_pick SHAPES='[[144, 1536], [112, 1536], [64, 1536], [128, 2048],
-            [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "before": {"ordered": true,
-            "offset_keys": false, "lane_sums": false}, "o32": {"ordered": true, "offsets32": true},
-            "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+        run 120 env FORMAT=$format NAME=lean_pick SHAPES="$PICK_SHAPES_Q4" VARIANTS='{"lf": {"ordered": true},
+            "before": {"ordered": true, "offset_keys": false, "lane_sums": false},
+            "o32": {"ordered": true, "offsets32": true}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     done
     ;;
 lazy)   # LAZY_RESCALE (the accumulators rescaled only where a step's scores pass the running maximum by 2^8:
@@ -571,33 +583,21 @@ lazy)   # LAZY_RESCALE (the accumulators rescaled only where a step's scores pas
         # with every lean option), then the same-memory run for TurboQuant and q4 without and with it (~9 min)
     nvidia-smi --query-gpu=name --format=csv,noheader
     run 200 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py -k lazy
-    run 150 env FORMAT=turboquant NAME=lazy SHAPES='[[100, 1536], [112, 1536], [64, 1536], [128, 2048],
-        [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "lazy": {"ordered": true,
-        "lazy": true}, "bestlazy": {"ordered": true, '"$TQ_LEAN"', "lazy": true},
+    run 150 env FORMAT=turboquant NAME=lazy SHAPES="$PICK_SHAPES_TQ" VARIANTS='{"lf": {"ordered": true},
+        "lazy": {"ordered": true, "lazy": true}, "bestlazy": {"ordered": true, '"$TQ_LEAN"', "lazy": true},
         "work": {"ordered": true, "probe": "work"}, "worklazy": {"ordered": true, "probe": "work", "lazy": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     for format in q4 q6 "turboquant:k=q4_0,v=q4_0"; do
-        run 120 env FORMAT=$format NAME=lazy SHAPES='[[144, 1536], [112, 1536], [64, 1536], [128, 2048],
-            [64, 8192], [32, 4096], [1, 32768]]' VARIANTS='{"lf": {"ordered": true}, "lazy": {"ordered": true,
-            "lazy": true}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+        run 120 env FORMAT=$format NAME=lazy SHAPES="$PICK_SHAPES_Q4" VARIANTS='{"lf": {"ordered": true},
+            "lazy": {"ordered": true, "lazy": true}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     done
-    for format in turboquant q4; do
-        for lazy in False True; do
-            with_setting decode_gluon.LAZY_RESCALE "$lazy" 90 "${SAME_MEMORY[@]}" --formats $format \
-                --out "$OUT/memory_${format}_lazy_${lazy}"
-        done
-    done
+    settings_ab decode_gluon.LAZY_RESCALE lazy 1 turboquant q4
     ;;
 lean-defaults)  # the same-memory run for TurboQuant and q4 with LANE_SUMS and Q4_OFFSET_KEYS off (as served before
                 # 2026-12-07) and on (as served now), alternating (ROUNDS=n: n times; default 1)
     nvidia-smi --query-gpu=name --format=csv,noheader
     for round in $(seq "${ROUNDS:-1}"); do
-        for format in turboquant q4; do
-            for lean in False True; do
-                with_setting decode_gluon.LANE_SUMS,decode_gluon.Q4_OFFSET_KEYS "$lean" 90 "${SAME_MEMORY[@]}" \
-                    --formats $format --out "$OUT/memory_${format}_lean_${lean}_$round"
-            done
-        done
+        settings_ab decode_gluon.LANE_SUMS,decode_gluon.Q4_OFFSET_KEYS lean "$round" turboquant q4
     done
     ;;
 lean-engine)   # TurboQuant as served and with TQ_LEAN_SETTINGS on (481 loop instructions against 532), then q4
@@ -605,14 +605,8 @@ lean-engine)   # TurboQuant as served and with TQ_LEAN_SETTINGS on (481 loop ins
                # alternating, twice (ROUNDS=n: n times); then the GPU tests of those variants (`variants_match`)
     nvidia-smi --query-gpu=name --format=csv,noheader
     for round in $(seq "${ROUNDS:-2}"); do
-        for lean in False True; do
-            with_setting "$TQ_LEAN_SETTINGS" "$lean" 80 "${SAME_MEMORY[@]}" --formats turboquant \
-                --out "$OUT/memory_lean_${lean}_$round"
-        done
-        for offset in False True; do
-            with_setting "$Q4_LEAN_SETTINGS" "$offset" 80 "${SAME_MEMORY[@]}" --formats q4 \
-                --out "$OUT/memory_q4_offset_${offset}_$round"
-        done
+        settings_ab "$TQ_LEAN_SETTINGS" lean "$round" turboquant
+        settings_ab "$Q4_LEAN_SETTINGS" lean "$round" q4
     done
     run 200 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py \
         -k variants_match

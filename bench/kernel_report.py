@@ -128,16 +128,21 @@ def ptxas_usage(info: str) -> dict:
             "stack_bytes": max((int(n) for n in re.findall(r"(\d+) bytes stack frame", info)), default=0)}
 
 
+def sass_branches(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(address, target) of each branch among a SASS listing's instructions (`sass_instructions`)."""
+    return [(addr, int(m.group(1), 16)) for addr, text in ins if (m := re.search(r"BRA\s.*?0x([0-9a-f]+)", text))]
+
+
+def loop_ranges(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) addresses of each loop among a SASS listing's instructions (a backward branch and the body it
+    repeats), longest first."""
+    return sorted(((target, addr) for addr, target in sass_branches(ins) if target < addr), key=lambda r: r[0] - r[1])
+
+
 def sass_loops(sass: str) -> list[list[str]]:
     """Bodies of the backward branches of a SASS listing (loops), longest first."""
     ins = sass_instructions(sass)
-    loops = []
-    for addr, text in ins:
-        m = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            lo = int(m.group(1), 16)
-            loops.append([t for a, t in ins if lo <= a <= addr])
-    return sorted(loops, key=len, reverse=True)
+    return [[t for a, t in ins if lo <= a <= hi] for lo, hi in loop_ranges(ins)]
 
 
 def decode_batch(batch: int, context: int, window: bool, head_dim: int, dtype: torch.dtype):
@@ -192,9 +197,8 @@ def branch_bodies(sass: str) -> int:
     """How many instructions of the longest loop (`sass_loops`' first) forward branches inside it can jump over: a
     body taken only now and then (LAZY_RESCALE's rescale) is not a step's cost."""
     ins = sass_instructions(sass)
-    branches = [(addr, int(m.group(1), 16)) for addr, t in ins for m in [re.search(r"BRA\s.*?0x([0-9a-f]+)", t)] if m]
-    lo, hi = max(((target, addr) for addr, target in branches if target < addr), key=lambda r: r[1] - r[0])
-    skipped = {a for addr, target in branches if lo <= addr < target <= hi for a, _ in ins if addr < a < target}
+    lo, hi = loop_ranges(ins)[0]
+    skipped = {a for addr, target in sass_branches(ins) if lo <= addr < target <= hi for a, _ in ins if addr < a < target}
     return len(skipped)
 
 

@@ -92,7 +92,7 @@ TQ_ROWS = False
 # (`softmax_step`'s LANES), not every step: TurboQuant 544 -> 532 loop instructions a 16-key step. On since
 # 2026-12-07, timed on an H100 (`bash bench/h200_run.sh lean-pick` and `tq-lean`, longest first, against the kernel
 # before timed twice): TurboQuant within 0.6% at every probe shape (bound by its reads there) and its work-only probe
-# 1.05-1.07x faster; q6 1.014-1.023x faster at (144, 1536), (112, 1536), (64, 8192), within 1% elsewhere; q4 within
+# 1.05-1.08x faster; q6 1.014-1.023x faster at (144, 1536), (112, 1536), (64, 8192), within 1% elsewhere; q4 within
 # 0.5%. The GPU tests `variants_match` check it against the kernel without
 LANE_SUMS = True
 # LAZY_RESCALE (TurboQuant, q4, q6): the running maximum moves only when a step's scores pass it by more than
