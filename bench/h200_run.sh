@@ -175,7 +175,8 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
                    # slot strides (TQ_ROWS), all of them (`best`: 481; in 32-key steps, `bestpairs`: 445 per 16 keys;
                    # capped at 96 registers, 524 with 5 stack loads a step, 20 programs a multiprocessor where 128
                    # (and 104 or 112) hold 16: three splits of batch 100 resident at once), and the probes: the copies
-                   # alone (the reads' bound) and the work alone of the served, shifted, `steps`, tables (`best`'s
+                   # alone (the reads' bound; and with a third ring stage, `copies3`, beside the kernel's, `s3`: an
+                   # H200 needs ~1.4x an H100's bytes in flight for its bandwidth) and the work alone of the served, shifted, `steps`, tables (`best`'s
                    # work: it has no copies, so no rows or 32-bit offsets) and 96-register kernels
     run "$1" env FORMAT=turboquant NAME=lean SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [1, 2, 3], "112": [1, 2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
@@ -189,7 +190,8 @@ tq_lean_probe() {  # tq_lean_probe LIMIT_SECONDS: TurboQuant's decode as served 
         "splits": {"100": [2, 3], "112": [2, 3], "64": [4, 5], "32": [8, 10]}},
         "workbest96": {"ordered": true, "probe": "work", "tables": true, "lane_sums": true, "max_registers": 96,
         "splits": {"100": [2, 3], "112": [2, 3], "64": [4, 5], "32": [8, 10]}},
-        "copies": {"ordered": true, "probe": "copies"},
+        "copies": {"ordered": true, "probe": "copies"}, "s3": {"ordered": true, "stages": 3},
+        "copies3": {"ordered": true, "probe": "copies", "stages": 3},
         "work": {"ordered": true, "probe": "work"}, "workshifted": {"ordered": true, "probe": "work", "halves": false},
         "workht": {"ordered": true, "probe": "work", "tables": true},
         "worksteps": {"ordered": true, "probe": "work", "lane_sums": false},
