@@ -37,6 +37,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh lean-pick  # the lean options served (TurboQuant, q4, q6) against the kernels
 #                                                  # before them, at every probe shape
 #   OUT=/some/dir bash bench/h200_run.sh lazy      # LAZY_RESCALE timed: probes, the same-memory run, its GPU tests
+#   OUT=/some/dir bash bench/h200_run.sh h200-first  # an H200's first call: served, then TurboQuant's bounds probed
 #   OUT=/some/dir bash bench/h200_run.sh lean-defaults  # the same-memory run, the lean defaults off and on
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -595,6 +596,21 @@ lazy)   # LAZY_RESCALE (the accumulators rescaled only where a step's scores pas
     done
     settings_ab decode_gluon.LAZY_RESCALE lazy 1 turboquant q4
     ;;
+h200-first)   # what an H200 lease should run first (~9.5 min): issue 10's decode table as served and the same-memory
+              # run (`served`), then TurboQuant at the same-memory run's batches and the table's shapes: as served,
+              # rescaled lazily (LAZY_RESCALE), with every lean option and lazily, with a third ring stage, and the
+              # probes (the copies alone with two and three stages, the work alone as served and lazily): on an H200
+              # they say whether its reads or its work bound it at (100, 1536)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    served_table_and_memory
+    run 200 env FORMAT=turboquant NAME=first SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
+        SPLITS='{"100": [2, 3], "112": [2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
+        "lazy": {"ordered": true, "lazy": true}, "bestlazy": {"ordered": true, '"$TQ_LEAN"', "lazy": true},
+        "best": {"ordered": true, '"$TQ_LEAN"'}, "s3": {"ordered": true, "stages": 3},
+        "copies": {"ordered": true, "probe": "copies"}, "copies3": {"ordered": true, "probe": "copies", "stages": 3},
+        "work": {"ordered": true, "probe": "work"}, "worklazy": {"ordered": true, "probe": "work", "lazy": true},
+        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    ;;
 lean-defaults)  # the same-memory run for TurboQuant and q4 with LANE_SUMS and Q4_OFFSET_KEYS off (as served before
                 # 2026-12-07) and on (as served now), alternating (ROUNDS=n: n times; default 1)
     nvidia-smi --query-gpu=name --format=csv,noheader
@@ -677,7 +693,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-pick|lazy|lean-defaults|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-pick|lazy|h200-first|lean-defaults|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
     exit 2
     ;;
 esac
