@@ -36,7 +36,6 @@
 #   OUT=/some/dir bash bench/h200_run.sh longest-first-probes  # ragged batches for off, q4 at equal lengths
 #   OUT=/some/dir bash bench/h200_run.sh lean-pick  # the lean options served (TurboQuant, q4, q6) against the kernels
 #                                                  # before them, at every probe shape
-#   OUT=/some/dir bash bench/h200_run.sh lazy      # LAZY_RESCALE timed: probes, the same-memory run, its GPU tests
 #   OUT=/some/dir bash bench/h200_run.sh h200-first  # an H200's first call: served, then TurboQuant's bounds probed
 #   OUT=/some/dir bash bench/h200_run.sh lean-defaults  # the same-memory run, the lean defaults off and on
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
@@ -164,7 +163,7 @@ settings_ab() {  # settings_ab MODULE.NAME[,...] LABEL ROUND FORMAT...: the same
         done
     done
 }
-# the shapes at which lean-pick and lazy time a decode beside the served one: the same-memory run's batches at 1,536
+# the shapes at which lean-pick times a decode beside the served one: the same-memory run's batches at 1,536
 # tokens (TurboQuant ~100-112, q4 and q6 ~112-144) and the kernel table's shapes
 PICK_SHAPES_TQ='[[100, 1536], [112, 1536], [64, 1536], [128, 2048], [64, 8192], [32, 4096], [1, 32768]]'
 PICK_SHAPES_Q4='[[144, 1536], [112, 1536], [64, 1536], [128, 2048], [64, 8192], [32, 4096], [1, 32768]]'
@@ -580,36 +579,17 @@ lean-pick)  # the lean options served since session 49 (LANE_SUMS; q4's Q4_OFFSE
             "o32": {"ordered": true, "offsets32": true}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     done
     ;;
-lazy)   # LAZY_RESCALE (the accumulators rescaled only where a step's scores pass the running maximum by 2^8:
-        # TurboQuant 532 -> 507 loop instructions a step that skips it, q4 587 -> 560, q6 527 -> 502): its GPU tests,
-        # then the kernels beside those as served at every probe shape (TurboQuant also its work alone both ways and
-        # with every lean option), then the same-memory run for TurboQuant and q4 without and with it (~9 min)
-    nvidia-smi --query-gpu=name --format=csv,noheader
-    run 200 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py -k lazy
-    run 150 env FORMAT=turboquant NAME=lazy SHAPES="$PICK_SHAPES_TQ" VARIANTS='{"lf": {"ordered": true},
-        "lazy": {"ordered": true, "lazy": true}, "bestlazy": {"ordered": true, '"$TQ_LEAN"', "lazy": true},
-        "work": {"ordered": true, "probe": "work"}, "worklazy": {"ordered": true, "probe": "work", "lazy": true},
-        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
-    for format in q4 q6 "turboquant:k=q4_0,v=q4_0"; do
-        run 120 env FORMAT=$format NAME=lazy SHAPES="$PICK_SHAPES_Q4" VARIANTS='{"lf": {"ordered": true},
-            "lazy": {"ordered": true, "lazy": true}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
-    done
-    settings_ab decode_gluon.LAZY_RESCALE lazy 1 turboquant q4
-    ;;
-h200-first)   # what an H200 lease should run first (~9.5 min): issue 10's decode table as served and the same-memory
-              # run (`served`), then TurboQuant at the same-memory run's batches and the table's shapes: as served,
-              # rescaled lazily (LAZY_RESCALE), with every lean option and lazily, with a third ring stage, and the
-              # probes (the copies alone with two and three stages, the work alone as served and lazily): on an H200
-              # they say whether its reads or its work bound it at (100, 1536)
+h200-first)   # what an H200 lease should run first: issue 10's decode table as served and the same-memory run
+              # (`served`), then TurboQuant at the same-memory run's batches and the table's shapes: as served, with
+              # every lean option, with a third ring stage, and the probes (the copies alone with two and three
+              # stages, the work alone): on an H200 they say whether its reads or its work bound it at (100, 1536)
     nvidia-smi --query-gpu=name --format=csv,noheader
     served_table_and_memory
     run 200 env FORMAT=turboquant NAME=first SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [2, 3], "112": [2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
-        "lazy": {"ordered": true, "lazy": true}, "bestlazy": {"ordered": true, '"$TQ_LEAN"', "lazy": true},
         "best": {"ordered": true, '"$TQ_LEAN"'}, "s3": {"ordered": true, "stages": 3},
         "copies": {"ordered": true, "probe": "copies"}, "copies3": {"ordered": true, "probe": "copies", "stages": 3},
-        "work": {"ordered": true, "probe": "work"}, "worklazy": {"ordered": true, "probe": "work", "lazy": true},
-        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+        "work": {"ordered": true, "probe": "work"}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     ;;
 lean-defaults)  # the same-memory run for TurboQuant and q4 with LANE_SUMS and Q4_OFFSET_KEYS off (as served before
                 # 2026-12-07) and on (as served now), alternating (ROUNDS=n: n times; default 1)
@@ -693,7 +673,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-pick|lazy|h200-first|lean-defaults|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-pick|h200-first|lean-defaults|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
     exit 2
     ;;
 esac

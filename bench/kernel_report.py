@@ -11,7 +11,6 @@
     python bench/kernel_report.py --gluon-ids-ahead # off and TurboQuant decodes with block ids loaded a step ahead
     python bench/kernel_report.py --gluon-lean      # TurboQuant decodes with half-register scales, codebook tables;
                                                     # q4 keys over their offsets
-    python bench/kernel_report.py --gluon-lazy      # TurboQuant, q4, q6 decodes as served and rescaled lazily
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
 `paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
@@ -193,15 +192,6 @@ def assemble(kernel) -> tuple[str, str]:
     return info, sass
 
 
-def branch_bodies(sass: str) -> int:
-    """How many instructions of the longest loop (`sass_loops`' first) forward branches inside it can jump over: a
-    body taken only now and then (LAZY_RESCALE's rescale) is not a step's cost."""
-    ins = sass_instructions(sass)
-    lo, hi = loop_ranges(ins)[0]
-    skipped = {a for addr, target in sass_branches(ins) if lo <= addr < target <= hi for a, _ in ins if addr < a < target}
-    return len(skipped)
-
-
 def loop_ops(loop: list[str]) -> Counter:
     """Opcode counts (without modifiers) of a SASS loop body."""
     return Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
@@ -230,7 +220,7 @@ def gluon_report(head_dim: int, dtype: torch.dtype, num_splits: int, spec: str =
             "keys_per_step": 32 if launches.options[0].get("PAIRS", False) else 16,
             "kv_heads_per_program": launches.options[0].get("HEADS", 1),
             "inner_splits": launches.options[0].get("INNER", 1), **ptxas_usage(info),
-            "shared_bytes": kernel.metadata.shared, "loop_ops": dict(ops), "branch_bodies": branch_bodies(sass)}
+            "shared_bytes": kernel.metadata.shared, "loop_ops": dict(ops)}
 
 
 def sass_digest(kernels) -> str:
@@ -467,10 +457,6 @@ def main() -> None:
     parser.add_argument("--gluon-copies", action="store_true",
                         help="print (JSON) the TurboQuant Gluon decode kernels (16 keys a step) and their probes "
                              "(probe='copies': the page copies alone; probe='work': the work alone)")
-    parser.add_argument("--gluon-lazy", action="store_true",
-                        help="print (JSON) the TurboQuant (K q8_0 / V q3_0, K q4_0 / V q4_0), q4 and q6 Gluon decode "
-                             "kernels as served, then each rescaled lazily (`lazy`: LAZY_RESCALE; `branch_bodies`, "
-                             "the rescale a step skips)")
     parser.add_argument("--gluon-lean", action="store_true",
                         help="print (JSON) the TurboQuant Gluon decode kernels with their scale columns shifted out "
                              "of their words and widened from half registers (`halves`, served); K q8_0 / V q3_0 also "
@@ -524,12 +510,6 @@ def main() -> None:
             for probe in (None, "copies", "work"):
                 row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, pairs=False, probe=probe)
                 print(json.dumps({**row, "probe": probe or "kernel"}), flush=True)
-        return
-    if args.gluon_lazy:
-        for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0", "q4", "q6"):
-            for lazy in (False, True):
-                row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, lazy=lazy)
-                print(json.dumps({**row, "lazy": lazy}), flush=True)
         return
     if args.gluon_lean:
         # the scale columns shifted out of their words (as served before TQ_HALVES) first, then the lean variants;

@@ -40,16 +40,15 @@ def test_gluon_decode_matches_reference(spec, kernel, shape, num_splits, dtype):
     check_against_reference(hash((spec, shape)) % 1000, spec, kernel, shape, dtype, num_splits=num_splits)
 
 
-def check_against_reference(seed, spec, kernel, shape, dtype, key_growth=0.0, **options):
+def check_against_reference(seed, spec, kernel, shape, dtype, **options):
     """Kernel `kernel` of decode_gluon.KERNELS (launched with `options`) against the reference path on a batch of
-    decodes, a verify-like run and a prefill chunk of format `spec` and (query heads, KV heads, head_dim, block);
-    `key_growth`: `build_case`'s."""
+    decodes, a verify-like run and a prefill chunk of format `spec` and (query heads, KV heads, head_dim, block)."""
     from pagedkv.ops.triton import decode_gluon
 
     reads, launch = decode_gluon.KERNELS[kernel]
     hq, hkv, d, bs = shape
     case = build_case(seed, spec, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                      ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype, key_growth=key_growth)
+                      ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=dtype)
     assert reads(case.fmt, case.query, bs)
     scale = d ** -0.5
     ref = reference.paged_attention(case.query.float(), case.pages, case.fmt, case.meta, scale=scale)
@@ -249,9 +248,7 @@ def test_turboquant_decode_with_block_ids_a_step_ahead_matches_reference(shape, 
                                      {"pairs": True, "rows": True, "tables": True, "offsets32": True,
                                       "lane_sums": True},
                                      {"rows": True, "tables": True, "offsets32": True, "lane_sums": True,
-                                      "max_registers": 96},
-                                     {"lazy": True}, {"lazy": True, "lane_sums": False}, {"lazy": True, "pairs": True},
-                                     {"lazy": True, "rows": True, "tables": True, "offsets32": True}],
+                                      "max_registers": 96}],
                          ids=lambda o: "-".join(o))
 @pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q4_0,v=q3_0", "turboquant:k=q4_0,v=q4_0"])
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
@@ -274,64 +271,16 @@ def test_turboquant_decode_variants_match_reference(shape, spec, options, num_sp
                                           ("q4", {"offset_keys": True, "lane_sums": True, "offsets32": True}),
                                           ("q4", {"lane_sums": True, "pairs": False}), ("q6", {"lane_sums": False}),
                                           ("q4", {"offset_keys": True, "lane_sums": True, "offsets32": True,
-                                                  "max_registers": 96}),
-                                          ("q4", {"lazy": True}), ("q4", {"lazy": True, "pairs": False}),
-                                          ("q6", {"lazy": True}), ("q6", {"lazy": True, "lane_sums": False})],
+                                                  "max_registers": 96})],
                          ids=lambda c: "-".join(c) if isinstance(c, dict) else c)
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
 def test_q4_and_q6_decode_variants_match_reference(shape, spec, options, num_splits, dtype):
     """`paged_attention_q4` as served before Q4_OFFSET_KEYS and LANE_SUMS (neither), with each alone (the sums in
     the lanes in steps of 32 keys and of 16), all together with 32-bit page offsets, and so capped at 96 registers
-    (20 programs a multiprocessor); q6 with the sums added across the lanes every step; q4 and q6 rescaled lazily
-    (LAZY_RESCALE): attention as the reference's."""
+    (20 programs a multiprocessor); q6 with the sums added across the lanes every step: attention as the
+    reference's."""
     check_against_reference(hash(("q4 variants", spec, shape)) % 1000, spec, spec, shape, dtype,
                             num_splits=num_splits, **options)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("spec,kernel,options", [
-    ("turboquant", "turboquant", {}), ("turboquant", "turboquant", {"pairs": True}),
-    ("turboquant:k=q4_0,v=q4_0", "turboquant", {}), ("turboquant", "turboquant", {"lane_sums": False}),
-    ("q4", "q4", {}), ("q4", "q4", {"pairs": False}), ("q6", "q6", {})],
-    ids=lambda c: "-".join(c) if isinstance(c, dict) else c)
-@pytest.mark.parametrize("shape", [(8, 2, 128, 16), (32, 8, 128, 16)], ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
-def test_lazy_rescale_matches_reference_where_scores_keep_growing(shape, spec, kernel, options, num_splits):
-    """LAZY_RESCALE with keys that grow along each sequence (`GROWING_KEYS`: the running maximum passes itself by
-    more than RESCALE_MARGIN at later steps too, so the rescale branch runs mid-loop; were it skipped, the
-    unnormalised probabilities would pass float16's range), and the kernel without it: attention as the
-    reference's."""
-    for lazy in (True, False):
-        check_against_reference(GROWING_SEED, spec, kernel, shape, torch.bfloat16, key_growth=GROWING_KEYS,
-                                num_splits=num_splits, lazy=lazy, **options)
-
-
-GROWING_KEYS = 8.0   # keys up to 9 times the first's along a sequence
-GROWING_SEED = 1     # `build_case`'s keys and queries depend on the seed and the shape only, not on the format
-
-
-def test_growing_keys_move_the_running_maximum_past_the_rescale_margin_mid_sequence():
-    """(CPU) What `test_lazy_rescale_matches_reference_where_scores_keep_growing` relies on: in its cases (the same
-    seed, shapes and dtype), some sequence's running maximum score (log2 units, per query head) grows by more than
-    RESCALE_MARGIN at a 16-key step after its first, so the lazy kernels' rescale branch runs mid-loop, not only at
-    the first step."""
-    from pagedkv.ops.triton import decode_gluon
-
-    margin = decode_gluon.RESCALE_MARGIN.value
-    for shape in ((8, 2, 128, 16), (32, 8, 128, 16)):
-        hq, hkv, d, bs = shape
-        case = build_case(GROWING_SEED, "off", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                          ctx_lens=CTX_LENS, new_lens=NEW_LENS, dtype=torch.bfloat16, key_growth=GROWING_KEYS)
-        seq_len, new = CTX_LENS[-1] + NEW_LENS[-1], NEW_LENS[-1]
-        keys = case.keys[-seq_len:].float()                       # the longest sequence, its one decode query
-        q = case.query[-new:].float()[0].view(hkv, hq // hkv, d)
-        scores = torch.einsum("hgd,thd->hgt", q, keys) * d ** -0.5 * decode_gluon.LOG2E.value
-        padded = torch.nn.functional.pad(scores, (0, -seq_len % 16), value=float("-inf"))
-        steps = padded.unflatten(-1, (-1, 16)).amax(-1)           # each 16-key step's maximum
-        running = steps.cummax(-1).values
-        jumps = running[..., 1:] - running[..., :-1]
-        assert (jumps > margin).any(), jumps.max()
 
 
 def test_dense_decode_reads_four_kv_heads_a_program_where_they_divide():

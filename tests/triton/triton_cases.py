@@ -42,11 +42,8 @@ def metadata(block_table, seq_lens, q_lens, slots, block_size) -> AttentionMetad
 
 
 def build_case(seed: int, fmt_spec: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-               ctx_lens: list[int], new_lens: list[int], dtype=torch.float32, extra_table_cols: int = 0,
-               key_growth: float = 0.0) -> Case:
-    """Sequences with `ctx_lens[i]` earlier tokens and `new_lens[i]` new ones, written with the reference.
-    `key_growth`: each key times 1 + key_growth x its position / its sequence's length, so that a sequence's scores
-    grow along it (a decode's running maximum then keeps moving)."""
+               ctx_lens: list[int], new_lens: list[int], dtype=torch.float32, extra_table_cols: int = 0) -> Case:
+    """Sequences with `ctx_lens[i]` earlier tokens and `new_lens[i]` new ones, written with the reference."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(ctx_lens, new_lens)]
@@ -66,11 +63,7 @@ def build_case(seed: int, fmt_spec: str, *, num_q_heads: int, num_kv_heads: int,
     for p in pages.values():  # unwritten slots must never be read
         p.fill_(float("nan")) if p.dtype.is_floating_point else p.fill_(-1)
     total = sum(seq_lens)
-    keys = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-    if key_growth:
-        along = torch.cat([torch.arange(s) / s for s in seq_lens])
-        keys = keys * (1 + key_growth * along)[:, None, None]
-    keys = keys.to(dtype).to(DEVICE)
+    keys = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     values = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     slots = torch.tensor([slot_of(tables[i], p, block_size) for i, s in enumerate(seq_lens) for p in range(s)],
                          dtype=torch.int64)

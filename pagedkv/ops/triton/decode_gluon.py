@@ -95,15 +95,6 @@ TQ_ROWS = False
 # 1.05-1.08x faster; q6 1.014-1.023x faster at (144, 1536), (112, 1536), (64, 8192), within 1% elsewhere; q4 within
 # 0.5%. The GPU tests `variants_match` check it against the kernel without
 LANE_SUMS = True
-# LAZY_RESCALE (TurboQuant, q4, q6): the running maximum moves only when a step's scores pass it by more than
-# RESCALE_MARGIN (log2 units: p <= 2^8 then, as FlashAttention-4's), and the accumulators and sums are rescaled only
-# then, in a branch the whole warp takes together, not by every step's alpha. Exact but for rounding: the partial
-# state's m is the one its sums and accumulators are relative to. P^T times the value scales stays within float16
-# for scales up to 2^8. Compiled for sm_90 (`bench/kernel_report.py --gluon-lazy`), a step that skips the rescale:
-# TurboQuant 532 -> 507 loop instructions, q4 587 -> 560 (32 keys), q6 527 -> 502, K q4_0 / V q4_0 1,001 -> 963
-# (32 keys), as many programs a multiprocessor. Off until timed
-LAZY_RESCALE = False
-RESCALE_MARGIN = gl.constexpr(8.0)
 # q4 keys left over their float16 offsets (`NIBBLE_OFFSET_ASM`, as TurboQuant's q4_0 keys), the offsets and the codes'
 # + 7 taken off once per program as the start of the products (`q4_offset_start`): four fewer instructions every
 # eight key codes. On since 2026-12-07: on an H100, bound by q4's reads, 1.012-1.022x faster at the same-memory run's
@@ -371,84 +362,6 @@ def sum_start(LANES: gl.constexpr):
     else:
         l_i = gl.full([8], 0.0, gl.float32, gl.SliceLayout(0, MMA))
     return l_i
-
-
-@gluon.jit
-def unit_scores(s, m_i):
-    """exp2(s - m_i) [16, 8] for the running maxima m_i [8] (-inf: no key yet, so 0)."""
-    return gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
-
-
-@gluon.jit
-def lazy_rescale(m_step, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANES: gl.constexpr = False):
-    """LAZY_RESCALE's step before its exponentials: where any head's maximum over the step's scores m_step [8] passes
-    its running maximum m_i by more than RESCALE_MARGIN (one flag for the warp, so one branch), the running maxima
-    move up to m_step and the sums and the eight accumulators are rescaled to them; else all stay as they are.
-    (m_i, l_i, acc0, ..., acc7)."""
-    grow = gl.max((m_step > m_i + RESCALE_MARGIN).to(gl.int32), axis=0)
-    if grow != 0:
-        m_new = gl.maximum(m_i, m_step)
-        alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
-        a = alpha[None, :]
-        if LANES:
-            l_i = l_i * a
-        else:
-            l_i = l_i * alpha
-        acc0 = acc0 * a
-        acc1 = acc1 * a
-        acc2 = acc2 * a
-        acc3 = acc3 * a
-        acc4 = acc4 * a
-        acc5 = acc5 * a
-        acc6 = acc6 * a
-        acc7 = acc7 * a
-        m_i = m_new
-    return m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
-@gluon.jit
-def add_sums(l_i, p, LANES: gl.constexpr = False):
-    """The softmax sums plus a step's unnormalised probabilities p [16, 8] (LANES: each lane's share)."""
-    if LANES:
-        l_i = l_i + p
-    else:
-        l_i = l_i + gl.sum(p, axis=0)
-    return l_i
-
-
-@gluon.jit
-def rescaling_step(s, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANES: gl.constexpr = False,
-                   LAZY: gl.constexpr = False):
-    """One online-softmax step of a kernel with eight accumulators: `softmax_step`'s, alpha [1, 8] for the values'
-    products to rescale them by; with LAZY the accumulators rescaled here, only where `lazy_rescale` must, and alpha
-    a constant 1 (its products fold away). (p, alpha, m_i, l_i, acc0, ..., acc7)."""
-    if LAZY:
-        m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = lazy_rescale(
-            gl.max(s, axis=0), m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANES)
-        p = unit_scores(s, m_i)
-        l_i = add_sums(l_i, p, LANES)
-        alpha = gl.full([1, 8], 1.0, gl.float32, MMA)
-    else:
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANES)
-        alpha = alpha[None, :]
-    return p, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
-@gluon.jit
-def rescaling_pair(sa, sb, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANES: gl.constexpr = False,
-                   LAZY: gl.constexpr = False):
-    """`rescaling_step` over two score^T tiles of 16 keys (`softmax_pair`'s): (pa, pb, alpha, m_i, l_i, acc0, ...,
-    acc7)."""
-    if LAZY:
-        m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = lazy_rescale(
-            gl.max(gl.maximum(sa, sb), axis=0), m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANES)
-        pa = unit_scores(sa, m_i)
-        pb = unit_scores(sb, m_i)
-        l_i = add_sums(l_i, pa + pb, LANES)
-        alpha = gl.full([1, 8], 1.0, gl.float32, MMA)
-    else:
-        pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANES)
-    return pa, pb, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
 @gluon.jit
@@ -848,13 +761,11 @@ def decode_tq_kernel(
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
     PROBE: gl.constexpr = 0, IDS_AHEAD: gl.constexpr = False, TABLES: gl.constexpr = False,
     HALVES: gl.constexpr = False, ROWS: gl.constexpr = False, LANE_SUMS: gl.constexpr = False,
-    LAZY: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. PROBE: one of PROBES'
     values (0: none). IDS_AHEAD (16 keys a step): each loop step loads the block id of the next step's copy. LANE_SUMS:
-    the softmax sums stay in the lanes until the loop ends (`softmax_step`'s LANES). LAZY: the running maxima move and
-    the accumulators are rescaled only where a step passes them by RESCALE_MARGIN (`lazy_rescale`)."""
+    the softmax sums stay in the lanes until the loop ends (`softmax_step`'s LANES)."""
     gl.static_assert(not (IDS_AHEAD and PAIRS), "block ids a step ahead in steps of 16 keys")
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
@@ -929,8 +840,7 @@ def decode_tq_kernel(
                            K_BITS, HALVES)
             sa = gl.where((start + sr < kv_hi)[:, None], sa * scale, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb * scale, float("-inf"))
-            pa, pb, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = rescaling_pair(
-                sa, sb, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANE_SUMS, LAZY)
+            pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                 pa, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
                 l0=l0, h0=h0, HALVES=HALVES)
@@ -956,8 +866,8 @@ def decode_tq_kernel(
                 s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
                               K_BITS, HALVES)
                 s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-                p, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = rescaling_step(
-                    s, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANE_SUMS, LAZY)
+                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
+                alpha = alpha[None, :]
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                     p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
                     l0=l0, h0=h0, HALVES=HALVES)
@@ -1009,15 +919,15 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
                        offsets32: bool | None = None, probe: str | None = None,
                        ids_ahead: bool = False, tables: bool | None = None,
                        halves: bool | None = None, rows: bool | None = None,
-                       lane_sums: bool | None = None, lazy: bool | None = None) -> torch.Tensor:
+                       lane_sums: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
     `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`);
     `probe`: a timing probe in place of attention (PROBES; 16 keys a step), its output not attention's;
     `ids_ahead`: block ids a step ahead (16 keys a step: pass pairs=False for K q4_0 / V q4_0; a probe); `tables`,
-    `halves`, `rows`, `lane_sums`, `lazy`: TQ_TABLES, TQ_HALVES, TQ_ROWS, LANE_SUMS, LAZY_RESCALE (None: as set
-    there; rows only where the pages are `head_major`)."""
+    `halves`, `rows`, `lane_sums`: TQ_TABLES, TQ_HALVES, TQ_ROWS, LANE_SUMS (None: as set there; rows only where
+    the pages are `head_major`)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -1052,8 +962,8 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
         PROBE=PROBES[probe] if probe else 0, IDS_AHEAD=ids_ahead, TABLES=TQ_TABLES if tables is None else tables,
         HALVES=TQ_HALVES if halves is None else halves, ROWS=(TQ_ROWS if rows is None else rows) and head_major(view),
-        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, LAZY=LAZY_RESCALE if lazy is None else lazy,
-        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, num_warps=1,
+        **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
@@ -1175,11 +1085,11 @@ def decode_q4_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
-    OFFSET_KEYS: gl.constexpr = False, LANE_SUMS: gl.constexpr = False, LAZY: gl.constexpr = False,
+    OFFSET_KEYS: gl.constexpr = False, LANE_SUMS: gl.constexpr = False,
 ):
     """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
     then has 4 stages), else 16 keys a step with STAGES - 1 ahead. LANE_SUMS: the softmax sums stay in the lanes
-    until the loop ends (`softmax_step`'s LANES). LAZY: as `decode_tq_kernel`'s (`lazy_rescale`)."""
+    until the loop ends (`softmax_step`'s LANES)."""
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -1249,8 +1159,7 @@ def decode_q4_kernel(
             sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, products, scale, BITS, OFFSET_KEYS)
             sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
             sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
-            pa, pb, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = rescaling_pair(
-                sa, sb, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANE_SUMS, LAZY)
+            pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
                 pa, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
@@ -1267,10 +1176,10 @@ def decode_q4_kernel(
             async_copy.wait_group(STAGES - 1)
             s = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, products, scale, BITS, OFFSET_KEYS)
             s = gl.where((start + sr < kv_hi)[:, None], s, float("-inf"))
-            p, alpha, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = rescaling_step(
-                s, m_i, l_i, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, LANE_SUMS, LAZY)
+            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
-                p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
+                p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                alpha[None, :], BITS)
             stage = (stage + 1) % STAGES
     async_copy.wait_group(0)
     l_i = sums_end(l_i, LANE_SUMS)
@@ -1322,12 +1231,11 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
                        offsets32: bool | None = None, offset_keys: bool | None = None,
-                       lane_sums: bool | None = None, lazy: bool | None = None) -> torch.Tensor:
+                       lane_sums: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
     dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed,
     `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits
-    (`offsets_in_32_bits`); `offset_keys`, `lane_sums`, `lazy`: Q4_OFFSET_KEYS (q4 only), LANE_SUMS, LAZY_RESCALE
-    (None: as set there)."""
+    (`offsets_in_32_bits`); `offset_keys`, `lane_sums`: Q4_OFFSET_KEYS (q4 only), LANE_SUMS (None: as set there)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -1353,8 +1261,8 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered,
         OFFSETS32=offsets_in_32_bits(offsets32, view),
         OFFSET_KEYS=Q4_OFFSET_KEYS if offset_keys is None else offset_keys,
-        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, LAZY=LAZY_RESCALE if lazy is None else lazy,
-        num_warps=1, **({"maxnreg": max_registers} if max_registers else {}))
+        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, num_warps=1,
+        **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
 
