@@ -579,6 +579,30 @@ lean-pick)  # the lean options served since session 49 (LANE_SUMS; q4's Q4_OFFSE
             "o32": {"ordered": true, "offsets32": true}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     done
     ;;
+skew)   # TQ_SKEW (TurboQuant's loop software-pipelined: a step's scores and softmax beside the value products of the
+        # step before; 552 loop instructions at 128 registers, one more ring stage): its GPU tests, then TurboQuant as
+        # served, skewed, skewed with every lean option and with three stages, and the work alone both ways, at every
+        # probe shape, then the same-memory run without and with it (~6 min)
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    run 150 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py -k "skew"
+    run 170 env FORMAT=turboquant NAME=skew SHAPES="$PICK_SHAPES_TQ" VARIANTS='{"lf": {"ordered": true},
+        "skew": {"ordered": true, "skew": true}, "skewbest": {"ordered": true, '"$TQ_LEAN"', "skew": true},
+        "skew3": {"ordered": true, "skew": true, "stages": 3},
+        "work": {"ordered": true, "probe": "work"}, "workskew": {"ordered": true, "probe": "work", "skew": true},
+        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    settings_ab decode_gluon.TQ_SKEW skew 1 turboquant
+    ;;
+skew-short)   # `skew` for a call with ~4 min left: the probes at three shapes at their served split counts, then the
+              # GPU tests of two and three stages skewed
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    run 120 env FORMAT=turboquant NAME=skew_short SHAPES='[[100, 1536], [64, 8192], [32, 4096]]' \
+        SPLITS='{"100": [2], "64": [2], "32": [4]}' VARIANTS='{"lf": {"ordered": true},
+        "skew": {"ordered": true, "skew": true}, "work": {"ordered": true, "probe": "work"},
+        "workskew": {"ordered": true, "probe": "work", "skew": true}, "lf2": {"ordered": true}}' OUT="$OUT" \
+        python bench/gluon_probe.py
+    run 120 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py \
+        -k "skew and not tables and not lane_sums"
+    ;;
 h200-first)   # what an H200 lease should run first: issue 10's decode table as served and the same-memory run
               # (`served`), then TurboQuant at the same-memory run's batches and the table's shapes: as served, with
               # every lean option, with a third ring stage, and the probes (the copies alone with two and three
@@ -673,7 +697,7 @@ ncu-source)   # where the decode kernels' warps stall, per SASS instruction (sam
     done
     ;;
 *)
-    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-pick|h200-first|lean-defaults|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
+    echo "usage: bash bench/h200_run.sh kernels|tests|engine|memory|prefill|gluon-tests|gluon-window|gluon|longest-first|longest-first-engine|buckets|ragged-engine|step-kernels|prefill-gaps|off-splits|engine-shapes|split-counts|offsets32|copies-only|memory-kernels|async-memory|longest-first-probes|tail-rule|budgets|mixed-graphs|eager-steps|h200-cap96|off-ids|off-inner|off-served|h200-inner|off-layouts|write-caps|tq-lean|lean-pick|skew|skew-short|h200-first|lean-defaults|lean-engine|served|h200-lean|gpu-suite|gpu-engine|h200-pending|ncu|ncu-off|ncu-work|ncu-splits|ncu-source" >&2
     exit 2
     ;;
 esac

@@ -11,6 +11,7 @@
     python bench/kernel_report.py --gluon-ids-ahead # off and TurboQuant decodes with block ids loaded a step ahead
     python bench/kernel_report.py --gluon-lean      # TurboQuant decodes with half-register scales, codebook tables;
                                                     # q4 keys over their offsets
+    python bench/kernel_report.py --gluon-skew      # TurboQuant's decode with its loop software-pipelined
 
 For each page format and tile config (keys per step x warps x pipeline stages) it compiles
 `paged_attention_kernel` for sm_90 with Triton's own toolchain (ptxas and cuobjdump ship in the triton
@@ -454,6 +455,10 @@ def main() -> None:
                         help="print (JSON) the Gluon decode kernels (q8, q4, q6, TurboQuant q8_0/q3_0 and q4_0/q4_0, "
                              "off; bfloat16, head_dim 128, 4 splits, longest first) with page offsets in int64 and in "
                              "int32 (`decode_gluon.offsets_in_32_bits`)")
+    parser.add_argument("--gluon-skew", action="store_true",
+                        help="print (JSON) the TurboQuant Gluon decode kernel (K q8_0 / V q3_0) as served, with its "
+                             "loop software-pipelined (`skew`: TQ_SKEW; with three stages; with every lean option) "
+                             "and its work-only probe both ways")
     parser.add_argument("--gluon-copies", action="store_true",
                         help="print (JSON) the TurboQuant Gluon decode kernels (16 keys a step) and their probes "
                              "(probe='copies': the page copies alone; probe='work': the work alone)")
@@ -504,6 +509,14 @@ def main() -> None:
                 row = gluon_report(128, torch.bfloat16, 4, spec, ordered=True, offsets32=offsets32,
                                    **({"inner": 1} if spec == "off" else {}))
                 print(json.dumps({**row, "offsets32": offsets32}), flush=True)
+        return
+    if args.gluon_skew:
+        variants = ({}, {"skew": True}, {"skew": True, "stages": 3},
+                    {"skew": True, "rows": True, "tables": True, "offsets32": True}, {"probe": "work"},
+                    {"probe": "work", "skew": True})
+        for options in variants:
+            row = gluon_report(128, torch.bfloat16, 2, "turboquant", ordered=True, **options)
+            print(json.dumps({**row, "options": options}), flush=True)
         return
     if args.gluon_copies:
         for spec in ("turboquant", "turboquant:k=q4_0,v=q4_0"):

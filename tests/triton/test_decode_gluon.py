@@ -248,7 +248,10 @@ def test_turboquant_decode_with_block_ids_a_step_ahead_matches_reference(shape, 
                                      {"pairs": True, "rows": True, "tables": True, "offsets32": True,
                                       "lane_sums": True},
                                      {"rows": True, "tables": True, "offsets32": True, "lane_sums": True,
-                                      "max_registers": 96}],
+                                      "max_registers": 96},
+                                     {"skew": True}, {"skew": True, "lane_sums": False},
+                                     {"skew": True, "rows": True, "tables": True, "offsets32": True},
+                                     {"skew": True, "stages": 3}],
                          ids=lambda o: "-".join(o))
 @pytest.mark.parametrize("spec", ["turboquant", "turboquant:k=q4_0,v=q3_0", "turboquant:k=q4_0,v=q4_0"])
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
@@ -256,8 +259,9 @@ def test_turboquant_decode_variants_match_reference(shape, spec, options, num_sp
     """TurboQuant's decode with its scale columns shifted out (as before TQ_HALVES), with the 3-bit codebook's
     tables in registers (TQ_TABLES; with 32-bit page offsets; uncapped), with constant slot strides (TQ_ROWS), with
     the softmax sums added across the lanes every step (as before LANE_SUMS), all the lean options together, in steps
-    of 16 and of 32 keys, and capped at 96 registers (20 programs a multiprocessor, a few registers spilled):
-    attention as the reference's."""
+    of 16 and of 32 keys, capped at 96 registers (20 programs a multiprocessor, a few registers spilled), and its
+    loop software-pipelined (TQ_SKEW, with two and three steps in flight; K q4_0 / V q4_0 takes 32-key steps, so
+    not skewed): attention as the reference's."""
     check_against_reference(hash(("lean", spec, shape)) % 1000, spec, "turboquant", shape, torch.bfloat16,
                             num_splits=num_splits, **options)
 

@@ -286,6 +286,34 @@ def test_turboquant_decode_variants_with_half_register_scales_and_codebook_table
     assert q4_leanest["registers"] <= 128 and q4_leanest["loop_ops"]["SHFL"] < q4["loop_ops"]["SHFL"], q4_leanest
 
 
+def test_the_skewed_turboquant_decode_keeps_its_products_and_programs_with_one_more_ring_stage():
+    """TQ_SKEW (`decode_gluon.tq_skewed_loop`: a step's scores and softmax beside the value products of the step
+    before): the same matrix products, look-ups and shuffles a step as served, at the served cap of 128 registers,
+    without spills, so 16 one-warp programs still fit a multiprocessor by registers and by shared memory (one more
+    ring stage: a half again of the served ring with two stages, two with three); its work-only probe as much work
+    as the served one's."""
+    r = kernel_report("--gluon-skew")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [row["options"] for row in rows] == [
+        {}, {"skew": True}, {"skew": True, "stages": 3},
+        {"skew": True, "rows": True, "tables": True, "offsets32": True}, {"probe": "work"},
+        {"probe": "work", "skew": True}]
+    served, skewed, skewed3, leanest, work, work_skewed = rows
+    for row in (skewed, skewed3, leanest):
+        for op in ("HMMA", "PRMT", "MUFU", "SHFL", "LDGSTS"):
+            assert row["loop_ops"].get(op) == served["loop_ops"][op], (op, served, row)
+        assert row["registers"] <= 128 and row["spill_bytes"] == 0, row
+        assert resident_programs(row["registers"]) == 16 and 16 * row["shared_bytes"] <= 227 * 1024, row
+    assert skewed["shared_bytes"] == 3 * served["shared_bytes"] // 2, (served, skewed)
+    assert skewed3["shared_bytes"] == 2 * served["shared_bytes"], (served, skewed3)
+    assert sum(skewed["loop_ops"].values()) < 1.1 * sum(served["loop_ops"].values()), (served, skewed)
+    assert sum(leanest["loop_ops"].values()) < sum(served["loop_ops"].values()), (served, leanest)
+    assert "LDGSTS" not in work_skewed["loop_ops"] and work_skewed["spill_bytes"] == 0, work_skewed
+    for op in ("HMMA", "PRMT", "MUFU", "SHFL"):
+        assert work_skewed["loop_ops"].get(op) == work["loop_ops"][op], (op, work, work_skewed)
+
+
 def test_the_gluon_prefill_kernel_compiles_to_wgmma_and_tma_without_spills():
     """`prefill_gluon.py` for sm_90 (head_dim 64 and 128, both 16-bit dtypes, blocks of 16 and 64): both products on
     `wgmma` (HGMMA, never the older HMMA), page blocks copied by TMA (UTMALDG, no per-lane cp.async), the query rows

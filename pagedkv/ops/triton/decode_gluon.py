@@ -88,6 +88,12 @@ TQ_HALVES = True
 # out), constants, so that each lane's copies are one address and immediate offsets: 544 -> 536 loop instructions
 # (with TQ_TABLES and 32-bit page offsets 500 -> 490; the tables uncapped then fit 128 registers too). Off until timed
 TQ_ROWS = False
+# TQ_SKEW (TurboQuant, 16-key steps): the loop software-pipelined by hand, each step the scores and softmax of its own
+# keys beside the value products of the step before (`tq_skewed_loop`), two chains with no dependence between them
+# that the assembler can interleave, where a step's chain (products, maximum across lanes, exponentials, conversions,
+# value products) runs alone today: the kernel is bound by its warps' latency (3 of 16 warps a scheduler at the
+# same-memory run's batch). One more ring stage holds the values a step behind. Off until timed
+TQ_SKEW = False
 # LANE_SUMS (TurboQuant, q4, q6): the softmax sums kept in the lanes and added up across them once after the loop
 # (`softmax_step`'s LANES), not every step: TurboQuant 544 -> 532 loop instructions a 16-key step. On since
 # 2026-12-07, timed on an H100 (`bash bench/h200_run.sh lean-pick` and `tq-lean`, longest first, against the kernel
@@ -750,6 +756,53 @@ def tq_attend_values(p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, a
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
+@gluon.jit
+def tq_skewed_loop(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo, kv_hi, k_strides, ks_strides, v_strides,
+                   vs_strides, k_ring, s_ring, m_ring, n_ring, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
+                   scale, sr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, l0, h0,
+                   BLOCK_SIZE: gl.constexpr, K_BITS: gl.constexpr, V_BITS: gl.constexpr, RING: gl.constexpr,
+                   AHEAD: gl.constexpr, OFFSETS32: gl.constexpr, PROBE: gl.constexpr, HALVES: gl.constexpr,
+                   ROWS: gl.constexpr, LANE_SUMS: gl.constexpr):
+    """TQ_SKEW's key loop, software-pipelined: step j's scores and softmax (ring slot j % RING) beside step j - 1's
+    value products (slot (j - 1) % RING, its probabilities and alpha kept from the step before); the first step's
+    scores before the loop, the last step's values after it. AHEAD steps are copied ahead of the one scored (the
+    prologue's), so RING = AHEAD + 2 slots: a copy never lands in the slot whose values are still to be read. An
+    empty split scores one step of masked keys (zero-filled copies, p = 0) and leaves the state as the plain loop
+    does: m -inf, sums and accumulators 0. (acc0, ..., acc7, m_i, l_i)."""
+    gl.static_assert(RING == AHEAD + 2, "a ring slot for the values a step behind")
+    if PROBE != PROBE_WORK:
+        copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 16 * AHEAD, kv_hi, k_strides, ks_strides,
+                     v_strides, vs_strides, k_ring.index(AHEAD), s_ring.index(AHEAD), m_ring.index(AHEAD),
+                     n_ring.index(AHEAD), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32, ROWS=ROWS)
+        async_copy.wait_group(AHEAD)
+    s = tq_scores(k_ring, s_ring, 0, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3, K_BITS, HALVES)
+    s = gl.where((kv_lo + sr < kv_hi)[:, None], s * scale, float("-inf"))
+    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
+    behind = 0
+    for start in range(kv_lo + 16, kv_hi, 16):
+        stage = (behind + 1) % RING
+        if PROBE != PROBE_WORK:
+            ahead = (behind + 1 + AHEAD) % RING
+            block = block_of(bt_row, start + 16 * AHEAD, kv_hi, BLOCK_SIZE, OFFSETS32)
+            copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, start + 16 * AHEAD, kv_hi, k_strides,
+                          ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
+                          m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS, True, ROWS)
+            async_copy.wait_group(AHEAD)
+        s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3, K_BITS, HALVES)
+        s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
+        p_next, alpha_next, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
+            p, m_ring, n_ring, s_ring, behind, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha[None, :], V_BITS,
+            l0=l0, h0=h0, HALVES=HALVES)
+        p = p_next
+        alpha = alpha_next
+        behind = stage
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
+        p, m_ring, n_ring, s_ring, behind, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha[None, :], V_BITS,
+        l0=l0, h0=h0, HALVES=HALVES)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i
+
+
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_tq_kernel(
     part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, cb_ptr,
@@ -761,12 +814,16 @@ def decode_tq_kernel(
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
     PROBE: gl.constexpr = 0, IDS_AHEAD: gl.constexpr = False, TABLES: gl.constexpr = False,
     HALVES: gl.constexpr = False, ROWS: gl.constexpr = False, LANE_SUMS: gl.constexpr = False,
+    SKEW: gl.constexpr = False,
 ):
     """TurboQuant pages (head_dim 128): partial states only, in the rotated domain (the reduce kernel merges the
     splits, even one, and rotates back). PAIRS: 32 keys a loop step, as `decode_q4_kernel`'s. PROBE: one of PROBES'
     values (0: none). IDS_AHEAD (16 keys a step): each loop step loads the block id of the next step's copy. LANE_SUMS:
-    the softmax sums stay in the lanes until the loop ends (`softmax_step`'s LANES)."""
+    the softmax sums stay in the lanes until the loop ends (`softmax_step`'s LANES). SKEW (16 keys a step):
+    `tq_skewed_loop`."""
     gl.static_assert(not (IDS_AHEAD and PAIRS), "block ids a step ahead in steps of 16 keys")
+    gl.static_assert(not SKEW or not (PAIRS or IDS_AHEAD), "a skewed loop takes plain 16-key steps")
+    gl.static_assert(not SKEW or PROBE == 0 or PROBE == PROBE_WORK, "a skewed loop's probe: the work alone")
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -781,7 +838,7 @@ def decode_tq_kernel(
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
 
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    RING: gl.constexpr = 4 if PAIRS else STAGES
+    RING: gl.constexpr = 4 if PAIRS else (STAGES + 1 if SKEW else STAGES)   # SKEW: the values a step behind too
     AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     k_ring = gl.allocate_shared_memory(gl.int8 if K_BITS == 8 else gl.uint8, [RING, 16, 128 * K_BITS // 8],
                                        KEY_RING if K_BITS == 8 else HALF_KEY_RING)
@@ -824,7 +881,13 @@ def decode_tq_kernel(
     h0 = None
     if TABLES and V_BITS == 3:
         l0, h0 = code_tables(cb_ptr, (num_seqs < 0).to(gl.int32))   # num_seqs >= 0: a zero
-    if PAIRS:
+    if SKEW:
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i = tq_skewed_loop(
+            k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo, kv_hi, k_strides, ks_strides, v_strides, vs_strides,
+            k_ring, s_ring, m_ring, n_ring, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3, scale, sr,
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, l0, h0, BLOCK_SIZE, K_BITS, V_BITS, RING, AHEAD,
+            OFFSETS32, PROBE, HALVES, ROWS, LANE_SUMS)
+    elif PAIRS:
         for start in range(kv_lo, kv_hi, 32):
             for st in gl.static_range(2):
                 ahead = (stage + 2 + st) % 4
@@ -919,15 +982,15 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
                        offsets32: bool | None = None, probe: str | None = None,
                        ids_ahead: bool = False, tables: bool | None = None,
                        halves: bool | None = None, rows: bool | None = None,
-                       lane_sums: bool | None = None) -> torch.Tensor:
+                       lane_sums: bool | None = None, skew: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for decodes over TurboQuant pages `supports_tq` accepts.
     `max_registers`: None = the measured cap (TQ_TUNING), 0 = uncapped, else that cap. `window`: a dense recent
     window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed, `TQ_PAIRS`);
     `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits (`offsets_in_32_bits`);
     `probe`: a timing probe in place of attention (PROBES; 16 keys a step), its output not attention's;
     `ids_ahead`: block ids a step ahead (16 keys a step: pass pairs=False for K q4_0 / V q4_0; a probe); `tables`,
-    `halves`, `rows`, `lane_sums`: TQ_TABLES, TQ_HALVES, TQ_ROWS, LANE_SUMS (None: as set there; rows only where
-    the pages are `head_major`)."""
+    `halves`, `rows`, `lane_sums`, `skew`: TQ_TABLES, TQ_HALVES, TQ_ROWS, LANE_SUMS, TQ_SKEW (None: as set there;
+    rows only where the pages are `head_major`, skew in 16-key steps only)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -950,6 +1013,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     if pairs is None:
         pairs = (fmt.spec.k_quant, fmt.spec.v_quant) in TQ_PAIRS
     assert probe is None or not pairs, "the probes take steps of 16 keys: pass pairs=False"
+    skew = (TQ_SKEW if skew is None else skew) and not pairs and not ids_ahead
     grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_tq_kernel[grid](
         *parts, q, view.k, view.k_scale, view.k_zero, view.v, view.v_scale, view.aux("codebook_f16"),
@@ -962,7 +1026,7 @@ def paged_attention_tq(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         PDL=dependent_launch(query.device), ORDERED=ordered, OFFSETS32=offsets_in_32_bits(offsets32, view),
         PROBE=PROBES[probe] if probe else 0, IDS_AHEAD=ids_ahead, TABLES=TQ_TABLES if tables is None else tables,
         HALVES=TQ_HALVES if halves is None else halves, ROWS=(TQ_ROWS if rows is None else rows) and head_major(view),
-        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, num_warps=1,
+        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, SKEW=skew, num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
