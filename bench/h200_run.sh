@@ -579,10 +579,11 @@ lean-pick)  # the lean options served since session 49 (LANE_SUMS; q4's Q4_OFFSE
             "o32": {"ordered": true, "offsets32": true}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     done
     ;;
-skew)   # TQ_SKEW (TurboQuant's loop software-pipelined: a step's scores and softmax beside the value products of the
-        # step before; 552 loop instructions at 128 registers, one more ring stage): its GPU tests, then TurboQuant as
-        # served, skewed, skewed with every lean option and with three stages, and the work alone both ways, at every
-        # probe shape, then the same-memory run without and with it (~6 min)
+skew)   # TQ_SKEW and Q4_SKEW (the TurboQuant and q4 loops software-pipelined: a step's scores and softmax beside the
+        # value products of the step before; 556 / 603 loop instructions at 128 registers, a deeper ring): their GPU
+        # tests, then TurboQuant as served, skewed, skewed with every lean option and with three stages, and the work
+        # alone both ways, and q4 as served and skewed, at every probe shape, then the same-memory run for each without
+        # and with it (~8 min)
     nvidia-smi --query-gpu=name --format=csv,noheader
     run 150 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py -k "skew"
     run 170 env FORMAT=turboquant NAME=skew SHAPES="$PICK_SHAPES_TQ" VARIANTS='{"lf": {"ordered": true},
@@ -590,18 +591,23 @@ skew)   # TQ_SKEW (TurboQuant's loop software-pipelined: a step's scores and sof
         "skew3": {"ordered": true, "skew": true, "stages": 3},
         "work": {"ordered": true, "probe": "work"}, "workskew": {"ordered": true, "probe": "work", "skew": true},
         "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    run 120 env FORMAT=q4 NAME=skew SHAPES="$PICK_SHAPES_Q4" VARIANTS='{"lf": {"ordered": true},
+        "skew": {"ordered": true, "skew": true}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     settings_ab decode_gluon.TQ_SKEW skew 1 turboquant
+    settings_ab decode_gluon.Q4_SKEW skew 1 q4
     ;;
-skew-short)   # `skew` for a call with ~4 min left: the probes at three shapes at their served split counts, then the
-              # GPU tests of two and three stages skewed
+skew-short)   # `skew` for a call with ~4 min left: TurboQuant's probes at three shapes and q4's at the same-memory run's
+              # batch, at their served split counts, then the GPU tests of the skewed kernels
     nvidia-smi --query-gpu=name --format=csv,noheader
-    run 120 env FORMAT=turboquant NAME=skew_short SHAPES='[[100, 1536], [64, 8192], [32, 4096]]' \
+    run 100 env FORMAT=turboquant NAME=skew_short SHAPES='[[100, 1536], [64, 8192], [32, 4096]]' \
         SPLITS='{"100": [2], "64": [2], "32": [4]}' VARIANTS='{"lf": {"ordered": true},
         "skew": {"ordered": true, "skew": true}, "work": {"ordered": true, "probe": "work"},
         "workskew": {"ordered": true, "probe": "work", "skew": true}, "lf2": {"ordered": true}}' OUT="$OUT" \
         python bench/gluon_probe.py
+    run 60 env FORMAT=q4 NAME=skew_short SHAPES='[[144, 1536]]' SPLITS='{"144": [2]}' VARIANTS='{"lf": {"ordered":
+        true}, "skew": {"ordered": true, "skew": true}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
     run 120 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py \
-        -k "skew and not tables and not lane_sums"
+        -k "skew and not tables and not lane_sums and not offsets32"
     ;;
 h200-first)   # what an H200 lease should run first: issue 10's decode table as served and the same-memory run
               # (`served`), then TurboQuant at the same-memory run's batches and the table's shapes: as served, with

@@ -458,7 +458,7 @@ def main() -> None:
     parser.add_argument("--gluon-skew", action="store_true",
                         help="print (JSON) the TurboQuant Gluon decode kernel (K q8_0 / V q3_0) as served, with its "
                              "loop software-pipelined (`skew`: TQ_SKEW; with three stages; with every lean option) "
-                             "and its work-only probe both ways")
+                             "and its work-only probe both ways; q4 as served and skewed (Q4_SKEW)")
     parser.add_argument("--gluon-copies", action="store_true",
                         help="print (JSON) the TurboQuant Gluon decode kernels (16 keys a step) and their probes "
                              "(probe='copies': the page copies alone; probe='work': the work alone)")
@@ -516,6 +516,9 @@ def main() -> None:
                     {"probe": "work", "skew": True})
         for options in variants:
             row = gluon_report(128, torch.bfloat16, 2, "turboquant", ordered=True, **options)
+            print(json.dumps({**row, "options": options}), flush=True)
+        for options in ({}, {"skew": True}):
+            row = gluon_report(128, torch.bfloat16, 2, "q4", ordered=True, **options)
             print(json.dumps({**row, "options": options}), flush=True)
         return
     if args.gluon_copies:

@@ -275,13 +275,17 @@ def test_turboquant_decode_variants_match_reference(shape, spec, options, num_sp
                                           ("q4", {"offset_keys": True, "lane_sums": True, "offsets32": True}),
                                           ("q4", {"lane_sums": True, "pairs": False}), ("q6", {"lane_sums": False}),
                                           ("q4", {"offset_keys": True, "lane_sums": True, "offsets32": True,
-                                                  "max_registers": 96})],
+                                                  "max_registers": 96}),
+                                          ("q4", {"skew": True}), ("q4", {"skew": True, "lane_sums": False}),
+                                          ("q4", {"skew": True, "offsets32": True, "max_registers": 0}),
+                                          ("q6", {"skew": True, "pairs": True})],
                          ids=lambda c: "-".join(c) if isinstance(c, dict) else c)
 @pytest.mark.parametrize("shape", TQ_SHAPES, ids=lambda c: "q{}kv{}d{}bs{}".format(*c))
 def test_q4_and_q6_decode_variants_match_reference(shape, spec, options, num_splits, dtype):
     """`paged_attention_q4` as served before Q4_OFFSET_KEYS and LANE_SUMS (neither), with each alone (the sums in
     the lanes in steps of 32 keys and of 16), all together with 32-bit page offsets, and so capped at 96 registers
-    (20 programs a multiprocessor); q6 with the sums added across the lanes every step: attention as the
+    (20 programs a multiprocessor); q6 with the sums added across the lanes every step; q4 and q6 in 32-key steps
+    with their loop software-pipelined (Q4_SKEW; q4 capped at 128 registers, and uncapped): attention as the
     reference's."""
     check_against_reference(hash(("q4 variants", spec, shape)) % 1000, spec, spec, shape, dtype,
                             num_splits=num_splits, **options)

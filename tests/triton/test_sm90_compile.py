@@ -286,25 +286,28 @@ def test_turboquant_decode_variants_with_half_register_scales_and_codebook_table
     assert q4_leanest["registers"] <= 128 and q4_leanest["loop_ops"]["SHFL"] < q4["loop_ops"]["SHFL"], q4_leanest
 
 
-def test_the_skewed_turboquant_decode_keeps_its_products_and_programs_with_one_more_ring_stage():
+def test_the_skewed_turboquant_and_q4_decodes_keep_their_products_and_programs_with_a_deeper_ring():
     """TQ_SKEW (`decode_gluon.tq_skewed_loop`: a step's scores and softmax beside the value products of the step
-    before): the same matrix products, look-ups and shuffles a step as served, at the served cap of 128 registers,
-    without spills, so 16 one-warp programs still fit a multiprocessor by registers and by shared memory (one more
-    ring stage: a half again of the served ring with two stages, two with three); its work-only probe as much work
-    as the served one's."""
+    before) and Q4_SKEW (`q4_skewed_pairs`, 32-key steps): the same matrix products, look-ups and shuffles a step as
+    served, at 128 registers (q4 capped there when skewed), without spills, so 16 one-warp programs still fit a
+    multiprocessor by registers and by shared memory (the ring a half again of the served one; TurboQuant with three
+    stages twice); TurboQuant's work-only probe as much work as the served one's."""
     r = kernel_report("--gluon-skew")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
     assert [row["options"] for row in rows] == [
         {}, {"skew": True}, {"skew": True, "stages": 3},
         {"skew": True, "rows": True, "tables": True, "offsets32": True}, {"probe": "work"},
-        {"probe": "work", "skew": True}]
-    served, skewed, skewed3, leanest, work, work_skewed = rows
-    for row in (skewed, skewed3, leanest):
+        {"probe": "work", "skew": True}, {}, {"skew": True}]
+    assert [row["format"] for row in rows] == ["turboquant"] * 6 + ["q4"] * 2
+    served, skewed, skewed3, leanest, work, work_skewed, q4, q4_skewed = rows
+    for base, row in ((served, skewed), (served, skewed3), (served, leanest), (q4, q4_skewed)):
         for op in ("HMMA", "PRMT", "MUFU", "SHFL", "LDGSTS"):
-            assert row["loop_ops"].get(op) == served["loop_ops"][op], (op, served, row)
+            assert row["loop_ops"].get(op) == base["loop_ops"].get(op), (op, base, row)
         assert row["registers"] <= 128 and row["spill_bytes"] == 0, row
         assert resident_programs(row["registers"]) == 16 and 16 * row["shared_bytes"] <= 227 * 1024, row
+    assert q4_skewed["shared_bytes"] == 3 * q4["shared_bytes"] // 2, (q4, q4_skewed)
+    assert sum(q4_skewed["loop_ops"].values()) < 1.1 * sum(q4["loop_ops"].values()), (q4, q4_skewed)
     assert skewed["shared_bytes"] == 3 * served["shared_bytes"] // 2, (served, skewed)
     assert skewed3["shared_bytes"] == 2 * served["shared_bytes"], (served, skewed3)
     assert sum(skewed["loop_ops"].values()) < 1.1 * sum(served["loop_ops"].values()), (served, skewed)

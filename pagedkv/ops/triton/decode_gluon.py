@@ -94,6 +94,10 @@ TQ_ROWS = False
 # value products) runs alone today: the kernel is bound by its warps' latency (3 of 16 warps a scheduler at the
 # same-memory run's batch). One more ring stage holds the values a step behind. Off until timed
 TQ_SKEW = False
+# Q4_SKEW (q4 in 32-key steps, q6 where asked for them): the same for `decode_q4_kernel` (`q4_skewed_pairs`; a ring of
+# 6 stages for 4, 13,056 B a program; capped at 128 registers, 603 loop instructions a 32-key step for 587). Off until
+# timed
+Q4_SKEW = False
 # LANE_SUMS (TurboQuant, q4, q6): the softmax sums kept in the lanes and added up across them once after the loop
 # (`softmax_step`'s LANES), not every step: TurboQuant 544 -> 532 loop instructions a 16-key step. On since
 # 2026-12-07, timed on an H100 (`bash bench/h200_run.sh lean-pick` and `tq-lean`, longest first, against the kernel
@@ -1140,6 +1144,58 @@ def q4_attend_values(p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3,
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
+@gluon.jit
+def q4_skewed_pairs(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo, kv_hi, k_strides, ks_strides, v_strides, vs_strides,
+                    k_ring, ks_ring, w_ring, vs_ring, kp_ring, vp_ring, qt, products, scale, sr,
+                    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, BLOCK_SIZE: gl.constexpr,
+                    BITS: gl.constexpr, OFFSETS32: gl.constexpr, OFFSET_KEYS: gl.constexpr, LANE_SUMS: gl.constexpr):
+    """Q4_SKEW's key loop in 32-key steps (two ring slots a step; the kernel's prologue copied step 0 into slots 0
+    and 1), software-pipelined as `tq_skewed_loop`: step j's scores and softmax (slots 2j, 2j + 1 of six) beside
+    step j - 1's value products (its probabilities and alpha kept from the step before), step j + 1 in flight; the
+    first step's scores before the loop, the last step's values after it. (acc0, ..., acc7, m_i, l_i)."""
+    for st in gl.static_range(2):
+        copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo + 32 + 16 * st, kv_hi, k_strides, ks_strides,
+                     v_strides, vs_strides, k_ring.index(2 + st), ks_ring.index(2 + st), w_ring.index(2 + st),
+                     vs_ring.index(2 + st), kp_ring.index(2 + st), vp_ring.index(2 + st), BLOCK_SIZE, BITS,
+                     OFFSETS32=OFFSETS32)
+    async_copy.wait_group(2)
+    sa = q4_scores(k_ring, kp_ring, ks_ring, 0, qt, products, scale, BITS, OFFSET_KEYS)
+    sb = q4_scores(k_ring, kp_ring, ks_ring, 1, qt, products, scale, BITS, OFFSET_KEYS)
+    sa = gl.where((kv_lo + sr < kv_hi)[:, None], sa, float("-inf"))
+    sb = gl.where((kv_lo + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
+    pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
+    behind = 0
+    for start in range(kv_lo + 32, kv_hi, 32):
+        stage = (behind + 2) % 6
+        for st in gl.static_range(2):
+            ahead = (behind + 4 + st) % 6
+            copy_q4_step(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start + 32 + 16 * st, kv_hi, k_strides, ks_strides,
+                         v_strides, vs_strides, k_ring.index(ahead), ks_ring.index(ahead), w_ring.index(ahead),
+                         vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead), BLOCK_SIZE, BITS,
+                         OFFSETS32=OFFSETS32)
+        async_copy.wait_group(2)
+        sa = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, products, scale, BITS, OFFSET_KEYS)
+        sb = q4_scores(k_ring, kp_ring, ks_ring, stage + 1, qt, products, scale, BITS, OFFSET_KEYS)
+        sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
+        sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
+        pa_next, pb_next, alpha_next, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
+            pa, w_ring, vp_ring, vs_ring, behind, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
+            pb, w_ring, vp_ring, vs_ring, behind + 1, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS,
+            RESCALE=False)
+        pa = pa_next
+        pb = pb_next
+        alpha = alpha_next
+        behind = stage
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
+        pa, w_ring, vp_ring, vs_ring, behind, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
+        pb, w_ring, vp_ring, vs_ring, behind + 1, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS,
+        RESCALE=False)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i
+
+
 @gluon.jit(do_not_specialize=["num_seqs", "stride_bt", "num_splits", "num_slots"])
 def decode_q4_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr,
@@ -1149,11 +1205,12 @@ def decode_q4_kernel(
     NUM_Q_HEADS: gl.constexpr, GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, BITS: gl.constexpr = 4, WINDOW: gl.constexpr = False, PAIRS: gl.constexpr = False,
     PDL: gl.constexpr = False, ORDERED: gl.constexpr = False, OFFSETS32: gl.constexpr = False,
-    OFFSET_KEYS: gl.constexpr = False, LANE_SUMS: gl.constexpr = False,
+    OFFSET_KEYS: gl.constexpr = False, LANE_SUMS: gl.constexpr = False, SKEW: gl.constexpr = False,
 ):
     """PAIRS: 32 keys a loop step (two ring stages read, one online-softmax step, two ahead in flight; the ring
     then has 4 stages), else 16 keys a step with STAGES - 1 ahead. LANE_SUMS: the softmax sums stay in the lanes
-    until the loop ends (`softmax_step`'s LANES)."""
+    until the loop ends (`softmax_step`'s LANES). SKEW (with PAIRS): `q4_skewed_pairs`, a ring of 6 stages."""
+    gl.static_assert(not SKEW or PAIRS, "a skewed q4 loop takes 32-key steps")
     launch_dependents(PDL)
     token, kv_head, split = program_coords(token_order_ptr, ORDERED)
     seq, q_pos = query_position(token, query_start_loc_ptr, seq_lens_ptr, num_seqs)
@@ -1168,7 +1225,7 @@ def decode_q4_kernel(
 
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     WORDS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    RING: gl.constexpr = 4 if PAIRS else STAGES
+    RING: gl.constexpr = (6 if SKEW else 4) if PAIRS else STAGES   # SKEW: the values a step behind too
     AHEAD: gl.constexpr = 2 if PAIRS else STAGES - 1
     k_ring = gl.allocate_shared_memory(gl.uint8, [RING, 16, 64], gl.SwizzledSharedLayout(16, 1, 4, [1, 0]))
     w_ring = gl.allocate_shared_memory(gl.int32, [RING, 16, 16], WORD_RING)
@@ -1209,7 +1266,13 @@ def decode_q4_kernel(
     scale = qk_scale * LOG2E
     sr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     stage = 0
-    if PAIRS:
+    if SKEW:
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i = q4_skewed_pairs(
+            k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo, kv_hi, k_strides, ks_strides, v_strides, vs_strides,
+            k_ring, ks_ring, w_ring, vs_ring, kp_ring, vp_ring, qt, products, scale, sr,
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, BLOCK_SIZE, BITS, OFFSETS32, OFFSET_KEYS,
+            LANE_SUMS)
+    elif PAIRS:
         for start in range(kv_lo, kv_hi, 32):
             for st in gl.static_range(2):
                 ahead = (stage + 2 + st) % 4
@@ -1295,11 +1358,12 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
                        num_splits: int = 1, stages: int = STAGES, max_registers: int | None = None,
                        window=None, pairs: bool | None = None, ordered: bool | None = None,
                        offsets32: bool | None = None, offset_keys: bool | None = None,
-                       lane_sums: bool | None = None) -> torch.Tensor:
+                       lane_sums: bool | None = None, skew: bool | None = None) -> torch.Tensor:
     """`reference.paged_attention`'s contract for the decodes `supports_q4` and `supports_q6` accept; `window`: a
     dense recent window (`window_splits`); `pairs`: 32 keys a loop step (the kernel's PAIRS; None: as timed,
     `Q4_PAIRS_BITS`); `ordered`: the launch order (`launch_grid`); `offsets32`: page offsets in 32 bits
-    (`offsets_in_32_bits`); `offset_keys`, `lane_sums`: Q4_OFFSET_KEYS (q4 only), LANE_SUMS (None: as set there)."""
+    (`offsets_in_32_bits`); `offset_keys`, `lane_sums`, `skew`: Q4_OFFSET_KEYS (q4 only), LANE_SUMS, Q4_SKEW (None: as
+    set there; skew in 32-key steps only)."""
     from .attention import check_inputs, dot_precision
     from .page_view import page_view, stride3
     from .split_k import dependent_launch, reduce_with_window
@@ -1313,6 +1377,9 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
     parts, num_slots, window_first = window_splits(query, meta, num_splits, window, num_splits > 1)
     if pairs is None:
         pairs = view.k_bits in Q4_PAIRS_BITS
+    skew = (Q4_SKEW if skew is None else skew) and pairs
+    if skew and max_registers is None:   # q4 skewed: 150 registers uncapped (12 programs a multiprocessor), none spilled
+        max_registers = 128              # at 128 (16)
     grid, order, ordered = launch_grid(query, meta, view.num_kv_heads, num_splits, ordered)
     decode_q4_kernel[grid](
         out, *(parts or (out, out, out)), query, view.k, view.k_scale, view.v, view.v_scale,
@@ -1325,7 +1392,7 @@ def paged_attention_q4(query: torch.Tensor, pages: dict[str, torch.Tensor], fmt,
         PDL=parts is not None and dependent_launch(query.device), ORDERED=ordered,
         OFFSETS32=offsets_in_32_bits(offsets32, view),
         OFFSET_KEYS=Q4_OFFSET_KEYS if offset_keys is None else offset_keys,
-        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, num_warps=1,
+        LANE_SUMS=LANE_SUMS if lane_sums is None else lane_sums, SKEW=skew, num_warps=1,
         **({"maxnreg": max_registers} if max_registers else {}))
     reduce_with_window(out, parts, query, view, meta, window, scale, dot_precision(query.dtype))
     return out
