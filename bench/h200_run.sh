@@ -37,6 +37,7 @@
 #   OUT=/some/dir bash bench/h200_run.sh lean-pick  # the lean options served (TurboQuant, q4, q6) against the kernels
 #                                                  # before them, at every probe shape
 #   OUT=/some/dir bash bench/h200_run.sh h200-first  # an H200's first call: served, then TurboQuant's bounds probed
+#   OUT=/some/dir PYTEST_WORKERS=16 bash bench/h200_run.sh skew  # TQ_SKEW, Q4_SKEW: GPU tests, probes, same-memory
 #   OUT=/some/dir bash bench/h200_run.sh lean-defaults  # the same-memory run, the lean defaults off and on
 #   OUT=/some/dir bash bench/h200_run.sh ncu       # Nsight Compute on the Gluon decode kernels at (64, 8192): stalls
 #   OUT=/some/dir bash bench/h200_run.sh ncu-off   # Nsight Compute: the dense decode beside a kernel that only reads
@@ -609,17 +610,24 @@ skew-short)   # `skew` for a call with ~4 min left: TurboQuant's probes at three
     run 120 python -m pytest -q -rf "${workers[@]}" -p no:cacheprovider tests/triton/test_decode_gluon.py \
         -k "skew and not tables and not lane_sums and not offsets32"
     ;;
-h200-first)   # what an H200 lease should run first: issue 10's decode table as served and the same-memory run
-              # (`served`), then TurboQuant at the same-memory run's batches and the table's shapes: as served, with
-              # every lean option, with a third ring stage, and the probes (the copies alone with two and three
-              # stages, the work alone): on an H200 they say whether its reads or its work bound it at (100, 1536)
+h200-first)   # what an H200 lease should run first (~9 min): issue 10's decode table as served and the same-memory
+              # run (`served`), then TurboQuant at the same-memory run's batches and the table's shapes: as served,
+              # with every lean option, skewed (TQ_SKEW) with and without them, and the probes (the copies alone with
+              # two and three stages, the work alone served and skewed): on an H200 they say whether its reads or its
+              # work bound it at (100, 1536); then q4 served and skewed (Q4_SKEW) at its same-memory batches. The
+              # skewed kernels' GPU tests: `skew-short` or `skew`
     nvidia-smi --query-gpu=name --format=csv,noheader
     served_table_and_memory
-    run 200 env FORMAT=turboquant NAME=first SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
-        SPLITS='{"100": [2, 3], "112": [2, 3], "64": [2, 4], "32": [4, 8]}' VARIANTS='{"lf": {"ordered": true},
-        "best": {"ordered": true, '"$TQ_LEAN"'}, "s3": {"ordered": true, "stages": 3},
+    run 170 env FORMAT=turboquant NAME=first SHAPES='[[100, 1536], [112, 1536], [64, 8192], [32, 4096]]' \
+        SPLITS='{"100": [2], "112": [2, 3], "64": [2, 4], "32": [4]}' VARIANTS='{"lf": {"ordered": true},
+        "best": {"ordered": true, '"$TQ_LEAN"'}, "skew": {"ordered": true, "skew": true},
+        "skewbest": {"ordered": true, '"$TQ_LEAN"', "skew": true},
         "copies": {"ordered": true, "probe": "copies"}, "copies3": {"ordered": true, "probe": "copies", "stages": 3},
-        "work": {"ordered": true, "probe": "work"}, "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+        "work": {"ordered": true, "probe": "work"}, "workskew": {"ordered": true, "probe": "work", "skew": true},
+        "lf2": {"ordered": true}}' OUT="$OUT" python bench/gluon_probe.py
+    run 60 env FORMAT=q4 NAME=first SHAPES='[[144, 1536], [112, 1536]]' SPLITS='{"144": [1, 2], "112": [1, 2]}' \
+        VARIANTS='{"lf": {"ordered": true}, "skew": {"ordered": true, "skew": true}, "lf2": {"ordered": true}}' \
+        OUT="$OUT" python bench/gluon_probe.py
     ;;
 lean-defaults)  # the same-memory run for TurboQuant and q4 with LANE_SUMS and Q4_OFFSET_KEYS off (as served before
                 # 2026-12-07) and on (as served now), alternating (ROUNDS=n: n times; default 1)
