@@ -1145,6 +1145,28 @@ def q4_attend_values(p, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3,
 
 
 @gluon.jit
+def q4_pair_softmax(k_ring, kp_ring, ks_ring, stage, start, kv_hi, sr, qt, products, scale, m_i, l_i,
+                    BITS: gl.constexpr, OFFSET_KEYS: gl.constexpr, LANE_SUMS: gl.constexpr):
+    """A 32-key step's scores (ring stages `stage` and `stage` + 1, keys from `start`, masked at kv_hi) and its
+    online-softmax step: (pa, pb, alpha [1, 8], m_i, l_i)."""
+    sa = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, products, scale, BITS, OFFSET_KEYS)
+    sb = q4_scores(k_ring, kp_ring, ks_ring, stage + 1, qt, products, scale, BITS, OFFSET_KEYS)
+    sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
+    sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
+    return softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
+
+
+@gluon.jit
+def q4_attend_pair(pa, pb, alpha, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                   BITS: gl.constexpr):
+    """The eight accumulators (times alpha) plus a 32-key step's value products (ring stages `stage`, `stage` + 1)."""
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
+        pa, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
+    return q4_attend_values(pb, w_ring, vp_ring, vs_ring, stage + 1, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                            alpha, BITS, RESCALE=False)
+
+
+@gluon.jit
 def q4_skewed_pairs(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo, kv_hi, k_strides, ks_strides, v_strides, vs_strides,
                     k_ring, ks_ring, w_ring, vs_ring, kp_ring, vp_ring, qt, products, scale, sr,
                     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, BLOCK_SIZE: gl.constexpr,
@@ -1159,11 +1181,8 @@ def q4_skewed_pairs(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo, kv_hi, k_stride
                      vs_ring.index(2 + st), kp_ring.index(2 + st), vp_ring.index(2 + st), BLOCK_SIZE, BITS,
                      OFFSETS32=OFFSETS32)
     async_copy.wait_group(2)
-    sa = q4_scores(k_ring, kp_ring, ks_ring, 0, qt, products, scale, BITS, OFFSET_KEYS)
-    sb = q4_scores(k_ring, kp_ring, ks_ring, 1, qt, products, scale, BITS, OFFSET_KEYS)
-    sa = gl.where((kv_lo + sr < kv_hi)[:, None], sa, float("-inf"))
-    sb = gl.where((kv_lo + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
-    pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
+    pa, pb, alpha, m_i, l_i = q4_pair_softmax(k_ring, kp_ring, ks_ring, 0, kv_lo, kv_hi, sr, qt, products, scale, m_i,
+                                              l_i, BITS, OFFSET_KEYS, LANE_SUMS)
     behind = 0
     for start in range(kv_lo + 32, kv_hi, 32):
         stage = (behind + 2) % 6
@@ -1174,25 +1193,17 @@ def q4_skewed_pairs(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, kv_lo, kv_hi, k_stride
                          vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead), BLOCK_SIZE, BITS,
                          OFFSETS32=OFFSETS32)
         async_copy.wait_group(2)
-        sa = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, products, scale, BITS, OFFSET_KEYS)
-        sb = q4_scores(k_ring, kp_ring, ks_ring, stage + 1, qt, products, scale, BITS, OFFSET_KEYS)
-        sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
-        sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
-        pa_next, pb_next, alpha_next, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
-            pa, w_ring, vp_ring, vs_ring, behind, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
-            pb, w_ring, vp_ring, vs_ring, behind + 1, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS,
-            RESCALE=False)
+        pa_next, pb_next, alpha_next, m_i, l_i = q4_pair_softmax(k_ring, kp_ring, ks_ring, stage, start, kv_hi, sr, qt,
+                                                                 products, scale, m_i, l_i, BITS, OFFSET_KEYS,
+                                                                 LANE_SUMS)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_pair(
+            pa, pb, alpha, w_ring, vp_ring, vs_ring, behind, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BITS)
         pa = pa_next
         pb = pb_next
         alpha = alpha_next
         behind = stage
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
-        pa, w_ring, vp_ring, vs_ring, behind, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
-        pb, w_ring, vp_ring, vs_ring, behind + 1, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS,
-        RESCALE=False)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_pair(
+        pa, pb, alpha, w_ring, vp_ring, vs_ring, behind, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BITS)
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i
 
 
@@ -1281,17 +1292,10 @@ def decode_q4_kernel(
                              w_ring.index(ahead), vs_ring.index(ahead), kp_ring.index(ahead), vp_ring.index(ahead),
                              BLOCK_SIZE, BITS, OFFSETS32=OFFSETS32)
             async_copy.wait_group(2)
-            nxt = stage + 1
-            sa = q4_scores(k_ring, kp_ring, ks_ring, stage, qt, products, scale, BITS, OFFSET_KEYS)
-            sb = q4_scores(k_ring, kp_ring, ks_ring, nxt, qt, products, scale, BITS, OFFSET_KEYS)
-            sa = gl.where((start + sr < kv_hi)[:, None], sa, float("-inf"))
-            sb = gl.where((start + 16 + sr < kv_hi)[:, None], sb, float("-inf"))
-            pa, pb, alpha, m_i, l_i = softmax_pair(sa, sb, m_i, l_i, LANE_SUMS)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
-                pa, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS)
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_values(
-                pb, w_ring, vp_ring, vs_ring, nxt, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, BITS,
-                RESCALE=False)
+            pa, pb, alpha, m_i, l_i = q4_pair_softmax(k_ring, kp_ring, ks_ring, stage, start, kv_hi, sr, qt, products,
+                                                      scale, m_i, l_i, BITS, OFFSET_KEYS, LANE_SUMS)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = q4_attend_pair(
+                pa, pb, alpha, w_ring, vp_ring, vs_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, BITS)
             stage = (stage + 2) % 4
     else:
         for start in range(kv_lo, kv_hi, 16):
