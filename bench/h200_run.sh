@@ -581,7 +581,7 @@ lean-pick)  # the lean options served since session 49 (LANE_SUMS; q4's Q4_OFFSE
     done
     ;;
 skew)   # TQ_SKEW and Q4_SKEW (the TurboQuant and q4 loops software-pipelined: a step's scores and softmax beside the
-        # value products of the step before; 556 / 603 loop instructions at 128 registers, a deeper ring): their GPU
+        # value products of the step before; 549 / 603 loop instructions at 128 registers, a deeper ring): their GPU
         # tests, then TurboQuant as served, skewed, skewed with every lean option and with three stages, and the work
         # alone both ways, and q4 as served and skewed, at every probe shape, then the same-memory run for each without
         # and with it (~8 min)

@@ -511,14 +511,11 @@ def main() -> None:
                 print(json.dumps({**row, "offsets32": offsets32}), flush=True)
         return
     if args.gluon_skew:
-        variants = ({}, {"skew": True}, {"skew": True, "stages": 3},
-                    {"skew": True, "rows": True, "tables": True, "offsets32": True}, {"probe": "work"},
-                    {"probe": "work", "skew": True})
-        for options in variants:
-            row = gluon_report(128, torch.bfloat16, 2, "turboquant", ordered=True, **options)
-            print(json.dumps({**row, "options": options}), flush=True)
-        for options in ({}, {"skew": True}):
-            row = gluon_report(128, torch.bfloat16, 2, "q4", ordered=True, **options)
+        tq = ({}, {"skew": True}, {"skew": True, "stages": 3},
+              {"skew": True, "rows": True, "tables": True, "offsets32": True}, {"probe": "work"},
+              {"probe": "work", "skew": True})
+        for spec, options in [("turboquant", o) for o in tq] + [("q4", {}), ("q4", {"skew": True})]:
+            row = gluon_report(128, torch.bfloat16, 2, spec, ordered=True, **options)
             print(json.dumps({**row, "options": options}), flush=True)
         return
     if args.gluon_copies:

@@ -761,6 +761,16 @@ def tq_attend_values(p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, a
 
 
 @gluon.jit
+def tq_step_softmax(k_ring, s_ring, stage, start, kv_hi, sr, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3, scale,
+                    m_i, l_i, K_BITS: gl.constexpr, HALVES: gl.constexpr, LANE_SUMS: gl.constexpr):
+    """A 16-key step's scores (ring stage `stage`, keys from `start`, masked at kv_hi) and its online-softmax step:
+    (p, alpha [8], m_i, l_i)."""
+    s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3, K_BITS, HALVES)
+    s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
+    return softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
+
+
+@gluon.jit
 def tq_skewed_loop(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo, kv_hi, k_strides, ks_strides, v_strides,
                    vs_strides, k_ring, s_ring, m_ring, n_ring, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
                    scale, sr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, m_i, l_i, l0, h0,
@@ -779,22 +789,21 @@ def tq_skewed_loop(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, kv_lo, kv_hi, k
                      v_strides, vs_strides, k_ring.index(AHEAD), s_ring.index(AHEAD), m_ring.index(AHEAD),
                      n_ring.index(AHEAD), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32, ROWS=ROWS)
         async_copy.wait_group(AHEAD)
-    s = tq_scores(k_ring, s_ring, 0, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3, K_BITS, HALVES)
-    s = gl.where((kv_lo + sr < kv_hi)[:, None], s * scale, float("-inf"))
-    p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
+    p, alpha, m_i, l_i = tq_step_softmax(k_ring, s_ring, 0, kv_lo, kv_hi, sr, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0,
+                                         c1, c2, c3, scale, m_i, l_i, K_BITS, HALVES, LANE_SUMS)
     behind = 0
     for start in range(kv_lo + 16, kv_hi, 16):
         stage = (behind + 1) % RING
         if PROBE != PROBE_WORK:
             ahead = (behind + 1 + AHEAD) % RING
-            block = block_of(bt_row, start + 16 * AHEAD, kv_hi, BLOCK_SIZE, OFFSETS32)
-            copy_tq_block(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, block, start + 16 * AHEAD, kv_hi, k_strides,
-                          ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
-                          m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS, True, ROWS)
+            copy_tq_step(k_ptr, ks_ptr, kz_ptr, v_ptr, vs_ptr, bt_row, start + 16 * AHEAD, kv_hi, k_strides,
+                         ks_strides, v_strides, vs_strides, k_ring.index(ahead), s_ring.index(ahead),
+                         m_ring.index(ahead), n_ring.index(ahead), BLOCK_SIZE, K_BITS, V_BITS, OFFSETS32=OFFSETS32,
+                         ROWS=ROWS)
             async_copy.wait_group(AHEAD)
-        s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3, K_BITS, HALVES)
-        s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-        p_next, alpha_next, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
+        p_next, alpha_next, m_i, l_i = tq_step_softmax(k_ring, s_ring, stage, start, kv_hi, sr, q0, q1, q2, q3, qs0,
+                                                       qs1, qs2, qs3, c0, c1, c2, c3, scale, m_i, l_i, K_BITS, HALVES,
+                                                       LANE_SUMS)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
             p, m_ring, n_ring, s_ring, behind, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha[None, :], V_BITS,
             l0=l0, h0=h0, HALVES=HALVES)
@@ -930,10 +939,9 @@ def decode_tq_kernel(
                     nxt = block_of(bt_row, start + 16 * STAGES, kv_hi, BLOCK_SIZE, OFFSETS32)
                 async_copy.wait_group(STAGES - 1)
             if PROBE != PROBE_COPIES and PROBE != PROBE_CODES:
-                s = tq_scores(k_ring, s_ring, stage, q0, q1, q2, q3, qs0, qs1, qs2, qs3, c0, c1, c2, c3,
-                              K_BITS, HALVES)
-                s = gl.where((start + sr < kv_hi)[:, None], s * scale, float("-inf"))
-                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, LANES=LANE_SUMS)
+                p, alpha, m_i, l_i = tq_step_softmax(k_ring, s_ring, stage, start, kv_hi, sr, q0, q1, q2, q3, qs0,
+                                                     qs1, qs2, qs3, c0, c1, c2, c3, scale, m_i, l_i, K_BITS, HALVES,
+                                                     LANE_SUMS)
                 alpha = alpha[None, :]
                 acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = tq_attend_values(
                     p, m_ring, n_ring, s_ring, stage, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, alpha, V_BITS,
